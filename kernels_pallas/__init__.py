@@ -1,0 +1,1 @@
+"""Pallas kernels (TPU Mosaic, GPU) with pure-XLA fallbacks; imports nothing from `mstar_jax`."""

@@ -1,0 +1,279 @@
+"""What a model declares about a bounded KV cache.
+
+A request's cache is a logical stream: an optional read-only source prefix (a voice prompt's keys,
+say, shared by every request that uses it) followed by the tokens the request writes. Retention keeps
+the stream's first `sink` entries and its last `window` (StreamingLLM's attention sinks plus a sliding
+window), so a request's footprint is fixed and known when it starts: each slot holds only the written
+part of the sink and a ring for the window, and source entries are read where they live.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from mstar_jax.resources.spec import NodeResourceSpec, register_static_pytree
+from mstar_jax.resources.step import ResourceStep, register_step_pytree
+
+if TYPE_CHECKING:
+    from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+
+__all__ = ["BoundedKVConfig", "BoundedKVSpec", "BoundedKVStep", "SinkWindow", "StreamPosition"]
+
+
+class SinkWindow(NamedTuple):
+    """Keep the stream's first `sink` and last `window` entries.
+
+    With `window_includes_step` the window counts the step's own tokens, so a step that writes `span`
+    attends only the last `window - span` retained ones.
+    """
+
+    sink: int
+    window: int
+    window_includes_step: bool = False
+
+
+class StreamPosition(NamedTuple):
+    """Where a request's stream stands when a step starts.
+
+    `source` picks the registered source prefix the request reads, `source_len` how much of it, and
+    `written` how many entries the request wrote before this step.
+    """
+
+    source_len: int
+    written: int
+    source: int = 0
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BoundedKVConfig:
+    """Geometry and retention of a bounded KV cache, validated at construction.
+
+    Attributes:
+      num_layers: layers whose K/V the cache holds.
+      num_heads: KV heads stored per row (query heads attending them may be a multiple: GQA).
+      head_dim: size of each key and value vector.
+      rows_per_request: K/V rows a request owns per layer (2 for classifier-free guidance); row `c`
+        reads source row `c` and slot row `c`.
+      max_source_len: the longest source prefix a request may read.
+      retention: `source_len -> SinkWindow`, or one `SinkWindow` for every source length. It must not
+        shrink as the source grows; it is tabulated over `[min_source_len, max_source_len]` here.
+      max_slots: requests the cache holds at once.
+      min_source_len: the shortest source a request may read; the written part of the sink is
+        largest for the shortest source, so this sizes the slots.
+      dtype: storage dtype of keys and values (None means float32).
+      reverse_step_order: a step's written tokens join the stream last-first (order-free attention
+        only, e.g. a flow decoder that keeps the front of each chunk).
+      query_window: None (every query attends every retained and step key) or `q >= 1`: causal band of
+        `q` positions per query, sinks always visible.
+
+    Equality and hashing use the tabulated retention, so two configs whose retention callables agree
+    over the source range are equal (and share compiled programs).
+    """
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    rows_per_request: int
+    max_source_len: int
+    retention: Callable[[int], SinkWindow] | SinkWindow
+    max_slots: int = 32
+    min_source_len: int = 0
+    dtype: Any = jnp.float32
+    reverse_step_order: bool = False
+    query_window: int | None = None
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_heads", "head_dim", "rows_per_request", "max_slots"):
+            _check_int(name, getattr(self, name), 1)
+        _check_int("max_source_len", self.max_source_len, 0)
+        _check_int("min_source_len", self.min_source_len, 0)
+        if self.min_source_len > self.max_source_len:
+            raise ValueError(
+                f"min_source_len={self.min_source_len} must be <= max_source_len={self.max_source_len}"
+            )
+        if self.query_window is not None:
+            _check_int("query_window", self.query_window, 1)
+            if self.reverse_step_order:
+                raise ValueError(
+                    f"reverse_step_order=True with query_window={self.query_window}: a causal window needs "
+                    "the stream in step order; use one or the other"
+                )
+        if not isinstance(self.reverse_step_order, bool):
+            raise ValueError(f"reverse_step_order={self.reverse_step_order!r} must be a bool")
+        object.__setattr__(self, "dtype", _storage_dtype(self.dtype))
+        object.__setattr__(self, "_table", self._tabulate_retention())
+
+    def _tabulate_retention(self) -> tuple[SinkWindow, ...]:
+        lengths = range(self.min_source_len, self.max_source_len + 1)
+        if isinstance(self.retention, tuple):
+            policies = [self.retention] * len(lengths)
+        elif callable(self.retention):
+            policies = [self.retention(s) for s in lengths]
+        else:
+            raise ValueError(
+                f"retention={self.retention!r} must be a SinkWindow or a callable source_len -> SinkWindow"
+            )
+        table, previous = [], None
+        for source_len, policy in zip(lengths, policies, strict=True):
+            policy = _as_sink_window(policy, source_len)
+            if previous is not None and (policy.sink < previous.sink or policy.window < previous.window):
+                raise ValueError(
+                    f"retention shrinks as the source grows: retention({source_len - 1})={tuple(previous)} "
+                    "but "
+                    f"retention({source_len})={tuple(policy)}; sink and window must not decrease"
+                )
+            table.append(policy)
+            previous = policy
+        return tuple(table)
+
+    def _key(self) -> tuple:
+        return (
+            self.num_layers, self.num_heads, self.head_dim, self.rows_per_request, self.max_source_len,
+            self._table, self.max_slots, self.min_source_len, self.dtype, self.reverse_step_order,
+            self.query_window,
+        )  # fmt: skip
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BoundedKVConfig) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def retention_for(self, source_len: int) -> SinkWindow:
+        """The retention policy of a request whose source is `source_len` long.
+
+        Raises:
+          ValueError: if `source_len` is outside `[min_source_len, max_source_len]`.
+        """
+        if not self.min_source_len <= source_len <= self.max_source_len:
+            raise ValueError(
+                f"source_len={source_len} is outside [min_source_len={self.min_source_len}, "
+                f"max_source_len={self.max_source_len}]"
+            )
+        return self._table[source_len - self.min_source_len]
+
+    @functools.cached_property
+    def sink_capacity(self) -> int:
+        """Written tokens a slot's sink region holds (the sink past the source)."""
+        lengths = range(self.min_source_len, self.max_source_len + 1)
+        return max(max(0, policy.sink - s) for s, policy in zip(lengths, self._table, strict=True))
+
+    @functools.cached_property
+    def window_capacity(self) -> int:
+        """Entries a slot's ring holds: the largest window over the source range."""
+        return max(policy.window for policy in self._table)
+
+    @property
+    def slot_tokens(self) -> int:
+        """Entries one slot holds per layer and row: the written sink, then the ring."""
+        return self.sink_capacity + self.window_capacity
+
+    @functools.cached_property
+    def max_retained(self) -> int:
+        """The most entries a request retains, over every allowed source length."""
+        return max(policy.sink + policy.window for policy in self._table)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes of one slot: K and V for every layer and row."""
+        per_entry = self.rows_per_request * self.num_heads * 2 * self.head_dim * self.dtype.itemsize
+        return self.num_layers * self.slot_tokens * per_entry
+
+
+register_static_pytree(BoundedKVConfig)
+
+
+def _storage_dtype(dtype: Any) -> np.dtype:
+    if dtype is None:
+        return np.dtype(np.float32)
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype={dtype!r} is not a dtype; use e.g. jnp.float32 or jnp.bfloat16") from None
+    if not jnp.issubdtype(resolved, jnp.floating):
+        raise ValueError(f"dtype={dtype!r} must be a floating dtype (float32, bfloat16, float16)")
+    return resolved
+
+
+def _as_sink_window(policy: Any, source_len: int) -> SinkWindow:
+    if not isinstance(policy, tuple) or len(policy) not in (2, 3):
+        raise ValueError(
+            f"retention({source_len})={policy!r} must be a SinkWindow(sink, window[, window_includes_step])"
+        )
+    policy = SinkWindow(*policy)
+    _check_int(f"retention({source_len}).sink", policy.sink, 0)
+    _check_int(f"retention({source_len}).window", policy.window, 0)
+    if not isinstance(policy.window_includes_step, bool):
+        raise ValueError(
+            f"retention({source_len}).window_includes_step={policy.window_includes_step!r} must be a bool"
+        )
+    return SinkWindow(int(policy.sink), int(policy.window), policy.window_includes_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundedKVSpec(NodeResourceSpec):
+    """A bounded KV cache declared for the nodes that use it."""
+
+    config: BoundedKVConfig
+
+    YAML_KEYS: ClassVar[tuple[str, ...]] = ("max_slots",)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.config, BoundedKVConfig):
+            raise TypeError(f"config={self.config!r} must be a BoundedKVConfig")
+
+    @property
+    def resource_class(self) -> type[BoundedKVManager]:
+        from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+
+        return BoundedKVManager
+
+    def apply_yaml_overrides(self, max_slots: int | None = None, **unknown: Any) -> BoundedKVSpec:
+        """Return this spec with its YAML block applied: only `max_slots` is tunable.
+
+        Raises:
+          TypeError: for any other key. ValueError: for an invalid `max_slots`.
+        """
+        self._reject_unknown_yaml_keys(unknown)
+        if max_slots is None:
+            return self
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, max_slots=max_slots))
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundedKVStep(ResourceStep):
+    """Each segment's span is what its request writes this step (0 reads only).
+
+    The positions come from the model, not the resource, so a plan never waits on the previous
+    step's commit and planning the same step twice is harmless. As a pytree, spans, positions and
+    token counts are leaves (data), request ids and labels are static.
+
+    `step_tokens` (beyond the seed) gives the tokens a request brings this step, queries and keys, of
+    which the first `span` are written and the rest are lookahead; a request absent from it brings
+    `max(span, 1)`. Tokens past a request's count (padding up to the bucket) are never attended.
+    """
+
+    positions: Mapping[str, StreamPosition] = dataclasses.field(default_factory=dict)
+    step_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(
+            self, "positions", {rid: StreamPosition(*pos) for rid, pos in dict(self.positions).items()}
+        )
+        object.__setattr__(self, "step_tokens", dict(self.step_tokens))
+
+
+register_step_pytree(BoundedKVStep, data_mappings=("positions", "step_tokens"))

@@ -1,0 +1,310 @@
+"""The step envelope: what each engine step declares per resource, and how admission answers.
+
+A step is declared once per batch: for every resource, the `Segment`s each request adds to its
+stream. Resources admit it (`AdmitOutcome`), plan it and commit it. Steps are frozen dataclasses
+registered as pytrees whose leaves are the per-step numbers (spans, positions): they pass through
+`jax.jit` as data and never as static arguments, so a new position never recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import KeysView, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+
+__all__ = [
+    "ADMIT_OK",
+    "FULL_ADMIT_NOT_READY",
+    "FULL_ADMIT_OK",
+    "AdmitFailedReason",
+    "AdmitOutcome",
+    "AdmitRuntimeError",
+    "AllocationFailed",
+    "BucketKey",
+    "FullAdmitOutcome",
+    "RequestOffloading",
+    "ResourceStep",
+    "Segment",
+    "SlotLease",
+    "StepContext",
+    "SubmoduleStep",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmitFailedReason:
+    """Why a resource refused a step."""
+
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocationFailed(AdmitFailedReason):
+    """Capacity ran out. The caller evicts or waits, then retries."""
+
+    pages_short: int
+    label: str
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOffloading(AdmitFailedReason):
+    """The request's state is moving to host memory; retry once it is back.
+
+    Distinct from `AllocationFailed` because the answer is different: nothing needs evicting, the
+    caller just re-drives the step once `reload` has run.
+    """
+
+    label: str
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmitRuntimeError(AdmitFailedReason):
+    """A resource cannot serve this request at all.
+
+    Terminal, unlike the two above: no eviction and no reload makes it go away, so the caller's
+    answer is to fail the request, not to retry it.
+    """
+
+
+class AdmitOutcome(NamedTuple):
+    """A resource's answer to `admit`: refused (`ok=False`), waiting (`ready=False`) or go."""
+
+    ok: bool
+    ready: bool = True
+    reason: AdmitFailedReason | None = None
+
+
+ADMIT_OK = AdmitOutcome(True, True, None)
+
+
+class FullAdmitOutcome(NamedTuple):
+    """What the runner answers with: one resource's outcome, plus which resource gave it.
+
+    A resource doesn't know the key it is registered under, so the runner, which does, names it on
+    the way out. The caller needs it to scope an eviction to the resource that actually ran out.
+    """
+
+    outcome: AdmitOutcome
+    failed_resource: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome.ok
+
+    @property
+    def ready(self) -> bool:
+        return self.outcome.ready
+
+    @property
+    def reason(self) -> AdmitFailedReason | None:
+        return self.outcome.reason
+
+
+FULL_ADMIT_OK = FullAdmitOutcome(ADMIT_OK)
+FULL_ADMIT_NOT_READY = FullAdmitOutcome(AdmitOutcome(True, False, None))
+
+
+class Segment(NamedTuple):
+    """One step's addition to a request's cache stream.
+
+    A request contributes one segment per label active for it in a step; the batch's ordered segment
+    list defines the layout of per-token arrays. `span` may be 0: a zero-span segment reads its
+    stream without extending it (admission reserves nothing, commit is a no-op).
+
+    A NamedTuple, not a frozen dataclass: one is built per request per step, and the frozen
+    dataclass's `object.__setattr__`-per-field `__init__` is the expensive way to do that.
+    """
+
+    request_id: str
+    label: str
+    span: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketKey:
+    """Names one compiled program: a graph walk at a padded batch size and token count."""
+
+    graph_walk: str
+    bs: int
+    num_tokens: int
+    cg_key_info: Any | None = None
+
+    def __post_init__(self):
+        for name in ("bs", "num_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"BucketKey.{name}={value!r} must be an int >= 1")
+        hash(self.cg_key_info)  # a key that cannot be hashed cannot name a compiled program
+
+    def __str__(self) -> str:
+        key = "" if self.cg_key_info is None else f",key={self.cg_key_info}"
+        return f"{self.graph_walk}[bs={self.bs},tokens={self.num_tokens}{key}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotLease:
+    """The double-buffer slot and the compiled bucket a step plans into and replays (None: eager)."""
+
+    slot: int
+    bucket: BucketKey | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ResourceStep:
+    """One resource's work for one step: the segments it admits, plans and commits."""
+
+    segments: tuple[Segment, ...] | None = None
+
+    def __post_init__(self):
+        if self.segments is not None and not isinstance(self.segments, tuple):
+            object.__setattr__(self, "segments", tuple(self.segments))
+
+    def request_ids(self) -> tuple[str, ...]:
+        """Request ids of the segments, in batch order (empty when none are set)."""
+        return tuple(seg.request_id for seg in self.segments or ())
+
+
+def _flatten_segments(segments: tuple[Segment, ...] | None):
+    if segments is None:
+        return (), None
+    return tuple(seg.span for seg in segments), tuple((seg.request_id, seg.label) for seg in segments)
+
+
+def _unflatten_segments(names, spans) -> tuple[Segment, ...] | None:
+    if names is None:
+        return None
+    return tuple(Segment(rid, label, span) for (rid, label), span in zip(names, spans, strict=True))
+
+
+def register_step_pytree(cls: type, data_mappings: Sequence[str] = ()) -> type:
+    """Register a `ResourceStep` subclass as a pytree whose leaves are numbers.
+
+    Spans become leaves; request ids and labels are static. Each field named in `data_mappings` is a
+    `Mapping[str, int | NamedTuple-of-ints]` whose values become leaves under static keys. Any other field is
+    static and must be hashable. Unflattening skips `__post_init__`: under `jit` the leaves are tracers.
+    """
+    names = [f.name for f in dataclasses.fields(cls)]
+    static = [n for n in names if n != "segments" and n not in data_mappings]
+
+    def flatten(step):
+        spans, seg_names = _flatten_segments(step.segments)
+        children, mapping_meta = [spans], []
+        for name in data_mappings:
+            mapping = getattr(step, name)
+            keys = tuple(mapping)
+            values = tuple(mapping[key] for key in keys)
+            children.append(values)
+            value_type = type(values[0]) if values and isinstance(values[0], tuple) else None
+            mapping_meta.append((keys, value_type))
+        aux = (seg_names, tuple(mapping_meta), tuple(getattr(step, n) for n in static))
+        return children, aux
+
+    def unflatten(aux, children):
+        seg_names, mapping_meta, static_values = aux
+        step = object.__new__(cls)
+        object.__setattr__(step, "segments", _unflatten_segments(seg_names, children[0]))
+        for name, (keys, value_type), values in zip(data_mappings, mapping_meta, children[1:], strict=True):
+            values = [value_type(*v) if value_type else v for v in values]
+            object.__setattr__(step, name, dict(zip(keys, values, strict=True)))
+        for name, value in zip(static, static_values, strict=True):
+            object.__setattr__(step, name, value)
+        return step
+
+    jax.tree_util.register_pytree_node(cls, flatten, unflatten)
+    return cls
+
+
+register_step_pytree(ResourceStep)
+
+
+@dataclasses.dataclass(eq=False)
+class StepContext:
+    """Engine-owned state of one step, shared by every resource's admit, plan and commit.
+
+    Only the engine writes it. `plan_results` carries each resource's plan to its dependents.
+    Reassigning `request_ids` to different ids drops the padded list (a stale padding would name a
+    request that left); reassigning the same ids keeps it.
+    """
+
+    request_ids: Sequence[str]
+    graph_walk: str
+    slot: int
+    capture: bool
+    is_preplan: bool = False
+    plan_results: dict[str, Any] = dataclasses.field(default_factory=dict)
+    slot_lease: SlotLease | None = None
+    piecewise_leases: Mapping[str, SlotLease] = dataclasses.field(default_factory=dict)
+    _padded_request_ids: Sequence[str] | None = None
+
+    def __setattr__(self, name, value):
+        if name == "request_ids" and tuple(value) != tuple(getattr(self, "request_ids", value)):
+            object.__setattr__(self, "_padded_request_ids", None)
+        object.__setattr__(self, name, value)
+
+    @property
+    def padded_request_ids(self) -> Sequence[str]:
+        """The rows a bucketed step runs: the real ones, then padding (the real ones when unpadded)."""
+        return self.request_ids if self._padded_request_ids is None else self._padded_request_ids
+
+    def set_padded_rids(self, padded_rids: Sequence[str] | None) -> None:
+        """Set the padded row list (None resets it to the real rows)."""
+        if padded_rids is not None and tuple(padded_rids[: len(self.request_ids)]) != tuple(self.request_ids):
+            raise ValueError(
+                f"padded_rids={list(padded_rids)!r} must start with the real request_ids "
+                f"{list(self.request_ids)!r}"
+            )
+        self._padded_request_ids = None if padded_rids is None else tuple(padded_rids)
+
+    def set_piecewise_leases(self, leases: Mapping[str, SlotLease]) -> None:
+        self.piecewise_leases = dict(leases)
+
+    def is_padding_row(self, request_id: str) -> bool:
+        """True for a row added to fill a bucket: in the padded list but not a real request."""
+        return request_id not in self.request_ids and request_id in self.padded_request_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmoduleStep:
+    """Every resource's step for one node's batch, keyed by resource key.
+
+    A `ResourceStep` whose `segments` is None inherits `segments`. `set_ctx` is the only mutation:
+    the engine attaches the step's `StepContext` once it has one.
+    """
+
+    steps: dict[str, ResourceStep]
+    segments: list[Segment] | None = None
+    cg_key_info: Any | None = None
+    _ctx: StepContext | None = None
+
+    def __post_init__(self):
+        if self.segments is not None:
+            inherited = tuple(self.segments)
+            steps = {
+                key: step if step.segments is not None else dataclasses.replace(step, segments=inherited)
+                for key, step in self.steps.items()
+            }
+            object.__setattr__(self, "steps", steps)
+
+    @property
+    def ctx(self) -> StepContext:
+        if self._ctx is None:
+            raise RuntimeError(
+                "this SubmoduleStep has no StepContext yet; the engine calls set_ctx(ctx) first"
+            )
+        return self._ctx
+
+    def set_ctx(self, ctx: StepContext) -> None:
+        object.__setattr__(self, "_ctx", ctx)
+
+    def get(self, key: str) -> ResourceStep | None:
+        return self.steps.get(key)
+
+    def keys(self) -> KeysView[str]:
+        return self.steps.keys()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.steps
