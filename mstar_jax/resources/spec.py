@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
+import numpy as np
 
 if TYPE_CHECKING:
     from mstar_jax.resources.base import Resource
@@ -141,20 +142,22 @@ class CombinedSplit:
                 f"prefill_walks={self.prefill_walks!r} must be a sequence of walk names, not a str"
             )
         object.__setattr__(self, "prefill_walks", tuple(self.prefill_walks))
+        if len(set(self.prefill_walks)) != len(self.prefill_walks):
+            raise ValueError(f"prefill_walks={self.prefill_walks!r} names a walk twice")
         if not self.prefill_walks:
             raise ValueError(f"CombinedSplit({self.combined_walk!r}) needs at least one prefill walk")
 
     def max_prefill_rows(self, max_rows_in_combined: Mapping[str, int | None], bucket_rows: int) -> int:
         """Prefill rows the compiled program makes room for: `min(bucket_rows, sum of caps)`, where a
         walk's cap is `max_rows_in_combined[walk]`, or `bucket_rows` when that is None or absent."""
-        if isinstance(bucket_rows, bool) or not isinstance(bucket_rows, int) or bucket_rows < 0:
+        if isinstance(bucket_rows, bool) or not isinstance(bucket_rows, int | np.integer) or bucket_rows < 0:
             raise ValueError(f"bucket_rows={bucket_rows!r} must be an int >= 0")
         total = 0
         for walk in self.prefill_walks:
             cap = max_rows_in_combined.get(walk)
             if cap is None:
                 cap = bucket_rows
-            elif isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            elif isinstance(cap, bool) or not isinstance(cap, int | np.integer) or cap < 0:
                 raise ValueError(f"max_rows_in_combined[{walk!r}]={cap!r} must be None or an int >= 0")
             total += cap
         return min(bucket_rows, total)

@@ -138,7 +138,10 @@ class BucketKey:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"BucketKey.{name}={value!r} must be an int >= 1")
-        hash(self.cg_key_info)  # a key that cannot be hashed cannot name a compiled program
+        try:
+            hash(self.cg_key_info)  # a key that cannot be hashed cannot name a compiled program
+        except TypeError:
+            raise TypeError(f"BucketKey.cg_key_info={self.cg_key_info!r} must be hashable") from None
 
     def __str__(self) -> str:
         key = "" if self.cg_key_info is None else f",key={self.cg_key_info}"
@@ -195,7 +198,7 @@ def register_step_pytree(cls: type, data_mappings: Sequence[str] = ()) -> type:
         children, mapping_meta = [spans], []
         for name in data_mappings:
             mapping = getattr(step, name)
-            keys = tuple(mapping)
+            keys = tuple(sorted(mapping))  # one treedef whatever the insertion order
             values = tuple(mapping[key] for key in keys)
             children.append(values)
             value_type = type(values[0]) if values and isinstance(values[0], tuple) else None
@@ -241,8 +244,10 @@ class StepContext:
     _padded_request_ids: Sequence[str] | None = None
 
     def __setattr__(self, name, value):
-        if name == "request_ids" and tuple(value) != tuple(getattr(self, "request_ids", value)):
-            object.__setattr__(self, "_padded_request_ids", None)
+        if name == "request_ids":
+            value = tuple(value)  # a tuple, so the ids cannot change behind the padded list's back
+            if value != getattr(self, "request_ids", value):
+                object.__setattr__(self, "_padded_request_ids", None)
         object.__setattr__(self, name, value)
 
     @property
@@ -308,3 +313,24 @@ class SubmoduleStep:
 
     def __contains__(self, key: object) -> bool:
         return key in self.steps
+
+
+def _flatten_submodule_step(step: SubmoduleStep):
+    keys = tuple(step.steps)
+    return tuple(step.steps[key] for key in keys), (keys, step.segments, step.cg_key_info, step._ctx)
+
+
+def _unflatten_submodule_step(aux, children) -> SubmoduleStep:
+    keys, segments, cg_key_info, ctx = aux
+    step = object.__new__(SubmoduleStep)
+    for name, value in (
+        ("steps", dict(zip(keys, children, strict=True))),
+        ("segments", segments),
+        ("cg_key_info", cg_key_info),
+        ("_ctx", ctx),
+    ):
+        object.__setattr__(step, name, value)
+    return step
+
+
+jax.tree_util.register_pytree_node(SubmoduleStep, _flatten_submodule_step, _unflatten_submodule_step)

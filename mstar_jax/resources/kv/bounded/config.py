@@ -156,6 +156,8 @@ class BoundedKVConfig:
         Raises:
           ValueError: if `source_len` is outside `[min_source_len, max_source_len]`.
         """
+        if isinstance(source_len, bool) or not isinstance(source_len, int | np.integer):
+            raise ValueError(f"source_len={source_len!r} must be an int")
         if not self.min_source_len <= source_len <= self.max_source_len:
             raise ValueError(
                 f"source_len={source_len} is outside [min_source_len={self.min_source_len}, "

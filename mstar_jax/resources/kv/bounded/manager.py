@@ -1,0 +1,393 @@
+"""`BoundedKVManager`: slots, the source bank, admission, plans and commits of the bounded KV cache.
+
+Host state is plain Python (a free list, one record per request); device state is the functional
+`BoundedKVCache` and `SourceBank`, which the engine threads through its compiled steps
+(`manager.cache` is replaced by each step's returned cache, since the old one was donated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mstar_jax.resources.base import Resource
+from mstar_jax.resources.kv.bounded import layout
+from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
+from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, BoundedKVStep, SinkWindow, StreamPosition
+from mstar_jax.resources.spec import NodeResourceSpec, ResourceReqConfig
+from mstar_jax.resources.step import (
+    ADMIT_OK,
+    AdmitOutcome,
+    AdmitRuntimeError,
+    AllocationFailed,
+    RequestOffloading,
+    ResourceStep,
+    Segment,
+    StepContext,
+)
+
+__all__ = ["DEFAULT_NUM_SOURCES", "BoundedKVManager"]
+
+DEFAULT_NUM_SOURCES = 8
+
+
+@dataclasses.dataclass
+class _Request:
+    """One request's host record. `slot` is None until its first admitted step (and while offloaded)."""
+
+    slot: int | None = None
+    written: int = 0
+    source: int | None = None
+    source_len: int | None = None
+    policy: SinkWindow | None = None
+    host_copy: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # (k, v) per layer, when offloaded
+
+
+def _refuse(reason) -> AdmitOutcome:
+    return (
+        AdmitOutcome(False, False, reason)
+        if isinstance(reason, AdmitRuntimeError)
+        else AdmitOutcome(False, True, reason)
+    )
+
+
+@partial(jax.jit, donate_argnums=0)
+def _store_source(bank: SourceBank, index, k, v) -> SourceBank:
+    """bank[:, index] = (k, v), per layer; k/v are [L, R, G, P, D] padded to the bank's length."""
+    return SourceBank(
+        k=tuple(layer.at[index].set(new) for layer, new in zip(bank.k, k, strict=True)),
+        v=tuple(layer.at[index].set(new) for layer, new in zip(bank.v, v, strict=True)),
+    )
+
+
+@partial(jax.jit, donate_argnums=0)
+def _store_slot(cache: BoundedKVCache, slot, k, v) -> BoundedKVCache:
+    return BoundedKVCache(
+        k=tuple(layer.at[slot].set(new) for layer, new in zip(cache.k, k, strict=True)),
+        v=tuple(layer.at[slot].set(new) for layer, new in zip(cache.v, v, strict=True)),
+    )
+
+
+@jax.jit
+def _load_slot(cache: BoundedKVCache, slot):
+    return [layer[slot] for layer in cache.k], [layer[slot] for layer in cache.v]
+
+
+class BoundedKVManager(Resource):
+    """Serves a `BoundedKVSpec`: one slot per live request, sources read in place.
+
+    Admission is atomic: a refused `admit` claims nothing. `plan` is a pure function of the step and
+    the committed state; `commit` advances each request's `written` by its span.
+
+    Attributes:
+      cache: the device cache; the engine replaces it with each step's result.
+      bank: the source bank.
+    """
+
+    supports_eviction = True
+
+    def __init__(self, spec: BoundedKVSpec, *, num_sources: int = DEFAULT_NUM_SOURCES):
+        if isinstance(num_sources, bool) or not isinstance(num_sources, int) or num_sources < 1:
+            raise ValueError(f"num_sources={num_sources!r} must be an int >= 1")
+        self.spec = spec
+        self.config = spec.config
+        self.cache = BoundedKVCache.create(self.config)
+        self.bank = SourceBank.create(self.config, num_sources)
+        self._free = list(reversed(range(self.config.max_slots)))  # pop() hands out slot 0 first
+        self._requests: dict[str, _Request] = {}
+        self._source_lengths: dict[int, int] = {}
+        self._readers: Counter[int] = Counter()
+        self._claimed_in_step: list[str] = []
+
+    @classmethod
+    def build(cls, spec: NodeResourceSpec, dependencies=None, **kwargs) -> BoundedKVManager:
+        if not isinstance(spec, BoundedKVSpec):
+            raise TypeError(f"BoundedKVManager builds a BoundedKVSpec, got {type(spec).__name__}")
+        return cls(spec, **kwargs)
+
+    # Introspection.
+    @property
+    def padding_slot(self) -> int:
+        return self.config.max_slots
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def slot_of(self, request_id: str) -> int | None:
+        request = self._requests.get(request_id)
+        return None if request is None else request.slot
+
+    def written(self, request_id: str) -> int:
+        """Entries the request has committed."""
+        return self._requests[request_id].written
+
+    # Source bank.
+    def register_source(self, index: int, k: Sequence[jax.Array], v: Sequence[jax.Array]) -> None:
+        """Register (or replace) source `index`: per layer K and V of shape [R, G, length, D].
+
+        Raises:
+          ValueError: for a bad index, shapes or length outside [min_source_len, max_source_len], or
+            replacing a source a live request reads (its stream would change under it).
+        """
+        cfg = self.config
+        self._check_source_index(index)
+        if self._readers[index]:
+            raise ValueError(
+                f"source {index} is read by {self._readers[index]} live request(s); "
+                "remove them before replacing it"
+            )
+        k, v = np.stack([np.asarray(x) for x in k]), np.stack([np.asarray(x) for x in v])
+        expected = (cfg.num_layers, cfg.rows_per_request, cfg.num_heads)
+        if k.shape != v.shape or k.ndim != 5 or k.shape[:3] != expected or k.shape[4] != cfg.head_dim:
+            raise ValueError(
+                f"source k/v shapes {k.shape}/{v.shape} must both be [layers={cfg.num_layers}] x "
+                f"[rows={cfg.rows_per_request}, kv_heads={cfg.num_heads}, length, head_dim={cfg.head_dim}]"
+            )
+        length = k.shape[3]
+        if not cfg.min_source_len <= length <= cfg.max_source_len:
+            raise ValueError(
+                f"source length {length} is outside [min_source_len={cfg.min_source_len}, "
+                f"max_source_len={cfg.max_source_len}]"
+            )
+        pad = [(0, 0)] * 3 + [(0, self.bank.k[0].shape[3] - length), (0, 0)]
+        k, v = np.pad(k, pad).astype(cfg.dtype), np.pad(v, pad).astype(cfg.dtype)
+        self.bank = _store_source(self.bank, np.int32(index), k, v)
+        self._source_lengths[index] = length
+
+    def remove_source(self, index: int) -> None:
+        """Forget source `index`. Raises ValueError if it is unknown or a live request reads it."""
+        if index not in self._source_lengths:
+            raise ValueError(f"source {index} is not registered; registered: {sorted(self._source_lengths)}")
+        if self._readers[index]:
+            raise ValueError(
+                f"source {index} is read by {self._readers[index]} live request(s); cannot remove it"
+            )
+        del self._source_lengths[index]
+
+    def source_length(self, index: int) -> int | None:
+        return self._source_lengths.get(index)
+
+    def _check_source_index(self, index: int) -> None:
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.bank.num_sources:
+            raise ValueError(f"source index={index!r} must be an int in [0, {self.bank.num_sources})")
+
+    # Request lifecycle.
+    def ingest_request(self, request_id: str, req_config: ResourceReqConfig | None = None) -> None:
+        if req_config is not None:
+            req_config.validate(self.spec)
+        self._requests.setdefault(request_id, _Request())
+
+    def remove_request(self, request_id: str) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.slot is not None:
+            self._free.append(request.slot)
+        if request.source is not None:
+            self._readers[request.source] -= 1
+
+    def reset_request(self, request_id: str, free: bool = False) -> None:
+        if free:
+            self.remove_request(request_id)
+        elif request_id in self._requests:
+            self._requests[request_id].written = 0
+
+    # Step lifecycle.
+    def _is_padding(self, request_id: str, ctx: StepContext) -> bool:
+        return ctx.is_padding_row(request_id)
+
+    def _check_segment(
+        self, seg: Segment, pos: StreamPosition | None, step_tokens: int, ctx: StepContext
+    ) -> AdmitRuntimeError | RequestOffloading | None:
+        rid, cfg = seg.request_id, self.config
+        request = self._requests.get(rid)
+        if request is None:
+            return AdmitRuntimeError(
+                f"bounded KV: request {rid!r} was never ingested (call ingest_request first)"
+            )
+        if request.host_copy is not None:
+            return RequestOffloading(f"bounded KV: {rid!r} is offloaded to host memory", seg.label, rid)
+        if pos is None:
+            return AdmitRuntimeError(f"bounded KV step declares no position for {rid!r}")
+        if not cfg.min_source_len <= pos.source_len <= cfg.max_source_len:
+            return AdmitRuntimeError(
+                f"{rid!r} has a {pos.source_len}-token source; the slots hold sources of "
+                f"[{cfg.min_source_len}, {cfg.max_source_len}] tokens"
+            )
+        if pos.source_len > 0:
+            length = self._source_lengths.get(pos.source)
+            if length is None:
+                return AdmitRuntimeError(
+                    f"{rid!r} reads source {pos.source}, which is not registered; "
+                    f"registered: {sorted(self._source_lengths)}"
+                )
+            if pos.source_len > length:
+                return AdmitRuntimeError(
+                    f"{rid!r} reads {pos.source_len} tokens of source {pos.source}, which holds {length}"
+                )
+        if request.source_len is not None and (pos.source, pos.source_len) != (
+            request.source,
+            request.source_len,
+        ):
+            return AdmitRuntimeError(
+                f"{rid!r} declares source {pos.source} of length {pos.source_len}, but its stream started on "
+                f"source {request.source} of length {request.source_len}"
+            )
+        if pos.written != request.written:
+            return AdmitRuntimeError(
+                f"{rid!r} declares {pos.written} written tokens; {request.written} were committed "
+                "(positions must continue from the last committed step)"
+            )
+        if seg.span < 0 or step_tokens < max(seg.span, 1):
+            return AdmitRuntimeError(f"{rid!r}: span={seg.span} must be in [0, step tokens={step_tokens}]")
+        lease = ctx.slot_lease
+        if lease is not None and lease.bucket is not None and step_tokens > lease.bucket.num_tokens:
+            return AdmitRuntimeError(
+                f"{rid!r} brings {step_tokens} tokens; bucket {lease.bucket} holds "
+                f"{lease.bucket.num_tokens} per row"
+            )
+        return None
+
+    def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
+        """Check every segment, then claim slots for first-time requests, all or nothing."""
+        if ctx.capture:
+            return ADMIT_OK
+        step = _as_bounded_step(step)
+        need_slot: list[str] = []
+        for seg in step.segments or ():
+            if self._is_padding(seg.request_id, ctx):
+                continue
+            reason = self._check_segment(
+                seg, step.positions.get(seg.request_id), _step_tokens(step, seg), ctx
+            )
+            if reason is not None:
+                return _refuse(reason)
+            if self._requests[seg.request_id].slot is None and seg.request_id not in need_slot:
+                need_slot.append(seg.request_id)
+        if len(need_slot) > len(self._free):
+            rid = need_slot[len(self._free)]
+            label = next(seg.label for seg in step.segments if seg.request_id == rid)
+            return _refuse(
+                AllocationFailed(
+                    f"bounded KV is full: {self.config.max_slots} slots, {len(self._free)} free, "
+                    f"{len(need_slot)} needed",
+                    pages_short=len(need_slot) - len(self._free),
+                    label=label,
+                    request_id=rid,
+                )
+            )
+        for rid in need_slot:
+            request, pos = self._requests[rid], step.positions[rid]
+            request.slot = self._free.pop()
+            request.source, request.source_len = pos.source, pos.source_len
+            request.policy = self.config.retention_for(pos.source_len)
+            self._readers[pos.source] += 1
+        self._claimed_in_step = need_slot
+        return ADMIT_OK
+
+    def plan(self, step: ResourceStep, ctx: StepContext) -> BoundedKVPlan:
+        """The plan table for `step`'s segments (padding rows get empty layouts), padded to the bucket."""
+        step = _as_bounded_step(step)
+        real = [seg for seg in step.segments or () if not self._is_padding(seg.request_id, ctx)]
+        real_index = [
+            i for i, seg in enumerate(step.segments or ()) if not self._is_padding(seg.request_id, ctx)
+        ]
+        rows = len(step.segments or ())
+        lease = ctx.slot_lease
+        if lease is not None and lease.bucket is not None:
+            rows = max(rows, lease.bucket.bs)
+        table = layout.padding_rows(rows, self.padding_slot)
+        if real:
+            records = [self._requests[seg.request_id] for seg in real]
+            positions = [step.positions[seg.request_id] for seg in real]
+            ints = lambda values: np.fromiter(values, np.int32, len(real))  # noqa: E731
+            table[real_index] = layout.plan_table(
+                slot=ints(r.slot for r in records),
+                source=ints(p.source for p in positions),
+                source_len=ints(p.source_len for p in positions),
+                written=ints(p.written for p in positions),
+                span=ints(seg.span for seg in real),
+                step_tokens=ints(_step_tokens(step, seg) for seg in real),
+                sink=ints(r.policy.sink for r in records),
+                window=ints(r.policy.window for r in records),
+                window_includes_step=np.fromiter(
+                    (r.policy.window_includes_step for r in records), bool, len(real)
+                ),
+                sink_capacity=self.config.sink_capacity,
+                reverse=self.config.reverse_step_order,
+            )
+        table.setflags(write=False)
+        return BoundedKVPlan(table)
+
+    def commit(self, step: ResourceStep, ctx: StepContext) -> None:
+        """Record that the step ran: each request's `written` becomes its declared position plus span."""
+        if ctx.capture:
+            return
+        step = _as_bounded_step(step)
+        for seg in step.segments or ():
+            request = self._requests.get(seg.request_id)
+            pos = step.positions.get(seg.request_id)
+            if request is not None and pos is not None and not self._is_padding(seg.request_id, ctx):
+                request.written = pos.written + seg.span
+        self._claimed_in_step = []
+
+    def abort_step(self, step: ResourceStep, ctx: StepContext) -> None:
+        """Return the slots this step's admit claimed for requests that have written nothing."""
+        for rid in self._claimed_in_step:
+            request = self._requests.get(rid)
+            if request is not None and request.slot is not None and request.written == 0:
+                self._free.append(request.slot)
+                self._readers[request.source] -= 1
+                self._requests[rid] = _Request()
+        self._claimed_in_step = []
+
+    # Eviction.
+    def is_offloaded(self, request_id: str) -> bool:
+        request = self._requests.get(request_id)
+        return request is not None and request.host_copy is not None
+
+    def offload(self, request_id: str) -> int:
+        """Copy the request's slot to host memory and free the slot; return the bytes reclaimed."""
+        request = self._requests.get(request_id)
+        if request is None or request.slot is None:
+            return 0
+        k, v = jax.device_get(_load_slot(self.cache, jnp.int32(request.slot)))
+        request.host_copy = (k, v)
+        self._free.append(request.slot)
+        request.slot = None
+        return self.config.slot_bytes
+
+    def reload(self, request_id: str) -> bool:
+        """Bring an offloaded request back into a free slot, bit-exactly; False while none is free."""
+        request = self._requests.get(request_id)
+        if request is None or request.host_copy is None:
+            return True
+        if not self._free:
+            return False
+        slot = self._free.pop()
+        k, v = request.host_copy
+        self.cache = _store_slot(self.cache, jnp.int32(slot), k, v)
+        request.slot, request.host_copy = slot, None
+        return True
+
+    def cleanup(self) -> None:
+        self._requests.clear()
+        self._readers.clear()
+        self._free = list(reversed(range(self.config.max_slots)))
+
+
+def _as_bounded_step(step: ResourceStep) -> BoundedKVStep:
+    if not isinstance(step, BoundedKVStep):
+        raise TypeError(f"the bounded KV cache takes a BoundedKVStep, got {type(step).__name__}")
+    return step
+
+
+def _step_tokens(step: BoundedKVStep, seg: Segment) -> int:
+    return step.step_tokens.get(seg.request_id, max(seg.span, 1))
