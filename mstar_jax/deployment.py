@@ -1,0 +1,546 @@
+"""A deployment: which model, how its resources are tuned, what gets compiled, how the engine runs.
+
+YAML stays at this edge: `load_deployment(path)` (or `parse_deployment(mapping)`) turns a file into
+a frozen `Deployment` of typed settings, and nothing past it takes a raw dict. Every mistake is
+refused here, naming the file, the section, the key, the value and what is allowed: an unknown key
+anywhere (it would otherwise be a silently ineffective setting), a duplicate key, a wrong type, a
+value out of range, or settings that contradict each other. The format is described, key by key, in
+`configs/README.md`; `DEFAULT_CONFIG` is the embedded CPU-sized default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import io
+import itertools
+import math
+import os
+from collections.abc import Mapping
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mstar_jax.models import model_config
+from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, SinkWindow
+from mstar_jax.resources.spec import NodeResourceSpec, apply_yaml_overrides
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "CompileSettings",
+    "Deployment",
+    "DeploymentError",
+    "DeploymentTypeError",
+    "EngineSettings",
+    "ResourceCosts",
+    "WorkloadSettings",
+    "load_deployment",
+    "parse_deployment",
+    "resource_costs",
+]
+
+DEFAULT_CONFIG: Path = Path(str(importlib.resources.files("mstar_jax") / "configs" / "streaming_tts.yaml"))
+"""The embedded default deployment: the streaming TTS model sized to run on a CPU in seconds."""
+
+
+class DeploymentError(ValueError):
+    """A deployment the loader refuses; the message names the file, the section and the key."""
+
+
+class DeploymentTypeError(DeploymentError, TypeError):
+    """An unknown key in a resource's block: a `TypeError` as the resource raised it, and a
+    `DeploymentError` so one `except` catches every refused deployment."""
+
+
+# -- settings ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CompileSettings:
+    """What is compiled ahead of time, and where compiled programs persist between starts.
+
+    Attributes:
+      batch_sizes: request-count buckets, strictly increasing; None derives them from `min_batch` up
+        to the engine's `max_batch` (see `resolved_batch_sizes`).
+      token_counts: per-row step-token buckets, strictly increasing; None derives them from
+        `min_tokens` up to `max_tokens`.
+      min_batch: smallest derived batch bucket (only with `batch_sizes` None).
+      min_tokens: smallest derived token bucket (only with `token_counts` None).
+      max_tokens: largest derived token bucket (only with `token_counts` None).
+      persistent_cache_dir: directory of JAX's persistent compilation cache; None turns it off.
+      persistent_cache_min_compile_secs: programs that compiled faster than this are not persisted.
+    """
+
+    batch_sizes: tuple[int, ...] | None = None
+    token_counts: tuple[int, ...] | None = None
+    min_batch: int = 1
+    min_tokens: int = 1
+    max_tokens: int = 16
+    persistent_cache_dir: str | None = None
+    persistent_cache_min_compile_secs: float = 1.0
+
+    def __post_init__(self):
+        for name in ("batch_sizes", "token_counts"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _increasing_ints(name, getattr(self, name)))
+        for name in ("min_batch", "min_tokens", "max_tokens"):
+            _check_int(name, getattr(self, name), 1)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+        for name, derives in (
+            ("batch_sizes", ("min_batch",)),
+            ("token_counts", ("min_tokens", "max_tokens")),
+        ):
+            ineffective = [
+                f"{d}={getattr(self, d)}" for d in derives if getattr(self, d) != _default(self, d)
+            ]
+            if getattr(self, name) is not None and ineffective:
+                raise ValueError(
+                    f"{', '.join(ineffective)} has no effect when {name}={list(getattr(self, name))} is "
+                    f"given (it only shapes derived buckets); drop one of them"
+                )
+        if self.persistent_cache_dir is not None and (
+            not isinstance(self.persistent_cache_dir, str) or not self.persistent_cache_dir
+        ):
+            raise ValueError(
+                f"persistent_cache_dir={self.persistent_cache_dir!r} must be a non-empty str or null (off)"
+            )
+        _check_float("persistent_cache_min_compile_secs", self.persistent_cache_min_compile_secs, 0.0)
+
+    def resolved_batch_sizes(self, max_batch: int) -> tuple[int, ...]:
+        """`batch_sizes`, or `min_batch`, the powers of two between, and `max_batch`."""
+        return self.batch_sizes if self.batch_sizes is not None else _doubling(self.min_batch, max_batch)
+
+    def resolved_token_counts(self) -> tuple[int, ...]:
+        """`token_counts`, or `min_tokens`, the powers of two between, and `max_tokens`."""
+        if self.token_counts is not None:
+            return self.token_counts
+        return _doubling(self.min_tokens, self.max_tokens)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSettings:
+    """How the engine loop batches and holds requests.
+
+    Attributes:
+      max_batch: most requests in one step; at most every resource's `max_slots` (a request in a
+        batch holds a slot in each) and at most the largest batch bucket.
+      hold_backoff_s: seconds a request refused for lack of a slot waits before admission is retried.
+      offload_idle_after_s: seconds a request may sit idle before its slots move to host memory;
+        None never offloads.
+    """
+
+    max_batch: int = 4
+    hold_backoff_s: float = 0.005
+    offload_idle_after_s: float | None = None
+
+    def __post_init__(self):
+        _check_int("max_batch", self.max_batch, 1)
+        _check_float("hold_backoff_s", self.hold_backoff_s, 0.0)
+        if self.offload_idle_after_s is not None:
+            _check_float("offload_idle_after_s", self.offload_idle_after_s, 0.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WorkloadSettings:
+    """The synthetic workload `mstar-jax run` drives the engine with.
+
+    Attributes:
+      streams: requests in the run.
+      arrival_rate_hz: mean arrivals per second of a Poisson process; None starts every stream at once.
+      voices: distinct voice prompts (shared source prefixes) the streams draw from.
+      min_text_tokens: fewest text tokens a stream's prompt has.
+      max_text_tokens: most text tokens a stream's prompt has.
+      min_frames: fewest codec frames a stream generates.
+      max_frames: most codec frames a stream generates.
+      seed: seed of the arrivals, lengths and voices drawn.
+    """
+
+    streams: int = 6
+    arrival_rate_hz: float | None = 4.0
+    voices: int = 2
+    min_text_tokens: int = 8
+    max_text_tokens: int = 24
+    min_frames: int = 24
+    max_frames: int = 64
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("streams", "voices", "min_text_tokens", "max_text_tokens", "min_frames", "max_frames"):
+            _check_int(name, getattr(self, name), 1)
+        _check_int("seed", self.seed, 0)
+        if self.arrival_rate_hz is not None:
+            _check_float("arrival_rate_hz", self.arrival_rate_hz, 0.0, exclusive=True)
+        for low, high in (("min_text_tokens", "max_text_tokens"), ("min_frames", "max_frames")):
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(f"{low}={getattr(self, low)} must be <= {high}={getattr(self, high)}")
+
+
+# -- the deployment ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Deployment:
+    """A validated deployment: the model's config, its tuned resource specs and the run settings.
+
+    Attributes:
+      model: the model's name in `mstar_jax.models.MODELS`.
+      model_config: that model's frozen config.
+      specs: the model's `resource_specs()` with the `resources:` block applied.
+      compile: bucket and compilation-cache settings.
+      engine: engine loop settings.
+      workload: the workload `mstar-jax run` drives.
+      source: where the deployment came from (a path, or "<string>").
+    """
+
+    model: str
+    model_config: Any
+    specs: tuple[NodeResourceSpec, ...]
+    compile: CompileSettings = dataclasses.field(default_factory=CompileSettings)
+    engine: EngineSettings = dataclasses.field(default_factory=EngineSettings)
+    workload: WorkloadSettings = dataclasses.field(default_factory=WorkloadSettings)
+    source: str = "<string>"
+
+    def __post_init__(self):
+        object.__setattr__(self, "specs", tuple(self.specs))
+        max_batch = self.engine.max_batch
+        if self.compile.batch_sizes is None and self.compile.min_batch > max_batch:
+            raise ValueError(
+                f"compile.min_batch={self.compile.min_batch} must be <= engine.max_batch={max_batch}"
+            )
+        largest = self.compile.resolved_batch_sizes(max_batch)[-1]
+        if largest < max_batch:
+            raise ValueError(
+                f"engine.max_batch={max_batch} exceeds the largest compiled batch, compile.batch_sizes="
+                f"{list(self.compile.batch_sizes or ())}: a full batch would fit no bucket; add {max_batch} "
+                "to compile.batch_sizes or lower engine.max_batch"
+            )
+        for spec in self.specs:
+            if isinstance(spec, BoundedKVSpec) and spec.config.max_slots < max_batch:
+                raise ValueError(
+                    f"engine.max_batch={max_batch} exceeds resources.{spec.resource_key}.max_slots="
+                    f"{spec.config.max_slots}: every request in a batch holds a slot, so such a batch "
+                    "never forms; raise max_slots or lower engine.max_batch"
+                )
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """The batch buckets compiled: explicit, or derived up to `engine.max_batch`."""
+        return self.compile.resolved_batch_sizes(self.engine.max_batch)
+
+    @property
+    def token_counts(self) -> tuple[int, ...]:
+        """The token buckets compiled."""
+        return self.compile.resolved_token_counts()
+
+    def spec(self, resource_key: str) -> NodeResourceSpec:
+        """The spec declared under `resource_key`.
+
+        Raises:
+          KeyError: naming the key and the keys declared.
+        """
+        for spec in self.specs:
+            if spec.resource_key == resource_key:
+                return spec
+        raise KeyError(f"no resource {resource_key!r}; declared: {[s.resource_key for s in self.specs]}")
+
+    def costs(self) -> tuple[ResourceCosts, ...]:
+        """`resource_costs` of every spec, in declaration order."""
+        return tuple(resource_costs(spec) for spec in self.specs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ResourceCosts:
+    """What one bounded KV resource is and what it costs in device memory.
+
+    Attributes:
+      key: the resource key.
+      nodes: the nodes that use it, sorted.
+      layers, kv_heads, head_dim, rows_per_request, dtype: the cache's geometry.
+      min_source_len, max_source_len: the source (voice prompt) lengths a request may read.
+      retention_at_min, retention_at_max: retention at those two lengths.
+      max_slots: requests held at once.
+      sink_capacity, window_capacity, slot_tokens, max_retained: the config's derived sizes.
+      slot_bytes: bytes of one slot (K and V, every layer and row).
+      all_slots_bytes: bytes of all `max_slots` slots.
+      source_bytes: bytes one registered source (a voice prompt of `max_source_len`) takes in the
+        source bank, shared by every request that reads it.
+    """
+
+    key: str
+    nodes: tuple[str, ...]
+    layers: int
+    kv_heads: int
+    head_dim: int
+    rows_per_request: int
+    dtype: str
+    min_source_len: int
+    max_source_len: int
+    retention_at_min: SinkWindow
+    retention_at_max: SinkWindow
+    max_slots: int
+    sink_capacity: int
+    window_capacity: int
+    slot_tokens: int
+    max_retained: int
+    slot_bytes: int
+    all_slots_bytes: int
+    source_bytes: int
+
+
+def resource_costs(spec: NodeResourceSpec) -> ResourceCosts:
+    """The geometry and device-memory cost of a bounded KV spec.
+
+    Raises:
+      TypeError: for a spec that is not a `BoundedKVSpec` (the only resource with a slot geometry).
+    """
+    if not isinstance(spec, BoundedKVSpec):
+        raise TypeError(
+            f"resource_costs needs a BoundedKVSpec; {spec.resource_key!r} is a {type(spec).__name__}"
+        )
+    config = spec.config
+    per_entry = config.rows_per_request * config.num_heads * 2 * config.head_dim * config.dtype.itemsize
+    return ResourceCosts(
+        key=spec.resource_key,
+        nodes=tuple(sorted(spec.nodes)),
+        layers=config.num_layers,
+        kv_heads=config.num_heads,
+        head_dim=config.head_dim,
+        rows_per_request=config.rows_per_request,
+        dtype=config.dtype.name,
+        min_source_len=config.min_source_len,
+        max_source_len=config.max_source_len,
+        retention_at_min=config.retention_for(config.min_source_len),
+        retention_at_max=config.retention_for(config.max_source_len),
+        max_slots=config.max_slots,
+        sink_capacity=config.sink_capacity,
+        window_capacity=config.window_capacity,
+        slot_tokens=config.slot_tokens,
+        max_retained=config.max_retained,
+        slot_bytes=config.slot_bytes,
+        all_slots_bytes=config.slot_bytes * config.max_slots,
+        source_bytes=config.num_layers * config.max_source_len * per_entry,
+    )
+
+
+# -- loading ----------------------------------------------------------------------------------------
+
+_TOP_LEVEL = ("model", "resources", "compile", "engine", "workload")
+_MODEL_KEYS = ("name", "config")
+_SETTINGS = {"compile": CompileSettings, "engine": EngineSettings, "workload": WorkloadSettings}
+
+
+def load_deployment(path: str | os.PathLike[str] | Traversable = DEFAULT_CONFIG) -> Deployment:
+    """Read and validate the deployment in the YAML file at `path`.
+
+    Raises:
+      DeploymentError: for a missing or unreadable file, invalid YAML (a duplicate key included), or
+        anything `parse_deployment` refuses; the message starts with the path.
+    """
+    source = os.fspath(path) if isinstance(path, str | os.PathLike) else str(path)
+    file = Path(source) if isinstance(path, str | os.PathLike) else path
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DeploymentError(f"{source}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DeploymentError(f"{source}: cannot read it: {err}") from None
+    try:
+        mapping = yaml.load(_NamedText(text, source), Loader=_StrictLoader)  # a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise DeploymentError(f"{source}: invalid YAML: {err}") from None
+    if mapping is None:
+        raise DeploymentError(f"{source}: the file is empty; a deployment needs at least a 'model:' section")
+    return parse_deployment(mapping, source=source)
+
+
+def parse_deployment(mapping: Mapping[str, Any], source: str = "<string>") -> Deployment:
+    """Validate a deployment given as the mapping a YAML file parses to.
+
+    Args:
+      mapping: `{model: {name, config}, resources: {key: {...}}, compile: {...}, engine: {...},
+        workload: {...}}`; only `model.name` is required.
+      source: where the mapping came from, for messages.
+
+    Raises:
+      DeploymentError: naming `source`, the section and the key, for an unknown key in any section,
+        a missing model name, a wrong type or a value out of range, or settings that contradict each
+        other. `DeploymentTypeError` for an unknown key in a resource's block.
+    """
+    if not isinstance(mapping, Mapping):
+        raise DeploymentError(f"{source}: a deployment must be a mapping of sections, got {_brief(mapping)}")
+    # 'kv_cache' is left to apply_yaml_overrides, whose message says where that block moved.
+    _reject_unknown(source, "the top level", mapping, _TOP_LEVEL, ignore=("kv_cache",))
+    if "model" not in mapping:
+        raise DeploymentError(f"{source}: missing the 'model:' section (with at least 'name:')")
+    name, config = _parse_model(source, mapping["model"])
+    specs = _apply_resources(source, config.resource_specs(), mapping)
+    settings = {section: _parse_settings(source, section, mapping.get(section)) for section in _SETTINGS}
+    try:
+        return Deployment(model=name, model_config=config, specs=specs, source=source, **settings)
+    except ValueError as err:
+        raise DeploymentError(f"{source}: {err}") from None
+
+
+def _parse_model(source: str, block: Any) -> tuple[str, Any]:
+    if not isinstance(block, Mapping):
+        raise DeploymentError(
+            f"{source}: model: must be a mapping with 'name' (and 'config'), got {_brief(block)}"
+        )
+    _reject_unknown(source, "'model'", block, _MODEL_KEYS)
+    if "name" not in block:
+        raise DeploymentError(f"{source}: model: missing 'name'")
+    name, settings = block["name"], block.get("config") or {}
+    if not isinstance(settings, Mapping):
+        raise DeploymentError(
+            f"{source}: model.config: must be a mapping of setting to value, got {_brief(settings)}"
+        )
+    try:
+        return name, model_config(name, settings)
+    except (TypeError, ValueError) as err:
+        raise DeploymentError(f"{source}: model.config: {err}") from None
+
+
+def _apply_resources(
+    source: str, specs: list[NodeResourceSpec], mapping: Mapping[str, Any]
+) -> list[NodeResourceSpec]:
+    # One resource at a time, so a message names the block it came from.
+    blocks = mapping.get("resources") or {}
+    scoped = [("resources", mapping)]
+    if "kv_cache" not in mapping and isinstance(blocks, Mapping):
+        scoped = [(f"resources.{key}", {"resources": {key: block}}) for key, block in blocks.items()]
+    for where, overrides in scoped:
+        try:
+            specs = apply_yaml_overrides(specs, overrides)
+        except TypeError as err:
+            raise DeploymentTypeError(f"{source}: {where}: {err}") from None
+        except ValueError as err:
+            raise DeploymentError(f"{source}: {where}: {err}") from None
+    return specs
+
+
+def _parse_settings(source: str, section: str, block: Any) -> Any:
+    cls = _SETTINGS[section]
+    if block is None:
+        return cls()
+    if not isinstance(block, Mapping):
+        raise DeploymentError(
+            f"{source}: {section}: must be a mapping of setting to value, got {_brief(block)}"
+        )
+    _reject_unknown(source, f"{section!r}", block, [field.name for field in dataclasses.fields(cls)])
+    values = {key: tuple(value) if isinstance(value, list) else value for key, value in block.items()}
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as err:
+        raise DeploymentError(f"{source}: {section}: {err}") from None
+
+
+def _reject_unknown(
+    source: str, where: str, block: Mapping[Any, Any], allowed: Any, ignore: tuple[str, ...] = ()
+) -> None:
+    unknown = sorted((key for key in block if key not in allowed and key not in ignore), key=str)
+    if unknown:
+        noun = "key" if len(unknown) == 1 else "keys"
+        shown = ", ".join(repr(key) for key in unknown)
+        raise DeploymentError(f"{source}: unknown {noun} {shown} in {where}; allowed: {list(allowed)}")
+
+
+class _NamedText(io.StringIO):
+    """Text with a `name`, which PyYAML's error marks show instead of "<unicode string>"."""
+
+    def __init__(self, text: str, name: str):
+        super().__init__(text)
+        self.name = name
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing duplicate keys (it would keep the last one silently)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            duplicate = key in seen
+        except TypeError:
+            continue  # unhashable: construct_mapping refuses it with its own message
+        if duplicate:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping",
+                node.start_mark,
+                f"found duplicate key {key!r}",
+                key_node.start_mark,
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+# -- checks -----------------------------------------------------------------------------------------
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+
+
+def _check_float(name: str, value: Any, minimum: float, exclusive: bool = False) -> None:
+    bound = f"{'>' if exclusive else '>='} {minimum}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        hint = ""
+        if isinstance(value, str) and _parses_as_float(value):
+            hint = (
+                f" (YAML reads {value!r} as a string: write it with a dot and a signed exponent, e.g. 1.0e-3)"
+            )
+        raise ValueError(f"{name}={value!r} must be a number {bound}{hint}")
+    if not math.isfinite(value) or value < minimum or (exclusive and value == minimum):
+        raise ValueError(f"{name}={value!r} must be a finite number {bound}")
+
+
+def _parses_as_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _increasing_ints(name: str, values: Any) -> tuple[int, ...]:
+    if isinstance(values, str) or not isinstance(values, tuple | list):
+        raise ValueError(f"{name}={values!r} must be a list of ints >= 1, or null")
+    values = tuple(values)
+    if not values:
+        raise ValueError(f"{name}=[] must list at least one bucket, or be null to derive them")
+    for i, value in enumerate(values):
+        _check_int(f"{name}[{i}]", value, 1)
+    if any(a >= b for a, b in itertools.pairwise(values)):
+        raise ValueError(f"{name}={list(values)} must be strictly increasing")
+    return values
+
+
+def _doubling(low: int, high: int) -> tuple[int, ...]:
+    """`low`, every power of two strictly between, then `high` (one bucket when they are equal)."""
+    buckets = [low]
+    power = 1 << low.bit_length()  # the smallest power of two above `low`
+    while power < high:
+        buckets.append(power)
+        power *= 2
+    if high > low:
+        buckets.append(high)
+    return tuple(buckets)
+
+
+def _default(obj: Any, name: str) -> Any:
+    return next(field.default for field in dataclasses.fields(obj) if field.name == name)
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
