@@ -17,4 +17,5 @@ def test_readme_commands_match_ci():
     text = README.read_text()
     ci = (README.parent / ".ci" / "run").read_text()
     assert "mstar-jax run" in text
-    assert ".venv/bin/python -m pytest -q" in text and "python -m pytest -q" in ci
+    assert ".venv/bin/python -m pytest -q" in text
+    assert "python -m pytest -q" in ci
