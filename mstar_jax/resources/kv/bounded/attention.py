@@ -49,8 +49,8 @@ def attend(
             max_retained=config.max_retained, query_window=config.query_window, scale=scale,
             implementation=implementation, interpret=interpret,
         )  # fmt: skip
-        new_k, new_v = write_step(
-            cache.k[layer], cache.v[layer], k, v, plan.table, reverse=config.reverse_step_order
+        new_k, new_v, out = write_step(
+            cache.k[layer], cache.v[layer], k, v, plan.table, reverse=config.reverse_step_order, after=out
         )
     replace_layer = lambda layers, new: (*layers[:layer], new, *layers[layer + 1 :])  # noqa: E731
     return out, dataclasses.replace(cache, k=replace_layer(cache.k, new_k), v=replace_layer(cache.v, new_v))

@@ -19,6 +19,7 @@ Nothing is zeroed on reuse: an entry is read only where the plan says it was wri
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -110,8 +111,15 @@ class BoundedKVPlan:
 
 @jax.named_scope("bounded_kv_write")
 def write_step(
-    cache_k: jax.Array, cache_v: jax.Array, k: jax.Array, v: jax.Array, table: jax.Array, *, reverse: bool
-) -> tuple[jax.Array, jax.Array]:
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    table: jax.Array,
+    *,
+    reverse: bool,
+    after: Any = None,
+) -> tuple[jax.Array, jax.Array, Any]:
     """Store each request's written step tokens into its slot, in place when the cache is donated.
 
     Equivalent to, for every request `b`, write range `(step_offset, slot_start, len)` and `t < len`:
@@ -129,9 +137,12 @@ def write_step(
       k, v: [N, T, G, D] the step's keys and values, N = B * R.
       table: i32[B, ROW_INTS] the plan table.
       reverse: the config's `reverse_step_order` (a range copies step tokens counting down).
+      after: values computed from reads of this cache (the attention output), returned unchanged. They
+        ride in the loop's carry so every read is sequenced before the in-place store; otherwise XLA
+        may order the store first and copy the whole layer to keep the reads' view (measured on CPU).
 
     Returns:
-      The updated (cache_k, cache_v).
+      The updated (cache_k, cache_v) and `after`.
     """
     num_requests = table.shape[0]
     _, rows, groups, capacity, dim = cache_k.shape
@@ -142,8 +153,8 @@ def write_step(
     v_req = v.reshape(num_requests, rows, steps, groups, dim).transpose(0, 1, 3, 2, 4).astype(cache_v.dtype)
     offsets = jnp.arange(block, dtype=jnp.int32)
 
-    def store_range(i, caches):
-        ck, cv = caches
+    def store_range(i, carry):
+        ck, cv, after = carry
         b, w = i // tbl.NUM_WRITES, i % tbl.NUM_WRITES
         row = table[b]
         base = tbl.WRITES + 3 * w
@@ -161,6 +172,7 @@ def write_step(
         old_v = lax.dynamic_slice(cv, corner, size)[0]
         ck = lax.dynamic_update_slice(ck, jnp.where(inside, new_k, old_k)[None], corner)
         cv = lax.dynamic_update_slice(cv, jnp.where(inside, new_v, old_v)[None], corner)
-        return ck, cv
+        # Opaque to XLA, so `after` is not a loop invariant it could hoist out of the carry.
+        return ck, cv, lax.optimization_barrier(after)
 
-    return lax.fori_loop(0, num_requests * tbl.NUM_WRITES, store_range, (cache_k, cache_v))
+    return lax.fori_loop(0, num_requests * tbl.NUM_WRITES, store_range, (cache_k, cache_v, after))

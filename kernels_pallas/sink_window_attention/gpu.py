@@ -1,0 +1,427 @@
+"""Pallas GPU kernel (Triton lowering) for sink+window attention over the plan table.
+
+Equivalent to `reference.sink_window_attention_reference` (same arguments, output in q's dtype): each
+attention row attends its retained keys, read through the table's five ranges in stream order, then the
+step's own keys, with an optional causal `query_window` band that keeps the sinks visible. Shape legend:
+`table.py`; inside the kernel BQ, BK are the query and key block sizes and DP the head dim padded to a
+power of two.
+
+Why the Triton lowering (`pl.pallas_call` with `jax.experimental.pallas.triton.CompilerParams`) rather
+than Mosaic GPU:
+
+* It can be tested without a GPU: the same kernel body runs in the Pallas HLO interpreter
+  (`interpret=True`) on CPU, and lowering it for CUDA to Triton IR also works on a CPU-only host (the
+  tests check both). Mosaic GPU compiles only on sm90+ and its kernels are written against TMA copies
+  and warpgroup semantics that the HLO interpreter does not run.
+* A retained block mixes keys from the source prefix and the slot (a sink inside the source, the ring
+  after its wrap): every key picks its own store and offset. Triton expresses that directly as a masked
+  pointer gather with one contiguous `D` row per key; Mosaic GPU moves contiguous tiles.
+* It runs on H100/H200 with the Triton that jaxlib's CUDA plugin bundles (`jax>=0.10`): Triton compiler
+  params select this lowering even where Mosaic GPU is the default GPU lowering. The Triton backend is
+  deprecated upstream but still shipped; were it to go, the public op falls back to XLA.
+
+Layout of the work: the grid is (attention rows N, KV heads G, query blocks). One program owns one KV
+head of one row and a block of BQ query rows, where query row `r` is step token `r // (H/G)` with query
+head `g * (H/G) + r % (H/G)` (GQA: the heads sharing a KV head share every key load). It walks the
+row's retained keys in blocks of BK up to the retained count read from the table at run time (so blocks
+past it cost nothing), then the step's own keys up to `STEP_TOKENS`, keeping an online softmax with
+float32 statistics. Every index is clamped into its array and every load masked. Each program writes
+one [BQ, DP] tile of a padded [N, G, MP, DP] output (MP = T * H/G rounded up to BQ) that the wrapper
+slices and transposes to [N, T, H, D] (a small XLA op, O(output)).
+
+Not done here: splitting long key walks across programs (flash-decoding split-K). A decode step of few
+rows therefore runs N * G programs, each walking up to K keys.
+"""
+
+import dataclasses
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.sink_window_attention import table as tbl
+
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Triton's tensor-core dot needs every operand dimension >= 16.
+_MIN_DOT_DIM = 16
+
+
+def _is_power_of_two(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _next_power_of_two(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BlockSizes:
+    """Tile sizes and launch settings of the GPU kernel.
+
+    Attributes:
+      block_q: query rows per program (step tokens × the query heads of one KV head); a power of two.
+      block_k: keys per inner-loop step; a power of two.
+      num_warps: warps per program (Triton launch setting).
+      num_stages: software-pipelining stages of the key loops (Triton launch setting).
+    """
+
+    block_q: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not _is_power_of_two(value):
+                raise ValueError(f"BlockSizes.{name}={value!r} must be a positive power of two")
+        for name in ("num_warps", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"BlockSizes.{name}={value!r} must be an int >= 1")
+
+    @classmethod
+    def get_default(cls, *, query_rows: int, head_dim: int, max_retained: int) -> "BlockSizes":
+        """Default tiles for `query_rows = T * (H / G)` query rows per KV head.
+
+        Small problems get small tiles (a decode step of 4 grouped heads needs 16 rows, not 128); keys
+        come in blocks of 64 (32 for wide heads, to bound registers), never past the padded key count.
+        """
+        block_q = min(max(_next_power_of_two(query_rows), _MIN_DOT_DIM), 64)
+        block_k = 32 if head_dim > 128 else 64
+        block_k = min(block_k, max(_next_power_of_two(max_retained), _MIN_DOT_DIM))
+        num_warps = 8 if block_q * max(head_dim, block_k) >= 64 * 128 else 4
+        return cls(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=2)
+
+
+def _online_softmax_step(carry, q, k, v, key_pos, key_ok, q_pos, *, sink, query_window, scale, precision):
+    """Folds one block of keys into the running (max, sum, accumulator) of every query row.
+
+    Args:
+      carry: (m f32[BQ], l f32[BQ], acc f32[BQ, DP]).
+      q: [BQ, DP] query block; k, v: [BK, DP] key and value block (zeros where masked).
+      key_pos: i32[BK] stream positions of the keys; key_ok: bool[BK] keys that exist.
+      q_pos: i32[BQ] stream positions of the queries.
+    """
+    m_prev, l_prev, acc_prev = carry
+    s = lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+    s = s * scale
+    visible = jnp.broadcast_to(key_ok[None, :], s.shape)
+    if query_window is not None:
+        kp, qp = key_pos[None, :], q_pos[:, None]
+        visible = visible & (kp <= qp) & ((kp < sink) | (kp > qp - query_window))
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    # A row that has seen no visible key keeps max -inf; subtracting 0 instead keeps exp() at exactly 0
+    # rather than exp(-inf - -inf) = NaN.
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_safe[:, None])
+    alpha = jnp.exp(m_prev - m_safe)
+    l_new = alpha * l_prev + jnp.sum(p, axis=1)
+    pv = lax.dot_general(
+        p.astype(v.dtype),
+        v,
+        (((1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+    return m_new, l_new, acc_prev * alpha[:, None] + pv
+
+
+def _sink_window_kernel(
+    # inputs (whole arrays; blocks are gathered by index arithmetic)
+    table_ref,  # i32[B, ROW_INTS]
+    q_ref,  # [N, T, H, D]
+    k_ref,  # [N, T, G, D]
+    v_ref,  # [N, T, G, D]
+    cache_k_ref,  # [S, R, G, C, D]
+    cache_v_ref,  # [S, R, G, C, D]
+    source_k_ref,  # [V, R, G, L, D]
+    source_v_ref,  # [V, R, G, L, D]
+    # outputs
+    o_ref,  # [BQ, DP] tile of [N, G, MP, DP]
+    *,
+    rows_per_request: int,
+    max_retained: int,
+    query_window: int | None,
+    scale: float,
+    block_q: int,
+    block_k: int,
+    padded_dim: int,
+):
+    n, g, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    _, steps, heads, dim = q_ref.shape
+    kv_heads = k_ref.shape[2]
+    group = heads // kv_heads
+    num_slots, slot_tokens = cache_k_ref.shape[0], cache_k_ref.shape[3]
+    num_sources, source_tokens = source_k_ref.shape[0], source_k_ref.shape[3]
+    precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else lax.Precision.DEFAULT
+
+    b = lax.div(n, rows_per_request)
+    c = lax.rem(n, rows_per_request)
+    slot = jnp.clip(table_ref[b, tbl.SLOT], 0, num_slots - 1)
+    source = jnp.clip(table_ref[b, tbl.SOURCE], 0, num_sources - 1)
+    stream_len = table_ref[b, tbl.STREAM_LEN]
+    sink = table_ref[b, tbl.SINK]
+    sink_kept = table_ref[b, tbl.SINK_KEPT]
+    window_start = table_ref[b, tbl.WINDOW_START]
+    own = jnp.clip(table_ref[b, tbl.STEP_TOKENS], 0, steps)
+    starts = [table_ref[b, tbl.read_start(i)] for i in range(tbl.NUM_READS)]
+    lens = [jnp.maximum(table_ref[b, tbl.read_len(i)], 0) for i in range(tbl.NUM_READS)]
+    ends = []  # ends[i]: retained index one past read range i
+    total = jnp.int32(0)
+    for length in lens:
+        total = total + length
+        ends.append(total)
+    retained = jnp.minimum(total, max_retained)
+
+    # Head-dim lanes: padded to a power of two; the tail is clamped to a real column and masked.
+    d = lax.broadcasted_iota(jnp.int32, (1, padded_dim), 1)
+    d_ok = d < dim
+    if padded_dim != dim:
+        d = jnp.minimum(d, dim - 1)
+
+    rows = qb * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+    t = lax.div(rows, group)
+    row_ok = t < steps
+    t = jnp.minimum(t, steps - 1)
+    h = g * group + lax.rem(rows, group)
+    q = plgpu.load(q_ref.at[n, t[:, None], h[:, None], d], mask=row_ok[:, None] & d_ok, other=0)
+    q_pos = stream_len + t
+    step = functools.partial(
+        _online_softmax_step,
+        q_pos=q_pos,
+        sink=sink,
+        query_window=query_window,
+        scale=scale,
+        precision=precision,
+    )
+
+    def retained_block(kb, carry):
+        j = kb * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        key_ok = j < retained
+        # Offset of key j inside its store: the last read range whose start index it has passed.
+        offset = starts[0] + j
+        for i in range(1, tbl.NUM_READS):
+            offset = jnp.where(j >= ends[i - 1], starts[i] + (j - ends[i - 1]), offset)
+        in_source = (j < ends[0]) | ((j >= ends[1]) & (j < ends[2]))
+        from_source = (key_ok & in_source)[:, None] & d_ok
+        from_slot = (key_ok & ~in_source)[:, None] & d_ok
+        at_source = jnp.clip(offset, 0, source_tokens - 1)[:, None]
+        at_slot = jnp.clip(offset, 0, slot_tokens - 1)[:, None]
+
+        def gather(source_ref, cache_ref):
+            from_s = plgpu.load(source_ref.at[source, c, g, at_source, d], mask=from_source, other=0)
+            from_c = plgpu.load(cache_ref.at[slot, c, g, at_slot, d], mask=from_slot, other=0)
+            return jnp.where(from_source, from_s, from_c)
+
+        key_pos = jnp.where(j < sink_kept, j, window_start + (j - sink_kept))
+        return step(
+            carry, q, gather(source_k_ref, cache_k_ref), gather(source_v_ref, cache_v_ref), key_pos, key_ok
+        )
+
+    def own_block(kb, carry):
+        u = kb * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        key_ok = u < own
+        mask = key_ok[:, None] & d_ok
+        at = jnp.minimum(u, steps - 1)[:, None]
+        k = plgpu.load(k_ref.at[n, at, g, d], mask=mask, other=0)
+        v = plgpu.load(v_ref.at[n, at, g, d], mask=mask, other=0)
+        return step(carry, q, k, v, stream_len + u, key_ok)
+
+    carry = (
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+        jnp.zeros((block_q, padded_dim), jnp.float32),
+    )
+    carry = lax.fori_loop(0, lax.div(retained + block_k - 1, block_k), retained_block, carry)
+    carry = lax.fori_loop(0, lax.div(own + block_k - 1, block_k), own_block, carry)
+    _, l, acc = carry
+    # Queries past STEP_TOKENS (bucket padding) and rows that saw no key give zeros, never NaN.
+    live = row_ok & (t < own) & (l > 0)
+    out = acc / jnp.where(live, l, 1.0)[:, None]
+    o_ref[...] = jnp.where(live[:, None], out, 0.0).astype(o_ref.dtype)
+
+
+def _static_int(name: str, value, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be a Python int >= {minimum}")
+    return int(value)
+
+
+def _check_shapes(q, k, v, cache_k, cache_v, source_k, source_v, table) -> int:
+    """Validates the argument shapes; returns R, the rows per request."""
+    for name, x, rank in (
+        ("q", q, 4),
+        ("k", k, 4),
+        ("v", v, 4),
+        ("cache_k", cache_k, 5),
+        ("cache_v", cache_v, 5),
+        ("source_k", source_k, 5),
+        ("source_v", source_v, 5),
+        ("table", table, 2),
+    ):
+        if x.ndim != rank:
+            raise ValueError(f"{name} must have rank {rank}, got shape {x.shape}")
+    n_rows, steps, heads, dim = q.shape
+    if k.shape != v.shape or k.shape[:2] != (n_rows, steps) or k.shape[3] != dim:
+        raise ValueError(
+            f"k and v must be [N, T, G, D] = [{n_rows}, {steps}, G, {dim}], got k {k.shape}, v {v.shape}"
+        )
+    kv_heads = k.shape[2]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"query heads H={heads} must be a multiple of KV heads G={kv_heads}")
+    if cache_k.shape != cache_v.shape or source_k.shape != source_v.shape:
+        raise ValueError(
+            f"cache_k {cache_k.shape} / cache_v {cache_v.shape} and source_k {source_k.shape} / "
+            f"source_v {source_v.shape} must match pairwise"
+        )
+    batch, row_ints = table.shape
+    if row_ints != tbl.ROW_INTS:
+        raise ValueError(f"table must be i32[B, {tbl.ROW_INTS}], got shape {table.shape}")
+    if batch < 1 or n_rows % batch:
+        raise ValueError(f"q's N={n_rows} must be a multiple of the table's B={batch} (N = B * R)")
+    rows_per_request = n_rows // batch
+    for name, x in (("cache_k", cache_k), ("source_k", source_k)):
+        if x.shape[1] != rows_per_request or x.shape[2] != kv_heads or x.shape[4] != dim:
+            raise ValueError(
+                f"{name} must be [*, R={rows_per_request}, G={kv_heads}, *, D={dim}], got {x.shape}"
+            )
+    return rows_per_request
+
+
+def sink_window_attention_gpu(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    source_k: jax.Array,
+    source_v: jax.Array,
+    table: jax.Array,
+    *,
+    max_retained: int,
+    query_window: int | None = None,
+    scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Sink+window attention of each step token over `stream[retained] ++ step keys` (Pallas Triton).
+
+    Same result as `reference.sink_window_attention_reference`; row `n` uses table row `n // R` and
+    cache/source row `n % R`. Scores are float32 and the softmax statistics too; the value product runs
+    in the inputs' dtype with float32 accumulation.
+
+    Args:
+      q: [N, T, H, D] queries, N = B * R.
+      k, v: [N, T, G, D] the step's own keys and values.
+      cache_k, cache_v: [S, R, G, C, D] one layer's slots.
+      source_k, source_v: [V, R, G, L, D] one layer's sources.
+      table: i32[B, ROW_INTS] plan table (see `table.py`).
+      max_retained: K, the static bound on a row's retained keys; retained keys past it are not read.
+      query_window: None (every query sees every key) or q >= 1 (causal band, sinks always visible).
+      scale: score scale; defaults to 1 / sqrt(D).
+      block_sizes: tiles; `BlockSizes.get_default` when None.
+      interpret: run the kernel body in the Pallas interpreter (any backend, e.g. CPU tests).
+
+    Returns:
+      [N, T, H, D] in q's dtype; queries past a row's STEP_TOKENS and rows with no visible key are zeros.
+
+    Raises:
+      ValueError: inconsistent shapes or invalid settings.
+      TypeError: a table that is not integer.
+      NotImplementedError: a case this kernel does not handle (mixed or unsupported dtypes, no GPU backend
+        without `interpret`, TPU interpret params); the public op then falls back to XLA.
+    """
+    _check_shapes(q, k, v, cache_k, cache_v, source_k, source_v, table)
+    max_retained = _static_int("max_retained", max_retained, minimum=0)
+    if query_window is not None:
+        query_window = _static_int("query_window", query_window, minimum=1)
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"{scale=} must be None or finite")
+    if not jnp.issubdtype(table.dtype, jnp.integer):
+        raise TypeError(f"table has dtype {table.dtype}; expected int32 (the plan table)")
+    if not isinstance(interpret, bool):
+        raise NotImplementedError(
+            f"interpret={interpret!r}: the Triton kernel runs only in the HLO "
+            "interpreter (interpret=True), not in TPU interpret mode"
+        )
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v, cache_k, cache_v, source_k, source_v)}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _SUPPORTED_DTYPES:
+        raise NotImplementedError(
+            f"needs one dtype among {[str(t) for t in _SUPPORTED_DTYPES]} for q, k, v, "
+            f"cache and source; got {sorted(str(t) for t in dtypes)}"
+        )
+    if not interpret and jax.default_backend() != "gpu":
+        raise NotImplementedError(
+            f"the compiled Pallas GPU kernel needs a GPU backend, the default is "
+            f"{jax.default_backend()!r}; pass interpret=True"
+        )
+    n_rows, steps, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    rows_per_request = n_rows // table.shape[0]
+    if steps == 0 or n_rows == 0:
+        return jnp.zeros(q.shape, q.dtype)
+
+    # A config without a source prefix (or without written slot tokens) has empty stores: every table
+    # range into them is empty, so one never-read zero entry keeps the clamped indices valid.
+    if min(cache_k.shape[0], cache_k.shape[3]) == 0:
+        cache_k = cache_v = jnp.zeros((1, rows_per_request, kv_heads, 1, dim), q.dtype)
+    if min(source_k.shape[0], source_k.shape[3]) == 0:
+        source_k = source_v = jnp.zeros((1, rows_per_request, kv_heads, 1, dim), q.dtype)
+
+    group = heads // kv_heads
+    query_rows = steps * group
+    if block_sizes is None:
+        block_sizes = BlockSizes.get_default(query_rows=query_rows, head_dim=dim, max_retained=max_retained)
+    padded_dim = _next_power_of_two(dim)
+    if not interpret:
+        padded_dim = max(padded_dim, _MIN_DOT_DIM)
+        if min(block_sizes.block_q, block_sizes.block_k) < _MIN_DOT_DIM:
+            raise ValueError(f"{block_sizes=}: compiled Triton dots need block_q, block_k >= {_MIN_DOT_DIM}")
+    block_q, block_k = block_sizes.block_q, block_sizes.block_k
+    q_blocks = pl.cdiv(query_rows, block_q)
+    scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+
+    itemsize = q.dtype.itemsize
+    keys = max_retained + steps
+    cost = pl.CostEstimate(
+        flops=4 * n_rows * steps * heads * keys * dim,
+        transcendentals=n_rows * steps * heads * keys,
+        bytes_accessed=itemsize * (2 * q.size + k.size + v.size + 2 * n_rows * kv_heads * max_retained * dim)
+        + 4 * table.size,
+    )
+    kernel = functools.partial(
+        _sink_window_kernel,
+        rows_per_request=rows_per_request,
+        max_retained=max_retained,
+        query_window=query_window,
+        scale=scale,
+        block_q=block_q,
+        block_k=block_k,
+        padded_dim=padded_dim,
+    )
+    whole = pl.no_block_spec
+    tiles = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n_rows, kv_heads, q_blocks * block_q, padded_dim), q.dtype),
+        grid=(n_rows, kv_heads, q_blocks),
+        in_specs=[whole] * 8,
+        out_specs=pl.BlockSpec((None, None, block_q, padded_dim), lambda n, g, qb: (n, g, qb, 0)),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
+        ),
+        cost_estimate=cost,
+        interpret=interpret,
+        name="sink_window_attention_gpu",
+    )(table.astype(jnp.int32), q, k, v, cache_k, cache_v, source_k, source_v)
+    # [N, G, T * H/G, D] -> [N, T, G, H/G, D] -> [N, T, H, D]: query head h = g * H/G + h'.
+    out = tiles[:, :, :query_rows, :dim].reshape(n_rows, kv_heads, steps, group, dim)
+    return out.transpose(0, 2, 1, 3, 4).reshape(n_rows, steps, heads, dim)

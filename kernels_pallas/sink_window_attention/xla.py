@@ -1,0 +1,199 @@
+"""Pure-XLA sink+window attention: gather the retained keys through the plan table, then one softmax.
+
+Shape legend: see `kernels_pallas.sink_window_attention.table` (N rows, T step tokens, H query heads,
+G KV heads, I = H // G query heads per KV head, D head dim, K max retained keys, P keys of one part).
+
+The retained keys of a row live in two stores: the source bank (reads 0 and 2) and the row's slot (reads 1,
+3 and 4). Each store is gathered into its own buffer, `min(K, L)` and `min(K, C)` keys long (the most a
+valid table reads of one row from it), rather than gathering both stores for all `K` keys and selecting:
+the step gathers `O(N * (min(K, L) + min(K, C)))` entries whatever `S` and `V` are, and buffer entries
+past a row's reads re-read entry 0 and are masked. The step's own `T` keys form a third part. The three
+parts share one softmax (their scores are masked, then reduced together); attention ignores key order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels_pallas.sink_window_attention import table as tbl
+
+_SOURCE_READS = tuple(i for i, s in enumerate(tbl.READ_FROM_SOURCE) if s)
+_SLOT_READS = tuple(i for i, s in enumerate(tbl.READ_FROM_SOURCE) if not s)
+# f32 inputs keep f32 products on TPU/GPU (the default would round them to bf16 / TF32); bf16 is exact.
+_PRECISION = lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """One group of keys sharing the softmax: K and V entries, their stream positions and validity."""
+
+    keys: jax.Array  # [N, G, P, D]
+    values: jax.Array  # [N, G, P, D], zero where not valid
+    positions: jax.Array  # i32[N, P]
+    valid: jax.Array  # bool[N, P]
+
+
+def _gather_part(
+    rows: jax.Array,
+    store_k: jax.Array,
+    store_v: jax.Array,
+    store_index: jax.Array,
+    reads: tuple[int, ...],
+    size: int,
+) -> _Part:
+    """Gathers the keys of `reads` (in table order) from one store into a `size`-long buffer per row.
+
+    Args:
+      rows: i32[N, ROW_INTS], each attention row's table row.
+      store_k, store_v: [S or V, R, G, C or L, D], the store the reads address.
+      store_index: i32[N], the slot or source each row reads (its `SLOT` or `SOURCE` column).
+      reads: which of the five read ranges live in this store.
+      size: buffer length; a valid table never puts more than this many of a row's keys in the store.
+
+    Returns:
+      The part, `size` keys per row; entries past the row's reads are invalid and read index 0.
+    """
+    n_rows = rows.shape[0]
+    n_stores, rows_per_request, _, store_len, _ = store_k.shape
+    t = jnp.arange(size, dtype=jnp.int32)[None, :]  # [1, P]
+    index = jnp.zeros((n_rows, size), jnp.int32)  # into the store's token axis
+    retained_j = jnp.zeros((n_rows, size), jnp.int32)  # in the row's retained list (all five reads)
+    valid = jnp.zeros((n_rows, size), bool)
+    buffer_begin = retained_begin = jnp.zeros((n_rows, 1), jnp.int32)
+    for i in range(tbl.NUM_READS):
+        length = rows[:, tbl.read_len(i)][:, None]  # [N, 1]
+        if i in reads:
+            local = t - buffer_begin
+            inside = (local >= 0) & (local < length)
+            index = jnp.where(inside, rows[:, tbl.read_start(i)][:, None] + local, index)
+            retained_j = jnp.where(inside, retained_begin + local, retained_j)
+            valid |= inside
+            buffer_begin = buffer_begin + length
+        retained_begin = retained_begin + length
+    store = store_index[:, None]  # [N, 1]
+    # A malformed table must not read another store's or row's memory: mask, then clamp to index 0.
+    valid &= (index >= 0) & (index < store_len) & (store >= 0) & (store < n_stores)
+    index = jnp.where(valid, index, 0)
+    store = jnp.where(valid, store, 0)
+    within = (jnp.arange(n_rows, dtype=jnp.int32) % rows_per_request)[:, None]  # [N, 1]: row c of R
+
+    kept, window_start = rows[:, tbl.SINK_KEPT][:, None], rows[:, tbl.WINDOW_START][:, None]
+    positions = jnp.where(retained_j < kept, retained_j, window_start + retained_j - kept)
+    # Gathering [N, G, P, D] (one D-long run per key and head) hands the dots their batch-major layout.
+    head = jnp.arange(store_k.shape[2], dtype=jnp.int32)[None, :, None]  # [1, G, 1]
+    at = (store[:, None, :], within[:, None, :], head, index[:, None, :])
+    keys, values = store_k[at], store_v[at]
+    # Unread entries may hold anything (NaN in tests); 0 * NaN would leak through the value product.
+    values = jnp.where(valid[:, None, :, None], values, jnp.zeros((), values.dtype))
+    return _Part(keys, values, positions, valid)
+
+
+def _own_part(rows: jax.Array, k: jax.Array, v: jax.Array) -> _Part:
+    """The step's own keys: token `i` at stream position `STREAM_LEN + i`, valid below `STEP_TOKENS`."""
+    steps = k.shape[1]
+    i = jnp.arange(steps, dtype=jnp.int32)[None, :]  # [1, T]
+    valid = i < rows[:, tbl.STEP_TOKENS][:, None]  # [N, T]
+    values = jnp.where(valid[:, :, None, None], v, jnp.zeros((), v.dtype))
+    # [N, T, G, D] -> [N, G, T, D], the layout of the gathered parts.
+    return _Part(
+        k.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3), rows[:, tbl.STREAM_LEN][:, None] + i, valid
+    )
+
+
+def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """An einsum accumulated (and returned) in float32."""
+    return jnp.einsum(spec, a, b, precision=_PRECISION, preferred_element_type=jnp.float32)
+
+
+def _visible(rows: jax.Array, part: _Part, steps: int, query_window: int | None) -> jax.Array:
+    """bool[N, T, P]: which keys of `part` each step token sees (validity and the query window)."""
+    visible = jnp.broadcast_to(part.valid[:, None, :], (part.valid.shape[0], steps, part.valid.shape[1]))
+    if query_window is None:
+        return visible
+    query_pos = rows[:, tbl.STREAM_LEN][:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]  # [N, T]
+    key_pos = part.positions[:, None, :]  # [N, 1, P]
+    query_pos = query_pos[:, :, None]  # [N, T, 1]
+    sink = rows[:, tbl.SINK][:, None, None]
+    in_band = (key_pos < sink) | (key_pos > query_pos - query_window)
+    return visible & (key_pos <= query_pos) & in_band
+
+
+def sink_window_attention_xla(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    source_k: jax.Array,
+    source_v: jax.Array,
+    table: jax.Array,
+    *,
+    max_retained: int,
+    query_window: int | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """Attention of each step token over its row's retained keys and the step's own keys, in pure XLA.
+
+    Equivalent to `sink_window_attention_reference` (stream order aside, which softmax ignores). Inputs are
+    not checked here; `sink_window_attention` validates them. Jittable with `max_retained`,
+    `query_window` and `scale` static. Costs O(N * K) gathered keys, independent of S and V.
+
+    Args:
+      q: [N, T, H, D] queries, N = B * R, request-major.
+      k, v: [N, T, G, D] the step's own keys and values; tokens past a row's STEP_TOKENS are ignored.
+      cache_k, cache_v: [S, R, G, C, D] one layer's slots.
+      source_k, source_v: [V, R, G, L, D] one layer's source bank.
+      table: i32[B, ROW_INTS] plan table; row n uses table row n // R and cache/source row n % R.
+      max_retained: K, the static bound on a row's retained keys (keys past it are not read).
+      query_window: None (every query sees every key) or q >= 1 (causal band, sinks always visible).
+      scale: score scale; defaults to 1 / sqrt(D).
+
+    Returns:
+      [N, T, H, D] in q's dtype; queries past a row's STEP_TOKENS and queries with no visible key give 0.
+    """
+    with jax.named_scope("sink_window_attention_xla"):
+        n_rows, steps, heads, dim = q.shape
+        groups = k.shape[2]
+        scale = dim**-0.5 if scale is None else scale
+        rows = jnp.repeat(table.astype(jnp.int32), cache_k.shape[1], axis=0)  # [N, ROW_INTS]: row n // R
+
+        parts = []
+        with jax.named_scope("gather"):
+            source_size = min(max_retained, source_k.shape[3])
+            if source_size and source_k.shape[0]:
+                source_index = rows[:, tbl.SOURCE]
+                parts.append(_gather_part(rows, source_k, source_v, source_index, _SOURCE_READS, source_size))
+            slot_size = min(max_retained, cache_k.shape[3])
+            if slot_size and cache_k.shape[0]:
+                parts.append(_gather_part(rows, cache_k, cache_v, rows[:, tbl.SLOT], _SLOT_READS, slot_size))
+            parts.append(_own_part(rows, k, v))
+
+        with jax.named_scope("scores"):
+            qg = q.reshape(n_rows, steps, groups, heads // groups, dim)  # [N, T, G, I, D]
+            scores = []  # [N, G, T, I, P] per part: (n, g) lead, as the dots batch them
+            for part in parts:
+                s = _dot("ntgid,ngpd->ngtip", qg, part.keys) * scale
+                visible = _visible(rows, part, steps, query_window)[:, None, :, None, :]  # [N, 1, T, 1, P]
+                scores.append(jnp.where(visible, s, -jnp.inf))
+
+        with jax.named_scope("softmax"):
+            m = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)  # [N, G, T, I]
+            # A query that sees nothing has m = -inf; shifting by 0 keeps exp(-inf) = 0 instead of NaN.
+            m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
+            probs = [jnp.exp(s - m) for s in scores]
+            total = sum(jnp.sum(p, axis=-1) for p in probs)  # [N, G, T, I]
+            out = sum(
+                _dot("ngtip,ngpd->ngtid", p.astype(part.values.dtype), part.values)
+                for p, part in zip(probs, parts, strict=True)
+            )
+            out = out / jnp.where(total > 0, total, 1.0)[..., None]
+
+        out = out.transpose(0, 2, 1, 3, 4).reshape(n_rows, steps, heads, dim)
+        query_valid = jnp.arange(steps, dtype=jnp.int32)[None, :] < rows[:, tbl.STEP_TOKENS][:, None]
+        # Padding queries may be NaN themselves; select (not multiply) so nothing leaks.
+        out = jnp.where(query_valid[:, :, None, None], out, 0.0)
+        return out.astype(q.dtype)

@@ -1,0 +1,232 @@
+"""The Pallas GPU (Triton) kernel against the float64 oracle.
+
+One suite, two modes: on a GPU backend every test runs the compiled kernel; elsewhere the same tests run
+it in the Pallas HLO interpreter (`interpret=True`), with small blocks so that a few keys already span
+several blocks. Every case poisons what must not be read with NaN (see `cases.py`) and requires finite
+outputs that match the oracle.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.sink_window_attention import table as tbl
+from kernels_pallas.sink_window_attention.gpu import BlockSizes, sink_window_attention_gpu
+from tests.kernels import cases
+
+INTERPRET = jax.default_backend() != "gpu"
+# Compiled Triton dots need blocks of >= 16; the interpreter takes any power of two, and 8 keeps it cheap.
+BLOCKS = BlockSizes(block_q=8, block_k=8) if INTERPRET else BlockSizes(block_q=16, block_k=16)
+BK = BLOCKS.block_k
+TOLERANCE = {np.dtype(np.float32): 1e-5, np.dtype(jnp.bfloat16): 2e-2}
+
+
+def _fast_compile_options() -> dict | None:
+    """XLA:CPU options that halve the compile time of an interpreted kernel, where this jaxlib has them.
+
+    An interpreted kernel runs in milliseconds; compiling it takes seconds, so compile less hard. Option
+    names change between jaxlib versions, so each set is tried on a trivial function first.
+    """
+    if jax.default_backend() != "cpu":
+        return None
+    for options in (
+        {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False},
+        {"xla_backend_optimization_level": 0},
+    ):
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=options).lower(1.0).compile()
+        except Exception:  # an unknown option name: try the next set
+            continue
+        return options
+    return None
+
+
+_COMPILER_OPTIONS = _fast_compile_options()
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("max_retained", "query_window", "scale", "block_sizes"),
+    compiler_options=_COMPILER_OPTIONS,
+)
+def _attend(*arrays, max_retained, query_window, scale, block_sizes):
+    return sink_window_attention_gpu(
+        *arrays, max_retained=max_retained, query_window=query_window, scale=scale,
+        block_sizes=block_sizes, interpret=INTERPRET,
+    )  # fmt: skip
+
+
+def _arrays(case: cases.KernelCase) -> tuple[np.ndarray, ...]:
+    return case.q, case.k, case.v, case.cache_k, case.cache_v, case.source_k, case.source_v, case.table
+
+
+def _run(case: cases.KernelCase, *, block_sizes: BlockSizes | None = BLOCKS, scale=None) -> np.ndarray:
+    out = _attend(
+        *_arrays(case), max_retained=case.max_retained, query_window=case.query_window, scale=scale,
+        block_sizes=block_sizes,
+    )  # fmt: skip
+    assert out.shape == case.q.shape
+    assert out.dtype == case.q.dtype
+    return np.asarray(out, np.float64)
+
+
+def _check(case: cases.KernelCase, **kwargs) -> np.ndarray:
+    out = _run(case, **kwargs)
+    assert np.isfinite(out).all(), f"{case.name}: non-finite output (a masked or poisoned entry was used)"
+    tol = TOLERANCE[np.dtype(case.q.dtype)]
+    np.testing.assert_allclose(out, case.reference_output(kwargs.get("scale")), rtol=tol, atol=tol)
+    return out
+
+
+@functools.cache
+def _standard_cases(dtype: np.dtype) -> dict[str, cases.KernelCase]:
+    by_name = {case.name: case for case in cases.standard_cases(dtype)}
+    assert len(by_name) == len(cases.standard_cases(dtype)), "standard case names must be distinct"
+    return by_name
+
+
+def _retained(case: cases.KernelCase) -> list[int]:
+    return [int(sum(row[tbl.read_len(i)] for i in range(tbl.NUM_READS))) for row in case.table]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", [case.name for case in cases.standard_cases()])
+def test_standard_cases(name, dtype):
+    _check(_standard_cases(np.dtype(dtype))[name])
+
+
+# Retained counts 0, 1, BK - 1, BK, BK + 1, one request each, with step tokens in the reverse order, so
+# the step keys' blocks and the query blocks (T * H/G = 2 * (BK + 1) rows) end partially covered too.
+BOUNDARY_LENGTHS = [0, 1, BK - 1, BK, BK + 1]
+
+
+@pytest.mark.parametrize(
+    ("where", "lengths", "kwargs"),
+    [
+        # sink 0, empty source: every retained key is in the slot's ring (read 3).
+        ("slot", BOUNDARY_LENGTHS, {"sink": 0, "source_len": 0, "written": BOUNDARY_LENGTHS}),
+        # nothing written: every retained key is the source's window part (read 2).
+        ("source", BOUNDARY_LENGTHS, {"sink": 0, "source_len": BOUNDARY_LENGTHS, "written": 0}),
+        # sink 3 over a 2-entry source: reads 0, 1 and 3 all non-empty.
+        (
+            "split",
+            BOUNDARY_LENGTHS[2:],
+            {"sink": 3, "source_len": 2, "written": [n - 2 for n in BOUNDARY_LENGTHS[2:]]},
+        ),
+    ],
+    ids=["slot", "source", "split"],
+)
+def test_block_boundary_lengths(where, lengths, kwargs):
+    case = cases.make_case(
+        f"boundary_{where}", seed=30, batch=len(lengths), slots=len(lengths) + 1, sources=1,
+        window=BK + 1, max_source_len=BK + 2, steps=BK + 1, step_tokens=lengths[::-1], **kwargs,
+    )  # fmt: skip
+    assert _retained(case) == lengths
+    _check(case)
+
+
+@pytest.mark.parametrize("query_window", [1, 3])
+def test_query_window_shorter_than_a_block(query_window):
+    # Retention window 3 and a band of 1 or 3 keys, both well inside one 8-key block; chunks of 8 queries.
+    case = cases.make_case(
+        "short_windows", seed=40, batch=3, steps=BK, sink=2, window=3, query_window=query_window,
+        written=[0, 2, 30],
+    )  # fmt: skip
+    _check(case)
+
+
+def test_query_window_masks_whole_blocks():
+    # No sink and a band of 2 over a window of 2 * BK + 1 retained keys: for every query the first
+    # blocks hold no visible key at all, so the running max stays -inf across them.
+    case = cases.make_case(
+        "masked_blocks", seed=45, batch=3, sink=0, window=2 * BK + 1, query_window=2, source_len=[0, 0, 5],
+        written=[BK, 3 * BK, 5 * BK],
+    )  # fmt: skip
+    assert min(_retained(case)) >= BK
+    _check(case)
+
+
+def test_idle_slots_padding_rows_and_two_rows_per_request():
+    # One request among 6 slots (5 idle, NaN), two padding rows naming the padding slot, R = 2.
+    case = cases.make_case(
+        "idle", seed=50, batch=1, slots=6, padding_rows=2, rows_per_request=2, written=[70]
+    )
+    out = _check(case)
+    np.testing.assert_array_equal(out[2:], 0.0)  # padding rows: zeros
+
+
+def test_head_dim_not_a_power_of_two():
+    _check(cases.make_case("head_dim24", seed=60, batch=2, head_dim=24, steps=3))
+
+
+def test_without_a_source_bank():
+    # L = 0: nothing to read from the bank, which the kernel replaces by a never-read placeholder.
+    case = cases.make_case("no_source", seed=70, batch=2, max_source_len=0, written=[3, 40])
+    assert case.source_k.shape[3] == 0
+    _check(case)
+
+
+def test_default_block_sizes_and_explicit_scale():
+    case = cases.make_case("defaults", seed=80, batch=2, head_dim=64, steps=5, query_window=6)
+    _check(case, block_sizes=None, scale=0.3)
+
+
+def test_identical_bits_on_rerun():
+    case = cases.standard_cases()[1]
+    np.testing.assert_array_equal(_run(case), _run(case))
+
+
+def test_empty_step_gives_empty_output():
+    case = cases.make_case("empty", seed=90, batch=1)
+    arrays = list(_arrays(case))
+    arrays[0], arrays[1], arrays[2] = (x[:, :0] for x in arrays[:3])
+    out = sink_window_attention_gpu(*arrays, max_retained=case.max_retained, interpret=True)
+    assert out.shape == (1, 0, 4, 32)
+
+
+def test_default_block_sizes_are_triton_legal():
+    for query_rows, head_dim, max_retained in [(1, 64, 0), (2, 128, 20), (64, 256, 4096), (1024, 80, 300)]:
+        blocks = BlockSizes.get_default(query_rows=query_rows, head_dim=head_dim, max_retained=max_retained)
+        assert 16 <= blocks.block_q <= 64
+        assert 16 <= blocks.block_k <= 64
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "query_window"), [(np.float32, 32, None), (jnp.bfloat16, 24, 4)]
+)
+def test_lowers_to_triton(monkeypatch, dtype, head_dim, query_window):
+    """The compiled path lowers to a Triton custom call (checked here even without a GPU)."""
+    case = cases.make_case(
+        "lower", seed=100, batch=2, head_dim=head_dim, dtype=dtype, query_window=query_window
+    )
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    fn = functools.partial(
+        sink_window_attention_gpu, max_retained=case.max_retained, query_window=query_window
+    )
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _arrays(case)]
+    text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text
+    assert "sink_window_attention_gpu" in text
+
+
+def test_rejects_what_it_cannot_do():
+    case = cases.standard_cases()[0]
+    arrays = _arrays(case)
+    settings = {"max_retained": case.max_retained, "interpret": True}
+    mixed = (arrays[0].astype(jnp.bfloat16), *arrays[1:])
+    with pytest.raises(NotImplementedError, match="dtype"):
+        sink_window_attention_gpu(*mixed, **settings)
+    if INTERPRET:
+        with pytest.raises(NotImplementedError, match="GPU backend"):
+            sink_window_attention_gpu(*arrays, max_retained=case.max_retained)
+    with pytest.raises(ValueError, match="query_window"):
+        sink_window_attention_gpu(*arrays, **settings, query_window=0)
+    with pytest.raises(ValueError, match="max_retained"):
+        sink_window_attention_gpu(*arrays, max_retained=-1, interpret=True)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        sink_window_attention_gpu(arrays[0][:, :, :3], *arrays[1:], **settings)
+    with pytest.raises(ValueError, match="power of two"):
+        BlockSizes(block_q=12, block_k=16)
