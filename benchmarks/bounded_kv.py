@@ -52,14 +52,17 @@ def dense_step(cache_k, cache_v, q, k, v):
     return tuple(new_k), tuple(new_v), out
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up (compiles)
-    times = []
+def interleaved_medians(fns, repeats: int) -> list[float]:
+    """Median seconds per call of each function, timed in alternation so machine noise hits all alike."""
+    for fn in fns:
+        fn()  # warm-up (compiles)
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, record in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            record.append(time.perf_counter() - start)
+    return [statistics.median(record) for record in times]
 
 
 def make_manager(*, slots: int, layers: int, kv_heads: int, head_dim: int, sink: int, window: int):
@@ -81,7 +84,8 @@ def admit_and_plan(manager: BoundedKVManager, batch: int, written: int):
     return manager.plan(step, ctx)
 
 
-def bounded_time(*, slots, batch, written, geometry, heads, repeats, rng) -> float:
+def bounded_runner(*, slots, batch, written, geometry, heads, rng):
+    """A zero-argument function running one bounded decode step."""
     manager = make_manager(slots=slots, **geometry)
     plan = admit_and_plan(manager, batch, written)
     cfg = manager.config
@@ -92,10 +96,11 @@ def bounded_time(*, slots, batch, written, geometry, heads, repeats, rng) -> flo
         manager.cache, out = bounded_step(manager.cache, manager.bank, plan, q, k, k, config=cfg)
         out.block_until_ready()
 
-    return median_time(run, repeats)
+    return run
 
 
-def dense_time(*, batch, written, geometry, heads, repeats, rng) -> float:
+def dense_runner(*, batch, written, geometry, heads, rng):
+    """A zero-argument function running one decode step over a dense cache of the whole stream."""
     shape = (batch, written + 1, geometry["kv_heads"], geometry["head_dim"])
     layers = range(geometry["layers"])
     state = {name: tuple(jnp.zeros(shape, jnp.float32) for _ in layers) for name in ("k", "v")}
@@ -106,7 +111,7 @@ def dense_time(*, batch, written, geometry, heads, repeats, rng) -> float:
         state["k"], state["v"], out = dense_step(state["k"], state["v"], q, k, k)
         out.block_until_ready()
 
-    return median_time(run, repeats)
+    return run
 
 
 def host_us_per_row(batch: int, repeats: int) -> float:
@@ -133,40 +138,36 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repeats")
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args(argv)
-    repeats = args.repeats or (5 if args.quick else 15)
+    repeats = args.repeats or (10 if args.quick else 30)
     rng = np.random.default_rng(0)
     geometry = {"layers": 2, "kv_heads": 2, "head_dim": 64, "sink": 4, "window": 1020}
     heads, batch = 8, 4
     short, long = (1024, 16384) if args.quick else (1024, 65536)
     print(f"backend: {jax.default_backend()}  geometry: {geometry}, {heads} query heads, batch {batch}")
 
-    b_short = bounded_time(
-        slots=16, batch=batch, written=short, geometry=geometry, heads=heads, repeats=repeats, rng=rng
+    common = {"geometry": geometry, "heads": heads, "rng": rng}
+    b_short, b_long, d_short, d_long = interleaved_medians(
+        [
+            bounded_runner(slots=16, batch=batch, written=short, **common),
+            bounded_runner(slots=16, batch=batch, written=long, **common),
+            dense_runner(batch=batch, written=short, **common),
+            dense_runner(batch=batch, written=long, **common),
+        ],
+        repeats,
     )
-    b_long = bounded_time(
-        slots=16, batch=batch, written=long, geometry=geometry, heads=heads, repeats=repeats, rng=rng
-    )
-    d_short = dense_time(batch=batch, written=short, geometry=geometry, heads=heads, repeats=repeats, rng=rng)
-    d_long = dense_time(batch=batch, written=long, geometry=geometry, heads=heads, repeats=repeats, rng=rng)
     print(f"\n1. decode step at {long // 1024}k written / at {short // 1024}k written")
     row = "   {:<31}: {:8.3f} ms / {:8.3f} ms = {:6.3f}{}"
-    print(
-        row.format(
-            "bounded (sink 4 + window 1020)",
-            b_long * 1e3,
-            b_short * 1e3,
-            b_long / b_short,
-            "  (goal <= 1.05)",
-        )
-    )
+    goal = "  (goal <= 1.05)"
+    print(row.format("bounded (sink 4 + window 1020)", b_long * 1e3, b_short * 1e3, b_long / b_short, goal))
     print(row.format("dense growing cache", d_long * 1e3, d_short * 1e3, d_long / d_short, ""))
     print(f"   dense / bounded at {long // 1024}k          : {d_long / b_long:6.2f}x")
 
-    s_small = bounded_time(
-        slots=16, batch=8, written=4096, geometry=geometry, heads=heads, repeats=repeats, rng=rng
-    )
-    s_large = bounded_time(
-        slots=256, batch=8, written=4096, geometry=geometry, heads=heads, repeats=repeats, rng=rng
+    s_small, s_large = interleaved_medians(
+        [
+            bounded_runner(slots=16, batch=8, written=4096, **common),
+            bounded_runner(slots=256, batch=8, written=4096, **common),
+        ],
+        repeats,
     )
     print("\n2. decode step with 256 slots / 16 slots, batch 8")
     print(f"   {s_large * 1e3:8.3f} ms / {s_small * 1e3:8.3f} ms = {s_large / s_small:6.3f}  (goal <= 1.2)")
