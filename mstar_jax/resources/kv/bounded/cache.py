@@ -144,6 +144,7 @@ def write_step(
     Returns:
       The updated (cache_k, cache_v) and `after`.
     """
+    table = jnp.asarray(table)  # the loop indexes it with a traced row
     num_requests = table.shape[0]
     _, rows, groups, capacity, dim = cache_k.shape
     steps = k.shape[1]

@@ -190,7 +190,7 @@ class BoundedKVManager(Resource):
             return
         if request.slot is not None:
             self._free.append(request.slot)
-        if request.source is not None:
+        if request.source_len:
             self._readers[request.source] -= 1
 
     def reset_request(self, request_id: str, free: bool = False) -> None:
@@ -201,7 +201,8 @@ class BoundedKVManager(Resource):
 
     # Step lifecycle.
     def _is_padding(self, request_id: str, ctx: StepContext) -> bool:
-        return ctx.is_padding_row(request_id)
+        # Capture declares steps over rows no request owns; they plan as padding like bucket filler.
+        return ctx.is_padding_row(request_id) or (ctx.capture and request_id not in self._requests)
 
     def _check_segment(
         self, seg: Segment, pos: StreamPosition | None, step_tokens: int, ctx: StepContext
@@ -220,6 +221,10 @@ class BoundedKVManager(Resource):
             return AdmitRuntimeError(
                 f"{rid!r} has a {pos.source_len}-token source; the slots hold sources of "
                 f"[{cfg.min_source_len}, {cfg.max_source_len}] tokens"
+            )
+        if isinstance(pos.source, bool) or not 0 <= pos.source < self.bank.num_sources:
+            return AdmitRuntimeError(
+                f"{rid!r} declares source={pos.source!r}; sources are indexed [0, {self.bank.num_sources})"
             )
         if pos.source_len > 0:
             length = self._source_lengths.get(pos.source)
@@ -245,7 +250,9 @@ class BoundedKVManager(Resource):
                 f"{rid!r} declares {pos.written} written tokens; {request.written} were committed "
                 "(positions must continue from the last committed step)"
             )
-        if seg.span < 0 or step_tokens < max(seg.span, 1):
+        if step_tokens < 1:
+            return AdmitRuntimeError(f"{rid!r}: step tokens={step_tokens} must be >= 1")
+        if not 0 <= seg.span <= step_tokens:
             return AdmitRuntimeError(f"{rid!r}: span={seg.span} must be in [0, step tokens={step_tokens}]")
         lease = ctx.slot_lease
         if lease is not None and lease.bucket is not None and step_tokens > lease.bucket.num_tokens:
@@ -288,7 +295,8 @@ class BoundedKVManager(Resource):
             request.slot = self._free.pop()
             request.source, request.source_len = pos.source, pos.source_len
             request.policy = self.config.retention_for(pos.source_len)
-            self._readers[pos.source] += 1
+            if pos.source_len > 0:  # a request with no source prefix holds no claim on the bank
+                self._readers[pos.source] += 1
         self._claimed_in_step = need_slot
         return ADMIT_OK
 
@@ -344,7 +352,8 @@ class BoundedKVManager(Resource):
             request = self._requests.get(rid)
             if request is not None and request.slot is not None and request.written == 0:
                 self._free.append(request.slot)
-                self._readers[request.source] -= 1
+                if request.source_len:
+                    self._readers[request.source] -= 1
                 self._requests[rid] = _Request()
         self._claimed_in_step = []
 
@@ -354,7 +363,7 @@ class BoundedKVManager(Resource):
         return request is not None and request.host_copy is not None
 
     def offload(self, request_id: str) -> int:
-        """Copy the request's slot to host memory and free the slot; return the bytes reclaimed."""
+        """Copy the request's slot to host memory and free the slot; return the device bytes reclaimed."""
         request = self._requests.get(request_id)
         if request is None or request.slot is None:
             return 0
@@ -362,7 +371,7 @@ class BoundedKVManager(Resource):
         request.host_copy = (k, v)
         self._free.append(request.slot)
         request.slot = None
-        return self.config.slot_bytes
+        return self.cache.nbytes // (self.config.max_slots + 1)
 
     def reload(self, request_id: str) -> bool:
         """Bring an offloaded request back into a free slot, bit-exactly; False while none is free."""
