@@ -1,0 +1,59 @@
+"""Bucketed ahead-of-time compilation: buckets, capture and replay, and the recompile guard."""
+
+from mstar_jax.compile.buckets import (
+    BatchChunk,
+    BatchTooLargeError,
+    Buckets,
+    BucketSet,
+    CombinedRows,
+    NoBucketError,
+    cap_batch_sizes,
+)
+from mstar_jax.compile.capture import (
+    BucketReport,
+    CapturedStep,
+    CaptureReport,
+    ReplayError,
+    capture,
+    configure_persistent_cache,
+    disable_persistent_cache,
+    enable_persistent_cache,
+)
+from mstar_jax.compile.padding import PadAxes, bucket_sizes, measure, pad, unpad
+from mstar_jax.compile.recompile import (
+    CompilationCounter,
+    RecompileError,
+    RecompileWarning,
+    assert_no_compilations,
+    count_compilations,
+    warn_on_compilations,
+)
+
+__all__ = [
+    "BatchChunk",
+    "BatchTooLargeError",
+    "BucketReport",
+    "BucketSet",
+    "Buckets",
+    "CaptureReport",
+    "CapturedStep",
+    "CombinedRows",
+    "CompilationCounter",
+    "NoBucketError",
+    "PadAxes",
+    "RecompileError",
+    "RecompileWarning",
+    "ReplayError",
+    "assert_no_compilations",
+    "bucket_sizes",
+    "cap_batch_sizes",
+    "capture",
+    "configure_persistent_cache",
+    "count_compilations",
+    "disable_persistent_cache",
+    "enable_persistent_cache",
+    "measure",
+    "pad",
+    "unpad",
+    "warn_on_compilations",
+]

@@ -1,0 +1,420 @@
+"""Capture and replay: compile a step for every bucket at load time, then run batches padded to a bucket.
+
+`capture` lowers and compiles the step once per `BucketKey` from abstract arguments
+(`jax.ShapeDtypeStruct` pytrees: nothing is allocated on the device), the state argument donated, and
+returns a `CapturedStep` holding `{BucketKey: jax.stages.Compiled}` plus a `CaptureReport` of compile
+time and compiled memory per bucket. `CapturedStep.replay(bucket, *args)` calls the bucket's program; a
+call with the wrong shapes raises `ReplayError` and never compiles. `replay_padded` pads host arrays up
+to the bucket, replays, and slices the padding off the outputs (see `padding`).
+
+JAX's persistent compilation cache (`enable_persistent_cache`, or `configure_persistent_cache` from a
+deployment's `CompileSettings`) makes a second start load the programs instead of compiling them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import time
+import types
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+from tqdm.auto import tqdm
+
+from mstar_jax.compile.buckets import NoBucketError
+from mstar_jax.compile.padding import bucket_sizes, measure, pad, unpad
+from mstar_jax.compile.recompile import count_compilations
+from mstar_jax.resources.step import BucketKey
+
+__all__ = [
+    "BucketReport",
+    "CaptureReport",
+    "CapturedStep",
+    "ReplayError",
+    "capture",
+    "configure_persistent_cache",
+    "disable_persistent_cache",
+    "enable_persistent_cache",
+]
+
+_MEMORY_FIELDS = {
+    "argument_bytes": "argument_size_in_bytes",
+    "output_bytes": "output_size_in_bytes",
+    "alias_bytes": "alias_size_in_bytes",
+    "temp_bytes": "temp_size_in_bytes",
+    "generated_code_bytes": "generated_code_size_in_bytes",
+}
+
+
+def _check_number(name: str, value: Any, minimum: float, kind: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, kind) or value < minimum:
+        noun = "an int" if kind is int else "a number"
+        raise ValueError(f"{name}={value!r} must be {noun} >= {minimum}")
+
+
+class ReplayError(TypeError):
+    """A captured program was called with arguments it was not compiled for (it never recompiles)."""
+
+
+# -- reports ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BucketReport:
+    """What capturing one bucket cost.
+
+    Attributes:
+      bucket: the bucket.
+      lower_secs: tracing and lowering to StableHLO (never cached across starts).
+      compile_secs: the XLA compile, or the load from the persistent cache.
+      from_cache: whether the program came from the persistent compilation cache.
+      argument_bytes, output_bytes, alias_bytes, temp_bytes, generated_code_bytes: the compiled
+        program's `memory_analysis()`, or None where the backend does not report it. Aliased bytes
+        are outputs that reuse a donated argument's buffer; temp bytes are allocated while it runs.
+    """
+
+    bucket: BucketKey
+    lower_secs: float
+    compile_secs: float
+    from_cache: bool
+    argument_bytes: int | None
+    output_bytes: int | None
+    alias_bytes: int | None
+    temp_bytes: int | None
+    generated_code_bytes: int | None
+
+
+def _memory(compiled: jax.stages.Compiled) -> dict[str, int | None]:
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # backends without the analysis raise (UNIMPLEMENTED) rather than return None
+        stats = None
+    return {ours: getattr(stats, theirs, None) for ours, theirs in _MEMORY_FIELDS.items()}
+
+
+def _size(value: int | None) -> str:
+    if value is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _total(values: Iterable[int | None], combine: Callable[[list[int]], int]) -> int | None:
+    known = [v for v in values if v is not None]
+    return combine(known) if known else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CaptureReport:
+    """Every bucket's `BucketReport`, with totals; `str(report)` is a table.
+
+    Attributes:
+      name: the captured step's name.
+      buckets: one report per bucket, in capture order.
+      wall_secs: wall time of the whole capture (less than the sum when compiling on threads).
+    """
+
+    name: str
+    buckets: tuple[BucketReport, ...]
+    wall_secs: float
+
+    @property
+    def lower_secs(self) -> float:
+        return sum(b.lower_secs for b in self.buckets)
+
+    @property
+    def compile_secs(self) -> float:
+        return sum(b.compile_secs for b in self.buckets)
+
+    @property
+    def cache_hits(self) -> int:
+        return sum(b.from_cache for b in self.buckets)
+
+    @property
+    def generated_code_bytes(self) -> int | None:
+        """Code of every program: they stay loaded together."""
+        return _total((b.generated_code_bytes for b in self.buckets), sum)
+
+    @property
+    def max_temp_bytes(self) -> int | None:
+        """The largest scratch one step needs: programs run one at a time."""
+        return _total((b.temp_bytes for b in self.buckets), max)
+
+    @property
+    def max_argument_bytes(self) -> int | None:
+        return _total((b.argument_bytes for b in self.buckets), max)
+
+    def table(self) -> str:
+        """A plain-text table: one line per bucket, then the totals."""
+        head = ("bucket", "lower s", "compile s", "cache", "args", "out", "alias", "temp", "code")
+        rows = [
+            (
+                str(b.bucket),
+                f"{b.lower_secs:.3f}",
+                f"{b.compile_secs:.3f}",
+                "hit" if b.from_cache else "",
+                *(_size(getattr(b, field)) for field in _MEMORY_FIELDS),
+            )
+            for b in self.buckets
+        ]
+        total = (
+            f"{len(self.buckets)} buckets (wall {self.wall_secs:.2f} s)",
+            f"{self.lower_secs:.3f}",
+            f"{self.compile_secs:.3f}",
+            f"{self.cache_hits} hits",
+            f"max {_size(self.max_argument_bytes)}",
+            "",
+            "",
+            f"max {_size(self.max_temp_bytes)}",
+            _size(self.generated_code_bytes),
+        )
+        widths = [max(len(r[i]) for r in (head, *rows, total)) for i in range(len(head))]
+
+        def line(r):
+            cells = (
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            )
+            return "  ".join(cells)
+
+        rule = "-" * len(line(head))
+        return "\n".join([f"capture of {self.name}", line(head), rule, *map(line, rows), rule, line(total)])
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+# -- capture ----------------------------------------------------------------------------------------
+
+
+def _check_abstract(bucket: BucketKey, args: Any) -> tuple:
+    if not isinstance(args, tuple):
+        raise TypeError(
+            f"abstract_args({bucket}) returned {type(args).__name__}; it must return the step's positional "
+            "arguments as a tuple"
+        )
+    leaves, _ = jax.tree_util.tree_flatten_with_path(args)
+    for path, leaf in leaves:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            where = f"args{jax.tree_util.keystr(path)}"
+            raise TypeError(
+                f"abstract_args({bucket}) gave {where} = {type(leaf).__name__}; every leaf must be a "
+                "jax.ShapeDtypeStruct (capture allocates no dummy arrays: use "
+                "jax.ShapeDtypeStruct(x.shape, x.dtype)); pass Python constants as static_kwargs"
+            )
+    return args
+
+
+def capture(
+    fn: Callable[..., Any],
+    buckets: Iterable[BucketKey],
+    abstract_args: Callable[[BucketKey], tuple],
+    *,
+    static_kwargs: Mapping[str, Any] | None = None,
+    donate_argnums: int | Sequence[int] = (),
+    name: str | None = None,
+    progress: bool = True,
+    max_workers: int = 1,
+) -> CapturedStep:
+    """Compile `fn` ahead of time for every bucket.
+
+    Each bucket runs `jax.jit(fn, donate_argnums=..., static_argnames=...).lower(*abstract_args(bucket),
+    **static_kwargs).compile()`.
+
+    Args:
+      fn: the pure step, `fn(state, *inputs, **static) -> (state, outputs)`.
+      buckets: the buckets to compile (a `BucketSet`, or `Buckets.keys()` filtered to this step's walks).
+      abstract_args: bucket -> the positional arguments as `jax.ShapeDtypeStruct` pytrees. Shardings on
+        them are compiled in; serving must pass arrays with the same shardings.
+      static_kwargs: keyword arguments baked into every program (hashable: configs, flags).
+      donate_argnums: the positional arguments whose buffers the step reuses (the cache).
+      name: for the progress bar and the report (default: `fn.__name__`).
+      progress: show a tqdm progress bar.
+      max_workers: compile this many buckets at once on threads (XLA compiles without the GIL).
+
+    Returns:
+      The `CapturedStep`.
+
+    Raises:
+      ValueError: for no buckets or a bucket given twice. TypeError: for abstract arguments that are
+        not `jax.ShapeDtypeStruct`s.
+    """
+    keys = tuple(buckets)
+    if not keys:
+        raise ValueError("buckets is empty; capture needs at least one BucketKey")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"buckets names a bucket twice: {[str(k) for k in keys]}")
+    _check_number("max_workers", max_workers, 1, int)
+    static = dict(static_kwargs or {})
+    donated = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    label = name or getattr(fn, "__name__", "step")
+    jitted = jax.jit(fn, donate_argnums=donated, static_argnames=tuple(static))
+
+    def build(bucket: BucketKey) -> tuple[jax.stages.Compiled, BucketReport]:
+        args = _check_abstract(bucket, abstract_args(bucket))
+        with count_compilations(current_thread_only=True) as counter:
+            start = time.perf_counter()
+            lowered = jitted.lower(*args, **static)
+            lowered_at = time.perf_counter()
+            compiled = lowered.compile()
+            done = time.perf_counter()
+        report = BucketReport(
+            bucket=bucket, lower_secs=lowered_at - start, compile_secs=done - lowered_at,
+            from_cache=counter.cache_hits > 0, **_memory(compiled),
+        )  # fmt: skip
+        return compiled, report
+
+    start = time.perf_counter()
+    results: dict[BucketKey, tuple[jax.stages.Compiled, BucketReport]] = {}
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers) if max_workers > 1 else contextlib.nullcontext()
+    bar = tqdm(total=len(keys), desc=f"capture {label}", unit="bucket", disable=not progress)
+    with bar, pool as executor:
+        if executor is None:
+            pending = ((key, build(key)) for key in keys)
+        else:
+            futures = {executor.submit(build, key): key for key in keys}
+            pending = ((futures[f], f.result()) for f in concurrent.futures.as_completed(futures))
+        for key, result in pending:
+            results[key] = result
+            bar.set_postfix_str(str(key), refresh=False)
+            bar.update()
+    report = CaptureReport(
+        name=label, buckets=tuple(results[k][1] for k in keys), wall_secs=time.perf_counter() - start
+    )
+    programs = types.MappingProxyType({k: results[k][0] for k in keys})
+    return CapturedStep(name=label, programs=programs, report=report, donate_argnums=donated)
+
+
+# -- replay -----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class CapturedStep:
+    """A step compiled for every bucket.
+
+    Attributes:
+      name: the step's name.
+      programs: bucket -> compiled program (read-only).
+      report: what the capture cost.
+      donate_argnums: the positional arguments each call consumes.
+    """
+
+    name: str
+    programs: Mapping[BucketKey, jax.stages.Compiled]
+    report: CaptureReport
+    donate_argnums: tuple[int, ...] = ()
+
+    def __contains__(self, bucket: object) -> bool:
+        return bucket in self.programs
+
+    def __len__(self) -> int:
+        return len(self.programs)
+
+    @property
+    def buckets(self) -> tuple[BucketKey, ...]:
+        return tuple(self.programs)
+
+    def replay(self, bucket: BucketKey, *args: Any) -> Any:
+        """Run the bucket's program on arguments of exactly its shapes; nothing ever compiles here.
+
+        Raises:
+          NoBucketError: for a bucket that was not captured.
+          ValueError: when a donated argument was already consumed by an earlier call.
+          ReplayError: for arguments of other shapes, dtypes or structure than the bucket's.
+        """
+        program = self.programs.get(bucket)
+        if program is None:
+            captured = [str(b) for b in self.programs]
+            raise NoBucketError(f"bucket {bucket} was not captured for {self.name}; captured: {captured}")
+        for i in self.donate_argnums:
+            if i < len(args) and any(
+                isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(args[i])
+            ):
+                raise ValueError(
+                    f"{self.name} argument {i} was donated to an earlier step and its buffers are gone; pass "
+                    "the state the previous step returned (e.g. cache, out = step.replay(bucket, cache, ...))"
+                )
+        try:
+            return program(*args)
+        except TypeError as err:
+            raise ReplayError(
+                f"{self.name} bucket {bucket} was called with arguments it was not compiled for (a captured "
+                f"program never recompiles): {err}\nPad the batch to the bucket first (pad(..., "
+                "bucket_sizes(bucket)) or replay_padded)."
+            ) from None
+
+    def replay_padded(self, bucket: BucketKey, args: tuple, *, in_axes: Any, out_axes: Any) -> Any:
+        """Pad a batch's host arrays to the bucket, replay, and slice the padding off the outputs.
+
+        Args:
+          bucket: the bucket (e.g. `Buckets.bucket_for(walk, rows, tokens)`).
+          args: the step's positional arguments at their real sizes.
+          in_axes: a prefix of `args` of `PadAxes` (None: passed as is, e.g. the cache).
+          out_axes: a prefix of the outputs of `PadAxes` (None: returned as is, e.g. the new cache).
+
+        Returns:
+          The outputs, per-row leaves as numpy arrays of the real sizes.
+        """
+        sizes = measure(args, in_axes)
+        padded = pad(args, in_axes, bucket_sizes(bucket))
+        return unpad(self.replay(bucket, *padded), out_axes, sizes)
+
+
+# -- persistent compilation cache -------------------------------------------------------------------
+
+
+def _reset_cache() -> None:
+    # JAX decides once per process, at the first compile, whether the persistent cache is on; resetting
+    # makes a directory set after that compile take effect.
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.reset_cache()
+
+
+def enable_persistent_cache(
+    directory: str, *, min_compile_secs: float = 1.0, min_entry_size_bytes: int = 0
+) -> None:
+    """Turn on JAX's persistent compilation cache in `directory` (created if missing).
+
+    Args:
+      directory: where compiled programs are written and looked up. Trusted: whoever can write there
+        can make this process run code.
+      min_compile_secs: programs that compiled faster are not written (0 writes every program).
+      min_entry_size_bytes: smaller programs are not written (0: JAX's default; -1: no limit).
+    """
+    if not isinstance(directory, str) or not directory:
+        raise ValueError(f"directory={directory!r} must be a non-empty str")
+    _check_number("min_compile_secs", min_compile_secs, 0, int | float)
+    _check_number("min_entry_size_bytes", min_entry_size_bytes, -1, int)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_secs))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", min_entry_size_bytes)
+    _reset_cache()
+
+
+def disable_persistent_cache() -> None:
+    """Turn the persistent compilation cache off and restore JAX's default thresholds."""
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _reset_cache()
+
+
+def configure_persistent_cache(settings: Any) -> bool:
+    """Apply a deployment's `CompileSettings` (`persistent_cache_dir`, `persistent_cache_min_compile_secs`).
+
+    Returns:
+      Whether the cache is on (a None directory leaves JAX's configuration untouched).
+    """
+    if settings.persistent_cache_dir is None:
+        return False
+    enable_persistent_cache(
+        settings.persistent_cache_dir, min_compile_secs=settings.persistent_cache_min_compile_secs
+    )
+    return True
