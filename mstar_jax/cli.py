@@ -5,6 +5,8 @@ its parser, and a function that runs it and returns the exit status. A refused d
 with status 2 and the loader's message, never a traceback.
 
     mstar-jax check [CONFIG]    validate a deployment and print what its resources cost
+    mstar-jax run [--config CONFIG] [--output DIR]
+                                serve the deployment's synthetic workload and report on it
 """
 
 from __future__ import annotations
@@ -53,11 +55,36 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", default=None, help=f"deployment YAML file (default: the embedded {DEFAULT_CONFIG.name})"
+    )
+    parser.add_argument(
+        "--output",
+        default="runs/latest",
+        help="directory for report.json and step_latency.png (default: %(default)s)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from mstar_jax.engine.run import run_deployment  # imports JAX and the model only when serving
+
+    deployment = load_deployment(DEFAULT_CONFIG if args.config is None else args.config)
+    report = run_deployment(deployment, output=args.output, progress=not args.no_progress)
+    return 0 if report["streams"]["done"] == report["streams"]["submitted"] else 1
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "check": Subcommand(
         help="validate a deployment and print its resources and what they cost",
         add_arguments=_add_config_argument,
         run=_check,
+    ),
+    "run": Subcommand(
+        help="serve the deployment's synthetic workload of concurrent streams and report on it",
+        add_arguments=_add_run_arguments,
+        run=_run,
     ),
 }
 

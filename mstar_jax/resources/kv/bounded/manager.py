@@ -174,6 +174,10 @@ class BoundedKVManager(Resource):
     def source_length(self, index: int) -> int | None:
         return self._source_lengths.get(index)
 
+    def readers(self, index: int) -> int:
+        """Live requests reading source `index` (offloaded ones included)."""
+        return self._readers[index]
+
     def _check_source_index(self, index: int) -> None:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.bank.num_sources:
             raise ValueError(f"source index={index!r} must be an int in [0, {self.bank.num_sources})")

@@ -1,0 +1,121 @@
+"""From a batch of rows to what a compiled program runs: its bucket, its padded step, its inputs.
+
+A bucket's rows come in groups, one per kernel: a plain bucket has one group of `bs` rows; a combined
+bucket (`CombinedRows`) has its decode rows, then its prefill rows. Each group is padded to its size
+with padding rows: segments of span 0 under reserved ids, which the bounded cache plans as empty
+layouts (they read nothing and write nothing), and inputs of zeros. The plan table, the inputs and the
+outputs all follow that order, so the real rows' outputs are read back group by group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from mstar_jax.compile import Buckets, CombinedRows
+from mstar_jax.engine.request import Stream
+from mstar_jax.engine.scheduler import FlowRow
+from mstar_jax.models.streaming_tts.model import FLOW_CHUNK, TALKER_DECODE, TALKER_MIXED, TALKER_PREFILL
+from mstar_jax.resources.kv.bounded.config import BoundedKVStep
+from mstar_jax.resources.step import BucketKey, Segment, SlotLease, StepContext
+
+__all__ = ["PAD", "choose_bucket", "declare", "row_groups", "row_outputs", "step_inputs"]
+
+PAD = "\x00pad"
+"""Prefix of padding rows' ids; no request id may start with it."""
+
+
+def choose_bucket(buckets: Buckets, node: str, rows: Sequence) -> tuple[str, BucketKey]:
+    """The walk of `rows` and its tightest bucket.
+
+    Talker rows run as decode (one token each), prefill (chunks), or both at once on the combined walk;
+    flow rows run as chunks.
+    """
+    if node == "flow":
+        return FLOW_CHUNK, buckets.bucket_for(FLOW_CHUNK, len(rows), max(r.span for r in rows))
+    prefill = [r for r in rows if not r.decode]
+    if prefill and len(prefill) < len(rows):
+        tokens = max(r.span for r in prefill)
+        return TALKER_MIXED, buckets.bucket_for(TALKER_MIXED, len(rows), tokens, prefill_rows=len(prefill))
+    if not prefill:
+        return TALKER_DECODE, buckets.bucket_for(TALKER_DECODE, len(rows), 1)
+    return TALKER_PREFILL, buckets.bucket_for(TALKER_PREFILL, len(rows), max(r.span for r in rows))
+
+
+def row_groups(bucket: BucketKey, rows: Sequence) -> list[tuple[list, int]]:
+    """`rows` split per kernel, each with the bucket's row count for it (decode, then prefill)."""
+    if isinstance(bucket.cg_key_info, CombinedRows):
+        decode = [r for r in rows if r.decode]
+        prefill = [r for r in rows if not r.decode]
+        return [(decode, bucket.cg_key_info.decode_rows), (prefill, bucket.cg_key_info.prefill_rows)]
+    return [(list(rows), bucket.bs)]
+
+
+def declare(
+    walk: str, bucket: BucketKey, rows: Sequence, *, written: Callable[[Stream], int]
+) -> tuple[BoundedKVStep, StepContext, list]:
+    """The cache step of `rows`, padded to `bucket`, and its context (leased to the bucket).
+
+    Args:
+      walk, bucket: from `choose_bucket`.
+      rows: `TalkerRow`s or `FlowRow`s.
+      written: a stream's entries already committed to this node's cache.
+
+    Returns:
+      (step, ctx, the rows in bucket order).
+    """
+    segments, positions, step_tokens, pads, ordered = [], {}, {}, [], []
+    for group, size in row_groups(bucket, rows):
+        for row in group:
+            stream = row.stream
+            segments.append(Segment(stream.request_id, "main", row.span))
+            positions[stream.request_id] = stream.request.voice.position(written(stream))
+            step_tokens[stream.request_id] = row.span
+            ordered.append(row)
+        for _ in range(size - len(group)):
+            pads.append(f"{PAD}{len(pads)}")
+            segments.append(Segment(pads[-1], "main", 0))
+    real = [r.stream.request_id for r in ordered]
+    ctx = StepContext(real, walk, 0, capture=False, slot_lease=SlotLease(0, bucket))
+    ctx.set_padded_rids(real + pads)
+    return BoundedKVStep(tuple(segments), positions, step_tokens), ctx, ordered
+
+
+def step_inputs(bucket: BucketKey, rows: Sequence) -> tuple[np.ndarray, ...]:
+    """The program's inputs after `(params, cache, bank, plan)`, padded to the bucket (host numpy).
+
+    Talker walks: `tokens i32[B, T], lengths i32[B], seeds u32[B]`; the combined walk: decode tokens and
+    lengths, prefill tokens and lengths, then every row's seed; the flow: `codes i32[B, T], seeds u32[B]`.
+    """
+
+    def block(group, size, tokens):
+        ids = np.zeros((size, tokens), np.int32)
+        lengths = np.zeros(size, np.int32)
+        seeds = np.zeros(size, np.uint32)
+        for i, row in enumerate(group):
+            values = row.codes if isinstance(row, FlowRow) else row.tokens
+            ids[i, : len(values)] = values
+            lengths[i] = len(values)
+            seeds[i] = row.stream.request.seed
+        return ids, lengths, seeds
+
+    groups = row_groups(bucket, rows)
+    if bucket.graph_walk == FLOW_CHUNK:
+        ids, _, seeds = block(*groups[0], bucket.num_tokens)
+        return ids, seeds
+    if bucket.graph_walk == TALKER_MIXED:
+        (decode, d), (prefill, p) = groups
+        d_ids, d_len, d_seeds = block(decode, d, 1)
+        p_ids, p_len, p_seeds = block(prefill, p, bucket.num_tokens)
+        return d_ids, d_len, p_ids, p_len, np.concatenate([d_seeds, p_seeds])
+    return block(*groups[0], bucket.num_tokens)
+
+
+def row_outputs(bucket: BucketKey, rows: Sequence, per_row: np.ndarray) -> list:
+    """The real rows' entries of a per-row output, in `rows` order (each group is padded)."""
+    out, offset = [], 0
+    for group, size in row_groups(bucket, rows):
+        out.extend(per_row[offset : offset + len(group)])
+        offset += size
+    return out

@@ -1,0 +1,540 @@
+"""The engine loop: requests in, batches per graph walk through the resources and the captured programs,
+audio out per request.
+
+Each `step()` runs at most one talker step (prefill, decode, or a combined prefill+decode step) and
+one flow step. A step goes: form the rows (`scheduler`), pick the tightest captured bucket, declare a
+`BoundedKVStep` padded to it, admit it through the node's `ResourceRunner`, plan, replay the bucket's
+compiled program on the donated cache, commit, and hand each request its output.
+
+Admission answers (DESIGN §4):
+
+- `AllocationFailed` (no free slot): offload an idle stream (paused by its client) from the resource
+  that ran out and retry; with none to offload, hold the refused request for `hold_backoff_s` and run
+  the others.
+- `RequestOffloading` (the request's state is on the host): reload it and retry; if it does not fit
+  yet, treat it as `AllocationFailed`.
+- `AdmitRuntimeError` (terminal): find the request(s) it is about by admitting each row alone, fail
+  them with the resource's message, and run the others.
+
+Cancelling or finishing a request returns its slots at once. Nothing compiles after `warm_up()`: every
+step replays a program captured at load time, and a step that compiles anyway warns
+(`RecompileWarning`) and is counted in `compilations`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from mstar_jax.compile import (
+    cap_batch_sizes,
+    configure_persistent_cache,
+    count_compilations,
+    warn_on_compilations,
+)
+from mstar_jax.engine import batch
+from mstar_jax.engine.programs import TTSPrograms, tts_buckets
+from mstar_jax.engine.request import AudioChunk, Phase, Stream, TTSRequest
+from mstar_jax.engine.scheduler import FlowRow, TalkerRow, flow_rows, talker_rows
+from mstar_jax.models.streaming_tts.model import (
+    FLOW_CHUNK,
+    SAMPLES_PER_FRAME,
+    TALKER_MIXED,
+    TALKER_PREFILL,
+    StreamingTTSModel,
+)
+from mstar_jax.models.streaming_tts.voices import Voice, VoiceBank
+from mstar_jax.resources.kv.bounded.config import BoundedKVStep
+from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+from mstar_jax.resources.runner import ResourceRunner
+from mstar_jax.resources.step import (
+    AdmitRuntimeError,
+    AllocationFailed,
+    BucketKey,
+    RequestOffloading,
+    Segment,
+    StepContext,
+    SubmoduleStep,
+)
+
+__all__ = ["FLOW_KV", "TALKER_KV", "Engine", "StepRecord"]
+
+TALKER_KV, FLOW_KV = "talker_kv", "flow_kv"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One engine step, for reports.
+
+    Attributes:
+      walk: the graph walk.
+      bucket: the bucket it replayed.
+      rows: real rows.
+      started: clock time at its start.
+      latency: seconds from forming the batch to its outputs on the host.
+      positions: each real row's stream length (entries written) when the step started.
+      compilations: programs compiled during it (0 after warm-up).
+      request_ids: the real rows' requests.
+    """
+
+    walk: str
+    bucket: BucketKey
+    rows: int
+    started: float
+    latency: float
+    positions: tuple[int, ...]
+    compilations: int
+    request_ids: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Node:
+    """One graph node: its runner and the one bounded cache it uses."""
+
+    name: str
+    key: str
+    runner: ResourceRunner
+    manager: BoundedKVManager
+
+
+class Engine:
+    """Serves streaming TTS requests on one host.
+
+    Args:
+      model: the step functions and weights.
+      talker, flow: the two caches' managers (geometry as the programs were captured for).
+      programs: the captured programs (`TTSPrograms.capture`); they may be shared between engines.
+      max_batch: most rows in one step (at most the largest bucket).
+      hold_backoff_s: how long a request refused for lack of room waits before it is retried.
+      offload_idle_after_s: streams no step has touched for this long move to host memory (None:
+        never; paused streams are still offloaded when a new request needs their slot).
+      clock: the time source (`time.perf_counter`).
+    """
+
+    def __init__(
+        self,
+        model: StreamingTTSModel,
+        *,
+        talker: BoundedKVManager,
+        flow: BoundedKVManager,
+        programs: TTSPrograms,
+        max_batch: int,
+        hold_backoff_s: float = 0.005,
+        offload_idle_after_s: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        largest = min(programs.buckets.max_batch(walk) for walk in programs.buckets.walks)
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= largest:
+            raise ValueError(f"max_batch={max_batch!r} must be an int in [1, {largest}] (the largest bucket)")
+        self.model, self.programs, self.max_batch = model, programs, max_batch
+        self.hold_backoff_s, self.offload_idle_after_s, self.clock = (
+            hold_backoff_s,
+            offload_idle_after_s,
+            clock,
+        )
+        self.talker, self.flow = talker, flow
+        self.nodes = {
+            "talker": _Node("talker", TALKER_KV, ResourceRunner({TALKER_KV: talker}), talker),
+            "flow": _Node("flow", FLOW_KV, ResourceRunner({FLOW_KV: flow}), flow),
+        }
+        self.voices = VoiceBank(model, talker, flow)
+        self.streams: dict[str, Stream] = {}  # live, in arrival order
+        self.finished: dict[str, Stream] = {}
+        self.records: list[StepRecord] = []
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.compilations = 0  # after warm-up
+        self.warmup_compilations = 0
+        self.warmed_up = False
+        buckets = programs.buckets
+        self._prefill_tokens = buckets.max_tokens(TALKER_PREFILL)
+        self._prefill_room = buckets[TALKER_MIXED].prefill_rows[-1] if TALKER_MIXED in buckets else 0
+        self._flow_chunk = min(model.config.flow_chunk, buckets.max_tokens(FLOW_CHUNK))
+
+    @classmethod
+    def from_deployment(
+        cls,
+        deployment: Any,
+        *,
+        progress: bool = True,
+        implementation: str = "auto",
+        interpret: Any = False,
+        max_workers: int | None = None,
+        num_voices: int | None = None,
+        max_prefill_rows_in_combined: int | None = 1,
+    ) -> Engine:
+        """Build the model, its caches and every bucket's program from a `Deployment`, then warm up.
+
+        Args:
+          deployment: a `mstar_jax.deployment.Deployment` of the `streaming_tts` model.
+          progress: show capture progress bars.
+          implementation, interpret: the attention implementation (see `sink_window_attention`).
+          max_workers: buckets compiled at once (default: the host's cores, at most 8).
+          num_voices: source-bank entries per cache (default: the workload's voices, at least 8).
+          max_prefill_rows_in_combined: prefill rows a combined step makes room for.
+        """
+        config = deployment.model_config
+        sources = num_voices or max(8, deployment.workload.voices)
+        talker = BoundedKVManager(deployment.spec(TALKER_KV), num_sources=sources)
+        flow = BoundedKVManager(deployment.spec(FLOW_KV), num_sources=sources)
+        model = StreamingTTSModel(
+            config,
+            talker_kv=talker.config,
+            flow_kv=flow.config,
+            implementation=implementation,
+            interpret=interpret,
+        )
+        max_batch = deployment.engine.max_batch
+        buckets = tts_buckets(
+            batch_sizes=cap_batch_sizes(deployment.batch_sizes, max_batch),
+            token_counts=deployment.token_counts,
+            flow_chunk=config.flow_chunk,
+            max_prefill_rows_in_combined=max_prefill_rows_in_combined,
+        )
+        configure_persistent_cache(deployment.compile)
+        workers = max_workers or max(1, min(8, os.cpu_count() or 1))
+        programs = TTSPrograms.capture(
+            model, buckets, talker=talker, flow=flow, progress=progress, max_workers=workers
+        )
+        engine = cls(
+            model, talker=talker, flow=flow, programs=programs, max_batch=max_batch,
+            hold_backoff_s=deployment.engine.hold_backoff_s,
+            offload_idle_after_s=deployment.engine.offload_idle_after_s,
+        )  # fmt: skip
+        engine.warm_up()
+        return engine
+
+    # -- voices and warm-up -------------------------------------------------------------------------
+
+    def add_voice(self, index: int, *, frames: int, seed: int) -> Voice:
+        """Register a random voice prompt (see `VoiceBank.add`); after warm-up this compiles nothing."""
+        with count_compilations() as counter:
+            voice = self.voices.add(index, frames=frames, seed=seed)
+        if self.warmed_up:
+            self.compilations += counter.count
+        return voice
+
+    def warm_up(self) -> int:
+        """Compile what serving calls besides the captured steps: voice registration, offload, reload.
+
+        Runs on an idle engine (it borrows a slot of each cache). Returns the compilations it caused;
+        from here on `compilations` counts any compilation a step causes.
+        """
+        if self.streams:
+            raise RuntimeError("warm_up() runs on an idle engine; call it before submitting requests")
+        with count_compilations() as counter:
+            temporary = None
+            voice = next(iter(self.voices.voices.values()), None)
+            if voice is None:
+                temporary = self.voices.capacity - 1
+                voice = self.add_voice(temporary, frames=self.model.config.min_voice_frames, seed=0)
+            rid = f"{batch.PAD}warmup"
+            for node in self.nodes.values():
+                node.runner.ingest_request(rid)
+                step = BoundedKVStep((Segment(rid, "main", 0),), {rid: voice.position(0)}, {rid: 1})
+                sub = self._submodule(node, step, StepContext([rid], "warmup", 0, capture=False))
+                if not node.runner.admit(sub).ok:
+                    raise RuntimeError(f"warm_up could not borrow a {node.key} slot; is the engine idle?")
+                node.runner.commit(sub)
+                node.runner.offload(rid)
+                node.runner.reload(rid)
+                node.runner.remove_request(rid)
+            if temporary is not None:
+                self.voices.remove(temporary)
+        self.warmed_up = True
+        self.compilations = 0
+        self.warmup_compilations = counter.count
+        return counter.count
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def submit(self, request: TTSRequest, *, on_chunk: Callable[[AudioChunk], None] | None = None) -> Stream:
+        """Queue a request; its stream fills as steps run.
+
+        Raises:
+          ValueError: a duplicate or reserved request id, or text tokens outside the text vocabulary;
+            nothing is queued then.
+        """
+        rid = request.request_id
+        if rid in self.streams or rid.startswith(batch.PAD):
+            raise ValueError(f"request_id={rid!r} is already live or reserved; use a unique id")
+        vocab = self.model.config.text_vocab_size
+        bad = [t for t in request.text if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"request {rid!r}: text tokens {bad[:5]} are outside [0, text_vocab_size={vocab})"
+            )
+        stream = Stream(request, on_chunk=on_chunk, submitted_at=self.clock())
+        stream.last_step_at = stream.submitted_at
+        for node in self.nodes.values():
+            node.runner.ingest_request(rid)
+        self.streams[rid] = stream
+        self.finished.pop(rid, None)
+        return stream
+
+    def stream(self, request: TTSRequest) -> Iterator[AudioChunk]:
+        """Submit `request` and yield its audio chunks as the engine produces them (driving it).
+
+        Raises:
+          RuntimeError: when the request fails or is cancelled, with the reason.
+        """
+        stream = self.submit(request)
+        sent = 0
+        while True:
+            while sent < len(stream.chunks):
+                yield stream.chunks[sent]
+                sent += 1
+            if stream.phase.finished:
+                if stream.phase is not Phase.DONE:
+                    raise RuntimeError(f"request {request.request_id!r} {stream.phase.value}: {stream.error}")
+                return
+            if not self.step():
+                self._sleep_until_runnable()
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request and return everything it holds."""
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            self._finish(stream, Phase.CANCELLED, "cancelled by the client")
+
+    def pause(self, request_id: str) -> None:
+        """Stop scheduling a stream (its client is not reading); its slots may be offloaded."""
+        self.streams[request_id].paused = True
+
+    def resume(self, request_id: str) -> None:
+        self.streams[request_id].paused = False
+
+    def offload(self, request_id: str) -> int:
+        """Move a request's cache state to host memory now; return the device bytes freed."""
+        freed = sum(node.runner.offload(request_id) for node in self.nodes.values())
+        self.counters["offloads"] += freed > 0
+        return freed
+
+    def is_offloaded(self, request_id: str) -> bool:
+        return any(node.runner.is_offloaded(request_id) for node in self.nodes.values())
+
+    @property
+    def idle(self) -> bool:
+        return not self.streams
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One scheduler iteration: a talker step and a flow step where there is work. True if any ran."""
+        now = self.clock()
+        if self.offload_idle_after_s is not None:
+            self._offload_idle(now)
+        live = list(self.streams.values())
+        decode, prefill = talker_rows(
+            live, now=now, max_batch=self.max_batch, prefill_tokens=self._prefill_tokens,
+            prefill_room=self._prefill_room, bos=self.model.bos, text_vocab=self.model.text_vocab,
+        )  # fmt: skip
+        ran = False
+        if decode or prefill:
+            ran |= self._run(self.nodes["talker"], decode + prefill)
+        rows = flow_rows(
+            self.streams.values(), now=self.clock(), max_batch=self.max_batch, chunk=self._flow_chunk
+        )
+        if rows:
+            ran |= self._run(self.nodes["flow"], rows)
+        return ran
+
+    def run_until_idle(self, *, max_steps: int | None = None) -> int:
+        """Step until every stream finished (paused ones excepted); return the steps run."""
+        steps = 0
+        while self.streams and (max_steps is None or steps < max_steps):
+            if not any(not s.paused for s in self.streams.values()):
+                break
+            if self.step():
+                steps += 1
+            else:
+                self._sleep_until_runnable()
+        return steps
+
+    def _sleep_until_runnable(self) -> None:
+        holds = [s.hold_until for s in self.streams.values() if not s.paused]
+        wait = (min(holds) - self.clock()) if holds else 0.0
+        time.sleep(min(max(wait, 0.0), self.hold_backoff_s) or 1e-4)
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def _run(self, node: _Node, rows: list) -> bool:
+        started = self.clock()
+        admitted = self._admit(node, rows)
+        if admitted is None:
+            return False
+        sub, bucket, rows = admitted
+        plan = node.runner.plan(sub)[node.key]
+        params = self.model.talker_params if node.name == "talker" else self.model.flow_params
+        inputs = batch.step_inputs(bucket, rows)
+        positions = tuple(r.stream.written_in(node.name) for r in rows)
+        try:
+            with warn_on_compilations(f"engine step {bucket}") as counter:
+                cache, outputs = self.programs.steps[bucket.graph_walk].replay(
+                    bucket, params, node.manager.cache, node.manager.bank, plan, *inputs
+                )
+                outputs = jax.device_get(outputs)
+        except BaseException:
+            node.runner.abort_step(sub)
+            raise
+        node.manager.cache = cache
+        node.runner.commit(sub)
+        now = self.clock()
+        if self.warmed_up:
+            self.compilations += counter.count
+        rids = tuple(r.stream.request_id for r in rows)
+        self.records.append(
+            StepRecord(
+                bucket.graph_walk, bucket, len(rows), started, now - started, positions, counter.count, rids
+            )
+        )
+        if node.name == "talker":
+            self._after_talker(rows, bucket, outputs, now)
+        else:
+            self._after_flow(rows, outputs, now)
+        return True
+
+    def _declare(self, node: _Node, rows: Sequence) -> tuple[SubmoduleStep, BucketKey, list]:
+        """The step of `rows` padded to its tightest bucket, its rows in the bucket's order."""
+        walk, bucket = batch.choose_bucket(self.programs.buckets, node.name, rows)
+        step, ctx, ordered = batch.declare(walk, bucket, rows, written=lambda s: s.written_in(node.name))
+        return self._submodule(node, step, ctx), bucket, ordered
+
+    @staticmethod
+    def _submodule(node: _Node, step: BoundedKVStep, ctx: StepContext) -> SubmoduleStep:
+        sub = SubmoduleStep({node.key: step})
+        sub.set_ctx(ctx)
+        return sub
+
+    def _admit(self, node: _Node, rows: list) -> tuple[SubmoduleStep, BucketKey, list] | None:
+        """Admit the largest part of `rows` the resources accept, handling each refusal (module doc)."""
+        while rows:
+            sub, bucket, rows = self._declare(node, rows)
+            full = node.runner.admit(sub)
+            if full.ok and full.ready:
+                return sub, bucket, rows
+            reason, rids = full.reason, {r.stream.request_id for r in rows}
+            if not full.ok and isinstance(reason, AllocationFailed):
+                self.counters["allocation_failed"] += 1
+                if self._evict(node, full.failed_resource, exclude=rids):
+                    continue
+                rows = self._hold(rows, {reason.request_id})
+            elif not full.ok and isinstance(reason, RequestOffloading):
+                if node.runner.reload(reason.request_id) or (
+                    self._evict(node, full.failed_resource, exclude=rids)
+                    and node.runner.reload(reason.request_id)
+                ):
+                    self.counters["reloads"] += 1
+                    continue
+                rows = self._hold(rows, {reason.request_id})
+            elif not full.ok and isinstance(reason, AdmitRuntimeError):
+                culprits = self._terminal_rows(node, rows)
+                if not culprits:  # the batch alone is refused: give up on it rather than loop
+                    culprits = dict.fromkeys(rids, reason.message)
+                for rid, message in culprits.items():
+                    self._finish(
+                        self.streams[rid],
+                        Phase.FAILED,
+                        f"resource {full.failed_resource!r} rejected the request: {message}",
+                    )
+                rows = [r for r in rows if r.stream.request_id not in culprits]
+            else:  # admitted but not ready (or an unknown refusal): everyone waits
+                rows = self._hold(rows, rids)
+        return None
+
+    def _terminal_rows(self, node: _Node, rows: list) -> dict[str, str]:
+        """Admit each row alone (then abort it) to find those refused for good, with their messages."""
+        culprits = {}
+        for row in rows:
+            sub, _, _ = self._declare(node, [row])
+            full = node.runner.admit(sub)
+            if full.ok:
+                node.runner.abort_step(sub)
+            elif isinstance(full.reason, AdmitRuntimeError):
+                culprits[row.stream.request_id] = full.reason.message
+        return culprits
+
+    def _hold(self, rows: list, rids: set[str]) -> list:
+        until = self.clock() + self.hold_backoff_s
+        for rid in rids:
+            self.streams[rid].hold_until = until
+            self.counters["holds"] += 1
+        return [r for r in rows if r.stream.request_id not in rids]
+
+    def _evict(self, node: _Node, key: str | None, *, exclude: set[str]) -> bool:
+        """Offload the least recently stepped paused stream holding a slot of `key`; True if one was."""
+        manager = node.runner[key or node.key]
+        victims = [
+            s for s in self.streams.values()
+            if s.paused and s.request_id not in exclude and manager.slot_of(s.request_id) is not None
+        ]  # fmt: skip
+        if not victims:
+            return False
+        victim = min(victims, key=lambda s: s.last_step_at)
+        node.runner.offload(victim.request_id, keys=[key or node.key])
+        self.counters["offloads"] += 1
+        return True
+
+    def _offload_idle(self, now: float) -> None:
+        for stream in self.streams.values():
+            if now - stream.last_step_at >= self.offload_idle_after_s:
+                for node in self.nodes.values():
+                    if node.manager.slot_of(stream.request_id) is not None:
+                        node.runner.offload(stream.request_id)
+                        self.counters["offloads"] += 1
+
+    # -- outputs ----------------------------------------------------------------------------------
+
+    def _after_talker(self, rows: list[TalkerRow], bucket: BucketKey, codes: np.ndarray, now: float) -> None:
+        for row, code in zip(rows, batch.row_outputs(bucket, rows, codes), strict=True):
+            stream = row.stream
+            stream.talker_written += row.span
+            stream.last_step_at = now
+            if row.decode:
+                stream.codes.append(int(code))
+            else:
+                stream.prefilled += row.span
+                stream.phase = Phase.PREFILL
+                if stream.prefilled == stream.prompt_len:
+                    stream.codes.append(int(code))
+                    stream.phase = Phase.DECODE
+            if stream.talker_done:
+                stream.phase = Phase.FLUSH
+                self.nodes["talker"].runner.remove_request(stream.request_id)  # its talker slot is free now
+
+    def _after_flow(self, rows: list[FlowRow], outputs: tuple[np.ndarray, np.ndarray], now: float) -> None:
+        mel, samples = outputs
+        for i, row in enumerate(rows):
+            stream, span = row.stream, row.span
+            chunk = AudioChunk(
+                first_frame=row.start, codes=np.asarray(row.codes, np.int32), mel=mel[i, :span],
+                samples=samples[i, : span * SAMPLES_PER_FRAME],
+            )  # fmt: skip
+            stream.flow_written += span
+            stream.last_step_at = now
+            stream.chunks.append(chunk)
+            if stream.first_audio_at is None:
+                stream.first_audio_at = now
+            if stream.on_chunk is not None:
+                try:
+                    stream.on_chunk(chunk)
+                except Exception as err:  # a client's callback must not stop the other streams
+                    self._finish(stream, Phase.FAILED, f"on_chunk callback raised {err!r}")
+                    continue
+            if stream.talker_done and stream.flow_written == stream.request.frames:
+                self._finish(stream, Phase.DONE, None)
+
+    def _finish(self, stream: Stream, phase: Phase, error: str | None) -> None:
+        rid = stream.request_id
+        for node in self.nodes.values():
+            node.runner.remove_request(rid)
+        stream.phase, stream.error, stream.finished_at = phase, error, self.clock()
+        self.streams.pop(rid, None)
+        self.finished[rid] = stream
+        self.counters[phase.value] += 1

@@ -1,0 +1,175 @@
+"""The streaming TTS model's compiled programs: one per graph walk and bucket, captured at load time.
+
+Walks and their buckets (`B` the batch sizes):
+
+- `talker_decode`: B x (1,);
+- `talker_prefill`: B x (the largest token count,): prompts are read in chunks of that many tokens,
+  a shorter last chunk padded (one program per batch size rather than one per token count: on a
+  CPU each costs seconds to compile);
+- `talker_mixed`: the combined walk, B x the prefill token counts, each bucket with room for
+  `max_prefill_rows(B)` prefill rows beside its B decode rows;
+- `flow_chunk`: B x (the smallest token count holding a whole flow chunk,).
+
+Every program takes `(params, cache, bank, plan, *inputs)` with the cache donated, so `TTSPrograms`
+built for one cache geometry serve any engine whose managers have that geometry (tests share them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.sink_window_attention import table as tbl
+from mstar_jax.compile import Buckets, BucketSet, CapturedStep, CaptureReport, CombinedRows, capture
+from mstar_jax.models.streaming_tts.model import (
+    FLOW_CHUNK,
+    MIXED_SPLIT,
+    TALKER_DECODE,
+    TALKER_MIXED,
+    TALKER_PREFILL,
+    StreamingTTSModel,
+)
+from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan
+from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+from mstar_jax.resources.step import BucketKey
+
+__all__ = ["TTSPrograms", "tts_buckets"]
+
+WALKS = (TALKER_DECODE, TALKER_PREFILL, TALKER_MIXED, FLOW_CHUNK)
+
+
+def tts_buckets(
+    *,
+    batch_sizes: Sequence[int],
+    token_counts: Sequence[int],
+    flow_chunk: int,
+    max_prefill_rows_in_combined: int | None = 1,
+) -> Buckets:
+    """The buckets of the four walks.
+
+    Args:
+      batch_sizes: rows per program, strictly increasing (the largest is the engine's max batch).
+      token_counts: per-row token buckets, strictly increasing; the largest is the prefill chunk size.
+      flow_chunk: frames per flow chunk; the flow compiles at the smallest token count holding it.
+      max_prefill_rows_in_combined: prefill rows a combined step makes room for (None: as many as it
+        has rows).
+
+    Raises:
+      ValueError: when no token count holds a flow chunk.
+    """
+    prefill_tokens = (max(token_counts),)
+    flow_tokens = [t for t in token_counts if t >= flow_chunk]
+    if not flow_tokens:
+        raise ValueError(
+            f"token_counts={list(token_counts)} has no bucket of >= flow_chunk={flow_chunk} frames; add "
+            f"{flow_chunk} to compile.token_counts"
+        )
+    return Buckets(
+        (
+            BucketSet(graph_walk=TALKER_DECODE, batch_sizes=tuple(batch_sizes), token_counts=(1,)),
+            BucketSet(graph_walk=TALKER_PREFILL, batch_sizes=tuple(batch_sizes), token_counts=prefill_tokens),
+            BucketSet.combined(
+                MIXED_SPLIT,
+                batch_sizes=batch_sizes,
+                token_counts=prefill_tokens,
+                max_rows_in_combined={TALKER_PREFILL: max_prefill_rows_in_combined},
+            ),
+            BucketSet(graph_walk=FLOW_CHUNK, batch_sizes=tuple(batch_sizes), token_counts=(flow_tokens[0],)),
+        )
+    )
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _s(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TTSPrograms:
+    """Every walk's `CapturedStep`, and the buckets they were captured for.
+
+    Build with `TTSPrograms.capture`.
+    """
+
+    buckets: Buckets
+    steps: dict[str, CapturedStep]
+
+    @classmethod
+    def capture(
+        cls,
+        model: StreamingTTSModel,
+        buckets: Buckets,
+        *,
+        talker: BoundedKVManager,
+        flow: BoundedKVManager,
+        progress: bool = True,
+        max_workers: int = 1,
+    ) -> TTSPrograms:
+        """Compile every bucket of every walk ahead of time, from abstract arguments only.
+
+        Args:
+          model: the step functions.
+          buckets: from `tts_buckets`.
+          talker, flow: managers whose cache and bank shapes the programs are compiled for.
+          progress: one tqdm bar per walk.
+          max_workers: buckets compiled at once (threads; XLA compiles without the GIL).
+        """
+        talker_state = (_abstract(model.talker_params), _abstract(talker.cache), _abstract(talker.bank))
+        flow_state = (_abstract(model.flow_params), _abstract(flow.cache), _abstract(flow.bank))
+        i32, u32 = jnp.int32, jnp.uint32
+        plan = lambda rows: BoundedKVPlan(_s((rows, tbl.ROW_INTS), i32))  # noqa: E731
+
+        def plain(key: BucketKey) -> tuple:
+            bs, t = key.bs, key.num_tokens
+            return (
+                *talker_state,
+                plan(bs),
+                _s((bs, t), i32),
+                _s((bs,), i32),
+                _s((bs,), u32),
+            )
+
+        def mixed(key: BucketKey) -> tuple:
+            rows: CombinedRows = key.cg_key_info
+            d, p, t = rows.decode_rows, rows.prefill_rows, key.num_tokens
+            return (
+                *talker_state, plan(d + p), _s((d, 1), i32), _s((d,), i32),
+                _s((p, t), i32), _s((p,), i32), _s((d + p,), u32),
+            )  # fmt: skip
+
+        def chunk(key: BucketKey) -> tuple:
+            bs, t = key.bs, key.num_tokens
+            return (*flow_state, plan(bs), _s((bs, t), i32), _s((bs,), u32))
+
+        plans = {
+            TALKER_DECODE: (model.talker_step, plain),
+            TALKER_PREFILL: (model.talker_step, plain),
+            TALKER_MIXED: (model.talker_combined_step, mixed),
+            FLOW_CHUNK: (model.flow_step, chunk),
+        }
+        steps = {}
+        for walk in buckets.walks:
+            fn, abstract = plans[walk]
+            steps[walk] = capture(
+                fn, buckets[walk].keys(), abstract, donate_argnums=1, name=walk, progress=progress,
+                max_workers=max_workers,
+            )  # fmt: skip
+        return cls(buckets=buckets, steps=steps)
+
+    @property
+    def reports(self) -> list[CaptureReport]:
+        return [step.report for step in self.steps.values()]
+
+    @property
+    def compile_secs(self) -> float:
+        return sum(report.compile_secs + report.lower_secs for report in self.reports)
+
+    @property
+    def wall_secs(self) -> float:
+        return sum(report.wall_secs for report in self.reports)

@@ -1,0 +1,150 @@
+"""A speech request and its stream: what a client submits, and what it reads back as audio arrives.
+
+A request goes through the talker (its text, then one codec frame per step) and the flow decoder
+(chunks of frames to mel and samples). `Stream` is the client's handle: a state, the audio chunks in
+order, per-request timings, and an optional callback per chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+
+import numpy as np
+
+from mstar_jax.models.streaming_tts.voices import Voice
+
+__all__ = ["AudioChunk", "Phase", "Stream", "TTSRequest"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TTSRequest:
+    """What a client asks for: speak `text` in `voice` for `frames` codec frames.
+
+    Attributes:
+      request_id: unique among live requests.
+      text: i32[tokens] text token ids (at least one).
+      voice: the registered voice to speak with (its index in the source banks and its length).
+      frames: codec frames to generate (12.5 per second of audio).
+      seed: sampling seed; the same request with the same seed gives the same audio.
+    """
+
+    request_id: str
+    text: tuple[int, ...]
+    voice: Voice
+    frames: int
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "text", tuple(int(t) for t in np.asarray(self.text).reshape(-1)))
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id={self.request_id!r} must be a non-empty str")
+        if not self.text:
+            raise ValueError(f"request {self.request_id!r}: text is empty; it needs at least one token")
+        if isinstance(self.frames, bool) or not isinstance(self.frames, int) or self.frames < 1:
+            raise ValueError(f"request {self.request_id!r}: frames={self.frames!r} must be an int >= 1")
+        if not isinstance(self.voice, Voice):
+            raise TypeError(
+                f"request {self.request_id!r}: voice={self.voice!r} must be a Voice (VoiceBank.add)"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"request {self.request_id!r}: seed={self.seed!r} must be an int in [0, 2**32)")
+
+
+class Phase(enum.Enum):
+    """Where a request stands."""
+
+    WAITING = "waiting"  # submitted, no step admitted yet
+    PREFILL = "prefill"  # the talker is reading its text
+    DECODE = "decode"  # the talker is writing frames (the flow follows behind)
+    FLUSH = "flush"  # the talker is done; the flow decodes what is left
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in (Phase.DONE, Phase.FAILED, Phase.CANCELLED)
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioChunk:
+    """One flow chunk's output for one request.
+
+    Attributes:
+      first_frame: index of its first codec frame in the request's output.
+      codes: i32[T] the codec frames it decodes.
+      mel: f32[T, M] their mel frames.
+      samples: f32[T * samples_per_frame] audio.
+    """
+
+    first_frame: int
+    codes: np.ndarray
+    mel: np.ndarray
+    samples: np.ndarray
+
+
+@dataclasses.dataclass(eq=False)
+class Stream:
+    """A request's progress and output, owned by the engine; clients read it.
+
+    Attributes:
+      request: what was asked.
+      phase: where it stands.
+      error: why it failed (the refusing resource's message), else None.
+      codes: the codec frames generated so far.
+      chunks: the audio chunks decoded so far, in order.
+      on_chunk: called with each new chunk (from the engine's thread).
+      submitted_at, first_audio_at, finished_at: `time.perf_counter()` stamps (None until they happen).
+      prefilled: prompt tokens (text, then BOS) the talker has read.
+      talker_written, flow_written: entries committed to each cache.
+      paused: the client is not reading; the engine schedules nothing for it.
+      last_step_at: when a step last ran for it (for idle offloading).
+      hold_until: the engine retries its admission from then on (after a refusal for lack of room).
+    """
+
+    request: TTSRequest
+    phase: Phase = Phase.WAITING
+    error: str | None = None
+    codes: list[int] = dataclasses.field(default_factory=list)
+    chunks: list[AudioChunk] = dataclasses.field(default_factory=list)
+    on_chunk: Callable[[AudioChunk], None] | None = None
+    submitted_at: float = 0.0
+    first_audio_at: float | None = None
+    finished_at: float | None = None
+    prefilled: int = 0
+    talker_written: int = 0
+    flow_written: int = 0
+    paused: bool = False
+    last_step_at: float = 0.0
+    hold_until: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens the talker reads before its first frame: the text and BOS."""
+        return len(self.request.text) + 1
+
+    @property
+    def talker_done(self) -> bool:
+        return len(self.codes) >= self.request.frames
+
+    def written_in(self, node: str) -> int:
+        """Entries committed to the cache of `node` ("talker" or "flow")."""
+        return self.talker_written if node == "talker" else self.flow_written
+
+    @property
+    def frames_decoded(self) -> int:
+        """Frames the flow turned into audio."""
+        return self.flow_written
+
+    @property
+    def audio(self) -> np.ndarray:
+        """All samples decoded so far."""
+        if not self.chunks:
+            return np.zeros(0, np.float32)
+        return np.concatenate([chunk.samples for chunk in self.chunks])

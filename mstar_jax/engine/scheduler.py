@@ -1,0 +1,107 @@
+"""Batch formation: which rows run in the next talker step and the next flow step.
+
+Pure policy over the streams' host state (no device work, no resources): the engine admits what this
+returns, drops rows the resources refuse, and runs the rest.
+
+- Talker: decode rows first (they hold the latency of audio already promised), then prefill chunks
+  (new requests), first come first served, at most `max_batch` rows. Decode and prefill rows together
+  make a combined step, as many prefill rows as its bucket has room for.
+- Flow: every stream with a whole chunk of new frames, or with its last (short) chunk once the
+  talker is done, first come first served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from mstar_jax.engine.request import Phase, Stream
+
+__all__ = ["FlowRow", "TalkerRow", "flow_rows", "talker_rows"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TalkerRow:
+    """One request's part of a talker step: `tokens` (prompt tokens or the last frame's token) written
+    at the stream's current end; `decode` says which kernel runs it."""
+
+    stream: Stream
+    tokens: tuple[int, ...]
+    decode: bool
+
+    @property
+    def span(self) -> int:
+        return len(self.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowRow:
+    """One request's part of a flow step: codec frames `[start, start + len(codes))`."""
+
+    stream: Stream
+    start: int
+    codes: tuple[int, ...]
+
+    @property
+    def span(self) -> int:
+        return len(self.codes)
+
+
+def _runnable(stream: Stream, now: float) -> bool:
+    return not stream.phase.finished and not stream.paused and stream.hold_until <= now
+
+
+def talker_rows(
+    streams: Iterable[Stream],
+    *,
+    now: float,
+    max_batch: int,
+    prefill_tokens: int,
+    prefill_room: int,
+    bos: int,
+    text_vocab: int,
+) -> tuple[list[TalkerRow], list[TalkerRow]]:
+    """The next talker step's decode rows and prefill rows.
+
+    Args:
+      streams: live streams, in arrival order.
+      now: the engine clock (held streams wait until their `hold_until`).
+      max_batch: most rows in one step.
+      prefill_tokens: most prompt tokens per prefill row (the largest prefill bucket).
+      prefill_room: most prefill rows beside decode rows (the combined bucket's room at `max_batch`).
+      bos: the token after the text.
+      text_vocab: offset of codec tokens among the talker's input tokens.
+
+    Returns:
+      (decode rows, prefill rows); prefill rows are capped at `prefill_room` only when decode rows run.
+    """
+    decode, prefill = [], []
+    for stream in streams:
+        if not _runnable(stream, now) or stream.talker_done or stream.phase is Phase.FLUSH:
+            continue
+        if stream.phase is Phase.DECODE:
+            decode.append(TalkerRow(stream, (text_vocab + stream.codes[-1],), decode=True))
+        else:
+            prompt = (*stream.request.text, bos)
+            chunk = prompt[stream.prefilled : stream.prefilled + prefill_tokens]
+            prefill.append(TalkerRow(stream, chunk, decode=False))
+    decode = decode[:max_batch]
+    room = max_batch - len(decode)
+    if decode:
+        room = min(room, prefill_room)
+    return decode, prefill[:room]
+
+
+def flow_rows(streams: Iterable[Stream], *, now: float, max_batch: int, chunk: int) -> list[FlowRow]:
+    """The next flow step's rows: whole chunks, or the last frames of a finished talker."""
+    rows = []
+    for stream in streams:
+        if not _runnable(stream, now):
+            continue
+        ready = len(stream.codes) - stream.flow_written
+        if ready >= chunk or (stream.talker_done and ready > 0):
+            start = stream.flow_written
+            rows.append(FlowRow(stream, start, tuple(stream.codes[start : start + min(chunk, ready)])))
+        if len(rows) == max_batch:
+            break
+    return rows

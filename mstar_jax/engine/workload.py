@@ -1,0 +1,110 @@
+"""A synthetic streaming workload and the loop that drives an engine through it in real time.
+
+Requests arrive as a Poisson process (or all at once), each with a random text, one of a few random
+voices and a random length, so a run mixes stream positions, prefill spans and voices, and its long
+streams run far past the caches' windows.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from mstar_jax.engine.engine import Engine
+from mstar_jax.engine.request import TTSRequest
+from mstar_jax.models.streaming_tts.voices import Voice
+
+if TYPE_CHECKING:
+    from mstar_jax.deployment import WorkloadSettings
+
+__all__ = ["Arrival", "drive", "register_voices", "synthetic_workload"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    """A request and when it arrives, in seconds after the run starts."""
+
+    at: float
+    request: TTSRequest
+
+
+def register_voices(engine: Engine, count: int, *, seed: int) -> list[Voice]:
+    """Register `count` random voices with random prompt lengths in the model's allowed range."""
+    cfg = engine.model.config
+    rng = np.random.default_rng(seed)
+    frames = rng.integers(cfg.min_voice_frames, cfg.max_voice_frames + 1, count)
+    return [engine.add_voice(i, frames=int(f), seed=seed * 1000 + i) for i, f in enumerate(frames)]
+
+
+def synthetic_workload(
+    settings: WorkloadSettings, voices: Sequence[Voice], *, text_vocab: int
+) -> list[Arrival]:
+    """Draw the requests of a `WorkloadSettings`.
+
+    Args:
+      settings: a `mstar_jax.deployment.WorkloadSettings` (streams, arrival rate, lengths, seed).
+      voices: the registered voices requests pick from (uniformly).
+      text_vocab: text tokens are drawn from `[0, text_vocab)`.
+
+    Returns:
+      The arrivals, in time order.
+    """
+    rng = np.random.default_rng(settings.seed)
+    n = settings.streams
+    if settings.arrival_rate_hz is None:
+        times = np.zeros(n)
+    else:
+        times = np.concatenate([[0.0], np.cumsum(rng.exponential(1.0 / settings.arrival_rate_hz, n - 1))])
+    text_lens = rng.integers(settings.min_text_tokens, settings.max_text_tokens + 1, n)
+    frames = rng.integers(settings.min_frames, settings.max_frames + 1, n)
+    picks = rng.integers(0, len(voices), n)
+    return [
+        Arrival(
+            float(times[i]),
+            TTSRequest(
+                request_id=f"s{i:04d}",
+                text=rng.integers(0, text_vocab, int(text_lens[i])),
+                voice=voices[int(picks[i])],
+                frames=int(frames[i]),
+                seed=int(rng.integers(0, 2**31)),
+            ),
+        )
+        for i in range(n)
+    ]
+
+
+def drive(engine: Engine, arrivals: Sequence[Arrival], *, progress: bool = True) -> float:
+    """Serve `arrivals` in real time: submit each when its time comes, step until every stream is done.
+
+    Returns:
+      Serving wall time in seconds.
+    """
+    pending = collections.deque(sorted(arrivals, key=lambda a: a.at))
+    total = sum(a.request.frames for a in pending)
+    start = time.perf_counter()
+    decoded = 0
+    with tqdm(total=total, desc="serving", unit="frame", disable=not progress) as bar:
+        while pending or not engine.idle:
+            now = time.perf_counter() - start
+            while pending and pending[0].at <= now:
+                engine.submit(pending.popleft().request)
+            ran = engine.step()
+            frames = sum(s.flow_written for s in engine.streams.values())
+            frames += sum(s.flow_written for s in engine.finished.values())
+            bar.update(frames - decoded)
+            decoded = frames
+            bar.set_postfix(live=len(engine.streams), done=len(engine.finished), refresh=False)
+            if not ran:
+                if engine.idle and pending:
+                    time.sleep(max(0.0, pending[0].at - (time.perf_counter() - start)))
+                elif not engine.idle:
+                    if all(s.paused for s in engine.streams.values()) and not pending:
+                        break
+                    time.sleep(engine.hold_backoff_s)
+    return time.perf_counter() - start

@@ -1,0 +1,367 @@
+"""`StreamingTTSModel`: the talker and the flow decoder as pure step functions over the bounded caches.
+
+Every step function has the form `(params, cache, bank, plan, *inputs) -> (cache, outputs)`: pure,
+jittable with the cache donated (argument 1), and compilable ahead of time from
+`jax.ShapeDtypeStruct`s. Per-step numbers (positions, lengths, seeds) are array data, so a new
+position never recompiles; only the shapes (the bucket) pick the program.
+
+Graph walks (the `BucketKey.graph_walk` of each program):
+
+- `talker_prefill`: rows of up to `T` text tokens, causal through `query_window` (chunked prefill);
+- `talker_decode`: one token per row;
+- `talker_mixed`: a combined step: `bs` decode rows and `prefill_rows` prefill rows of `T` tokens in one
+  program (`CombinedSplit("talker_mixed", ("talker_prefill",))`);
+- `flow_chunk`: rows of up to `T` codec frames, decoded to mel and samples.
+
+Shape legend: B rows (requests), T step tokens, P voice frames, M mel bins, L layers, G K/V heads,
+D head dim, R cache rows per request.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kernels_pallas.sink_window_attention import sink_window_attention
+from kernels_pallas.sink_window_attention import table as tbl
+from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
+from mstar_jax.models.streaming_tts.flow import FlowDecoder
+from mstar_jax.models.streaming_tts.talker import Talker, sample_codes
+from mstar_jax.resources.kv.bounded.attention import attend
+from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
+from mstar_jax.resources.kv.bounded.config import BoundedKVConfig
+from mstar_jax.resources.spec import CombinedSplit
+
+__all__ = [
+    "FLOW_CHUNK",
+    "FRAME_RATE_HZ",
+    "MIXED_SPLIT",
+    "SAMPLES_PER_FRAME",
+    "SAMPLE_RATE",
+    "TALKER_DECODE",
+    "TALKER_MIXED",
+    "TALKER_PREFILL",
+    "StreamingTTSModel",
+    "dense_attention",
+]
+
+FRAME_RATE_HZ = 12.5
+"""Codec frames per second of audio."""
+SAMPLE_RATE = 24_000
+SAMPLES_PER_FRAME = int(SAMPLE_RATE / FRAME_RATE_HZ)
+
+TALKER_PREFILL, TALKER_DECODE, TALKER_MIXED, FLOW_CHUNK = (
+    "talker_prefill",
+    "talker_decode",
+    "talker_mixed",
+    "flow_chunk",
+)
+MIXED_SPLIT = CombinedSplit(TALKER_MIXED, (TALKER_PREFILL,))
+_FLOW_NOISE_STREAM = 1  # folded into a request's seed so the flow's noise differs from the talker's
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Plain masked attention in float32, for voice prompts (no cache).
+
+    Args:
+      q: [N, T, H, D]; k, v: [N, S, G, D] with H % G == 0.
+      mask: bool[T, S] which keys each query sees.
+
+    Returns:
+      f32[N, T, H, D].
+    """
+    n, t, heads, dim = q.shape
+    groups = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(n, t, groups, heads // groups, dim)
+    scores = jnp.einsum("ntgid,nsgd->ngits", qg, k.astype(jnp.float32)) * dim**-0.5
+    scores = jnp.where(mask[None, None, None], scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("ngits,nsgd->ntgid", weights, v.astype(jnp.float32))
+    return out.reshape(n, t, heads, dim)
+
+
+def _draw_weights(abstract: nnx.State, rng: np.random.Generator, dtype: np.dtype) -> nnx.State:
+    """Random weights for an abstract state, drawn on the host in NumPy and stored as `dtype`.
+
+    Kernels are normal with std `1 / sqrt(fan_in)`, embeddings standard normal, norm scales one and
+    biases zero. NumPy rather than `jax.random`: the weights are the same on every backend, and the
+    host draws them in milliseconds where compiling an initialiser of every threefry call takes
+    seconds on a CPU.
+    """
+
+    def draw(path, leaf):
+        name = next(
+            str(getattr(k, "key", "")) for k in reversed(path) if isinstance(getattr(k, "key", None), str)
+        )
+        if name == "scale":
+            value = np.ones(leaf.shape, np.float32)
+        elif name == "bias":
+            value = np.zeros(leaf.shape, np.float32)
+        elif name == "embedding":
+            value = rng.standard_normal(leaf.shape, np.float32)
+        else:
+            value = rng.standard_normal(leaf.shape, np.float32) / np.float32(np.sqrt(leaf.shape[0]))
+        return jnp.asarray(value, dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+class StreamingTTSModel:
+    """The random-initialised talker and flow decoder of a `StreamingTTSConfig`, as step functions.
+
+    Args:
+      config: the model's geometry; the weights are drawn from `config.seed` and stored in its dtype.
+      talker_kv, flow_kv: the caches' configs (default: the config's; pass the built managers'
+        configs when a deployment tuned them).
+      implementation, interpret: passed to the attention op (see `sink_window_attention`).
+      temperature: sampling temperature of the talker (0: greedy).
+    """
+
+    def __init__(
+        self,
+        config: StreamingTTSConfig,
+        *,
+        talker_kv: BoundedKVConfig | None = None,
+        flow_kv: BoundedKVConfig | None = None,
+        implementation: str = "auto",
+        interpret: Any = False,
+        temperature: float = 1.0,
+    ):
+        self.config = config
+        self.talker_kv = talker_kv or config.talker_kv_config
+        self.flow_kv = flow_kv or config.flow_kv_config
+        self.implementation, self.interpret, self.temperature = implementation, interpret, float(temperature)
+
+        def build() -> tuple[Talker, FlowDecoder]:
+            rngs = nnx.Rngs(config.seed)
+            talker = Talker(
+                text_vocab=config.text_vocab_size, codec_vocab=config.codec_vocab_size,
+                d_model=config.d_model,
+                layers=config.talker_layers, heads=config.talker_heads, kv_heads=config.talker_kv_heads,
+                head_dim=config.talker_head_dim, ffn_dim=config.talker_ffn_dim, rngs=rngs,
+            )  # fmt: skip
+            flow = FlowDecoder(
+                codec_vocab=config.codec_vocab_size, mel_bins=config.mel_bins, d_model=config.flow_d_model,
+                layers=config.flow_layers, heads=config.flow_heads, head_dim=config.flow_head_dim,
+                samples_per_frame=SAMPLES_PER_FRAME, rngs=rngs,
+            )  # fmt: skip
+            return talker, flow
+
+        talker, flow = nnx.eval_shape(build)  # the structure only; weights are drawn below
+        rng = np.random.default_rng(config.seed)
+        self._talker_def, self.talker_params = nnx.split(talker)
+        self._flow_def, self.flow_params = nnx.split(flow)
+        # Weights in the storage dtype (bf16 deployments compute in bf16, softmax statistics in f32).
+        self.talker_params = _draw_weights(self.talker_params, rng, config.storage_dtype)
+        self.flow_params = _draw_weights(self.flow_params, rng, config.storage_dtype)
+        self.bos = talker.bos
+        self.text_vocab = config.text_vocab_size
+
+    # Attention closures: how a block's queries meet the bounded cache.
+    def _cached(self, bank: SourceBank, table: jax.Array, config: BoundedKVConfig):
+        """Attend over the retained stream and store the step's keys (`attend`)."""
+        plan = BoundedKVPlan(table)
+
+        def fn(cache, layer, q, k, v):
+            dt = config.dtype
+            return attend(
+                cache, bank, plan, layer, q.astype(dt), k.astype(dt), v.astype(dt), config=config,
+                implementation=self.implementation, interpret=self.interpret,
+            )  # fmt: skip
+
+        return fn
+
+    def _read_only(self, bank: SourceBank, table: jax.Array, config: BoundedKVConfig):
+        """Attend over the retained stream without storing anything."""
+
+        def fn(cache, layer, q, k, v):
+            dt = config.dtype
+            out = sink_window_attention(
+                q.astype(dt), k.astype(dt), v.astype(dt), cache.k[layer], cache.v[layer], bank.k[layer],
+                bank.v[layer], table, max_retained=config.max_retained, query_window=config.query_window,
+                implementation=self.implementation, interpret=self.interpret,
+            )  # fmt: skip
+            return out, cache
+
+        return fn
+
+    # Talker.
+    def _talker_codes(self, talker: Talker, hidden, table, lengths, seeds) -> jax.Array:
+        """Sample the next frame from the hidden state of each row's last real token."""
+        last = jnp.maximum(lengths - 1, 0)
+        h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+        positions = table[:, tbl.STREAM_LEN] + last
+        return sample_codes(talker.logits(h_last), seeds, positions, temperature=self.temperature)
+
+    @staticmethod
+    def _positions(table: jax.Array, tokens: jax.Array) -> jax.Array:
+        """Absolute stream positions of a step's tokens: `n + i` (the plan's stream length is `n`)."""
+        return table[:, tbl.STREAM_LEN][:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+
+    def talker_step(
+        self, params: nnx.State, cache: BoundedKVCache, bank: SourceBank, plan: BoundedKVPlan,
+        tokens: jax.Array, lengths: jax.Array, seeds: jax.Array,
+    ) -> tuple[BoundedKVCache, jax.Array]:  # fmt: skip
+        """One talker step: prefill chunks (T tokens) or decode (T = 1), same code.
+
+        Args:
+          params: `talker_params`.
+          cache, bank: the talker's cache (donated) and source bank.
+          plan: the manager's plan, its table i32[B, ROW_INTS].
+          tokens: i32[B, T] input tokens; row b's first `lengths[b]` are real.
+          lengths: i32[B] real tokens per row (0 for padding rows).
+          seeds: u32[B] per-request sampling seeds.
+
+        Returns:
+          (cache, i32[B] the frame each row's last real token predicts; meaningless for padding rows).
+        """
+        talker = nnx.merge(self._talker_def, params)
+        table = plan.table
+        positions = self._positions(table, tokens)
+        (hidden,), cache = talker([tokens], [positions], cache, [self._cached(bank, table, self.talker_kv)])
+        return cache, self._talker_codes(talker, hidden, table, lengths, seeds)
+
+    def talker_combined_step(
+        self, params: nnx.State, cache: BoundedKVCache, bank: SourceBank, plan: BoundedKVPlan,
+        decode_tokens: jax.Array, decode_lengths: jax.Array, prefill_tokens: jax.Array,
+        prefill_lengths: jax.Array, seeds: jax.Array,
+    ) -> tuple[BoundedKVCache, jax.Array]:  # fmt: skip
+        """Decode rows and prefill rows in one program, each group on its own attention call.
+
+        Args:
+          plan: its table i32[Bd + Bp, ROW_INTS] holds the decode rows, then the prefill rows.
+          decode_tokens: i32[Bd, 1]; decode_lengths: i32[Bd].
+          prefill_tokens: i32[Bp, T]; prefill_lengths: i32[Bp].
+          seeds: u32[Bd + Bp].
+
+        Returns:
+          (cache, i32[Bd + Bp] next frames, decode rows first).
+        """
+        talker = nnx.merge(self._talker_def, params)
+        bd = decode_tokens.shape[0]
+        tables = (plan.table[:bd], plan.table[bd:])
+        groups = (decode_tokens, prefill_tokens)
+        positions = [self._positions(t, g) for t, g in zip(tables, groups, strict=True)]
+        attends = [self._cached(bank, t, self.talker_kv) for t in tables]
+        hiddens, cache = talker(list(groups), positions, cache, attends)
+        codes = [
+            self._talker_codes(talker, h, t, n, s)
+            for h, t, n, s in zip(
+                hiddens, tables, (decode_lengths, prefill_lengths), (seeds[:bd], seeds[bd:]), strict=True
+            )
+        ]
+        return cache, jnp.concatenate(codes)
+
+    def talker_voice_kv(self, params: nnx.State, tokens: jax.Array, length: jax.Array):
+        """Keys and values of a voice prompt, as the talker's source prefix (causal, positions 0..P-1).
+
+        Args:
+          tokens: i32[P] the prompt's input tokens (padded to a fixed P so one program serves every voice).
+          length: i32[] real prompt tokens.
+
+        Returns:
+          (k, v), each [L, R=1, G, P, D] in the cache dtype; entries past `length` are meaningless.
+        """
+        talker = nnx.merge(self._talker_def, params)
+        frames = tokens.shape[0]
+        idx = jnp.arange(frames, dtype=jnp.int32)
+        mask = (idx[None, :] <= idx[:, None]) & (idx[None, :] < length)
+
+        def collect(kv, layer, q, k, v):
+            return dense_attention(q, k, v, mask), (*kv, (k, v))
+
+        _, kv = talker([tokens[None]], [idx[None]], (), [collect])
+        return self._stack_kv(kv, self.talker_kv.dtype)
+
+    @staticmethod
+    def _stack_kv(kv, dtype) -> tuple[jax.Array, jax.Array]:
+        # [N, P, G, D] per layer -> [L, N (= R), G, P, D]
+        k = jnp.stack([k.transpose(0, 2, 1, 3) for k, _ in kv]).astype(dtype)
+        v = jnp.stack([v.transpose(0, 2, 1, 3) for _, v in kv]).astype(dtype)
+        return k, v
+
+    # Flow decoder.
+    def flow_noise(self, starts: jax.Array, seeds: jax.Array, frames: int) -> jax.Array:
+        """f32[B, T, M] starting noise; frame i of a row depends only on (seed, starts + i).
+
+        Args:
+          starts: i32[B] each row's stream length before the chunk.
+          seeds: u32[B] per-request seeds.
+          frames: T.
+        """
+        mel_bins = self.config.mel_bins
+
+        def row(seed, start):
+            key = jax.random.fold_in(jax.random.key(seed), _FLOW_NOISE_STREAM)
+            ids = start + jnp.arange(frames, dtype=jnp.int32)
+            return jax.vmap(lambda i: jax.random.normal(jax.random.fold_in(key, i), (mel_bins,)))(ids)
+
+        return jax.vmap(row)(seeds, starts)
+
+    def flow_step(
+        self, params: nnx.State, cache: BoundedKVCache, bank: SourceBank, plan: BoundedKVPlan,
+        codes: jax.Array, seeds: jax.Array,
+    ) -> tuple[BoundedKVCache, tuple[jax.Array, jax.Array]]:  # fmt: skip
+        """Decode one chunk of codec frames per row into mel frames and samples.
+
+        Args:
+          params: `flow_params`.
+          cache, bank: the flow's cache (donated) and source bank.
+          plan: its table i32[B, ROW_INTS] (STEP_TOKENS say how many frames are real).
+          codes: i32[B, T] codec frames (indices in [0, V)); padding frames may be anything valid.
+          seeds: u32[B] per-request seeds.
+
+        Returns:
+          (cache, (mel f32[B, T, M], samples f32[B, T * SAMPLES_PER_FRAME])); frames past a row's real
+          count are meaningless.
+        """
+        flow = nnx.merge(self._flow_def, params)
+        table = plan.table
+        noise = self.flow_noise(table[:, tbl.STREAM_LEN], seeds, codes.shape[1])
+        mel, cache = flow.decode(
+            codes, noise, cache, read=self._read_only(bank, table, self.flow_kv),
+            write=self._cached(bank, table, self.flow_kv), steps=self.config.flow_steps,
+        )  # fmt: skip
+        return cache, (mel, flow.vocode(mel))
+
+    def flow_voice_kv(
+        self, params: nnx.State, codes: jax.Array, mel: jax.Array, noise: jax.Array, length: jax.Array
+    ):
+        """Keys and values of a voice prompt as the flow's source: its frames at the last Euler step.
+
+        The prompt's ground-truth mel sits on the flow-matching path at that step's time,
+        `x = (1 - t) noise + t mel`, and the whole prompt attends itself (keys past `length` masked).
+
+        Args:
+          codes: i32[P] the prompt's codec frames; mel, noise: f32[P, M].
+          length: i32[] real prompt frames.
+
+        Returns:
+          (k, v), each [L, R=2, H, P, D] in the cache dtype.
+        """
+        flow = nnx.merge(self._flow_def, params)
+        steps = self.config.flow_steps
+        t = (steps - 1) / steps
+        x = ((1 - t) * noise + t * mel)[None]
+        mask = jnp.broadcast_to(jnp.arange(codes.shape[0])[None, :] < length, (codes.shape[0],) * 2)
+
+        def collect(kv, layer, q, k, v):
+            return dense_attention(q, k, v, mask), (*kv, (k, v))
+
+        _, kv = flow.estimate(x, flow.conditions(codes[None]), jnp.float32(t), (), collect)
+        return self._stack_kv(kv, self.flow_kv.dtype)
+
+    # Host-side helpers.
+    def code_tokens(self, codes: np.ndarray) -> np.ndarray:
+        """Codec indices -> the talker's input tokens."""
+        return np.asarray(codes, np.int32) + self.text_vocab
+
+    @functools.cached_property
+    def jitted_voice_kv(self):
+        """The two voice-prompt functions, jitted (one program each: prompts are padded to a fixed P)."""
+        return jax.jit(self.talker_voice_kv), jax.jit(self.flow_voice_kv)

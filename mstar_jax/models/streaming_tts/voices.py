@@ -1,0 +1,93 @@
+"""Voices: a voice prompt's keys and values, computed once and registered as the caches' shared source.
+
+A voice is a prompt of `P` codec frames (and its mel). Both caches read it in place from their
+source banks at index `voice.index`: every request speaking with that voice shares one copy. Prompts
+are random here (the model is random too); what matters is that they go through the model exactly as
+a real prompt would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from mstar_jax.models.streaming_tts.model import StreamingTTSModel
+from mstar_jax.resources.kv.bounded.config import StreamPosition
+from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+
+__all__ = ["Voice", "VoiceBank"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Voice:
+    """A registered voice: its bank index and prompt length (frames, the source length of both caches)."""
+
+    index: int
+    frames: int
+
+    def position(self, written: int) -> StreamPosition:
+        """The stream position of a request of this voice that has written `written` entries."""
+        return StreamPosition(self.frames, written, self.index)
+
+
+class VoiceBank:
+    """Registers voices in the talker's and the flow's source banks.
+
+    Args:
+      model: computes the prompts' keys and values.
+      talker, flow: the two caches' managers.
+    """
+
+    def __init__(self, model: StreamingTTSModel, talker: BoundedKVManager, flow: BoundedKVManager):
+        self.model, self.talker, self.flow = model, talker, flow
+        self.voices: dict[int, Voice] = {}
+
+    @property
+    def capacity(self) -> int:
+        return min(self.talker.bank.num_sources, self.flow.bank.num_sources)
+
+    def add(self, index: int, *, frames: int, seed: int) -> Voice:
+        """Compute a random voice prompt of `frames` frames (drawn from `seed`) and register it at `index`.
+
+        Replaces a voice already there (unless live requests read it).
+
+        Raises:
+          ValueError: a bad index, `frames` outside `[min_voice_frames, max_voice_frames]`, or a voice
+            in use; nothing is registered then.
+        """
+        cfg = self.model.config
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.capacity:
+            raise ValueError(f"voice index={index!r} must be an int in [0, {self.capacity})")
+        if not cfg.min_voice_frames <= frames <= cfg.max_voice_frames:
+            raise ValueError(
+                f"voice frames={frames} must be in [min_voice_frames={cfg.min_voice_frames}, "
+                f"max_voice_frames={cfg.max_voice_frames}]"
+            )
+        for manager in (self.talker, self.flow):
+            readers = manager.readers(index)
+            if readers:
+                raise ValueError(f"voice {index} is read by {readers} live request(s); remove them first")
+        rng = np.random.default_rng(seed)
+        length, padded = frames, cfg.max_voice_frames
+        codes = np.zeros(padded, np.int32)
+        codes[:length] = rng.integers(0, cfg.codec_vocab_size, length)
+        mel = np.zeros((padded, cfg.mel_bins), np.float32)
+        mel[:length] = rng.standard_normal((length, cfg.mel_bins))
+        noise = rng.standard_normal((padded, cfg.mel_bins)).astype(np.float32)
+        talker_fn, flow_fn = self.model.jitted_voice_kv
+        tk, tv = talker_fn(self.model.talker_params, self.model.code_tokens(codes), jnp.int32(length))
+        fk, fv = flow_fn(self.model.flow_params, codes, mel, noise, jnp.int32(length))
+        cut = lambda x: list(np.asarray(x)[..., :length, :])  # noqa: E731  [L, R, G, P, D] -> per layer
+        self.talker.register_source(index, cut(tk), cut(tv))
+        self.flow.register_source(index, cut(fk), cut(fv))
+        voice = Voice(index, frames)
+        self.voices[index] = voice
+        return voice
+
+    def remove(self, index: int) -> None:
+        """Forget a voice (ValueError if live requests read it)."""
+        self.talker.remove_source(index)
+        self.flow.remove_source(index)
+        self.voices.pop(index, None)

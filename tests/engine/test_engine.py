@@ -1,0 +1,336 @@
+"""The engine loop: admission refusals and their answers, offload/reload, cancellation, no compilation
+after warm-up, and `mstar-jax run` end to end on a tiny deployment.
+
+Every engine here shares one set of captured programs (`programs`): they only depend on the caches'
+geometry. The persistent compilation cache lets the CLI test load them instead of compiling again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from mstar_jax import cli
+from mstar_jax.compile import (
+    RecompileWarning,
+    assert_no_compilations,
+    disable_persistent_cache,
+    enable_persistent_cache,
+)
+from mstar_jax.engine import Engine, Phase, TTSPrograms, TTSRequest, tts_buckets
+from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
+from mstar_jax.models.streaming_tts.model import SAMPLES_PER_FRAME, StreamingTTSModel
+from mstar_jax.models.streaming_tts.voices import Voice
+from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+
+CONFIG = StreamingTTSConfig(
+    text_vocab_size=16, codec_vocab_size=16, d_model=32, talker_layers=2, talker_heads=2, talker_kv_heads=1,
+    talker_head_dim=8, talker_ffn_dim=32, min_voice_frames=3, max_voice_frames=6, talker_sink_extra=2,
+    talker_window=6, query_window=7, flow_d_model=16, flow_layers=1, flow_heads=2, flow_head_dim=8,
+    flow_chunk=4, flow_window=5, flow_steps=2, mel_bins=4, max_slots=2,
+)  # fmt: skip
+SOURCES = 8
+BATCH_SIZES, TOKEN_COUNTS = (2,), (1, 4)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("xla-cache"))
+    enable_persistent_cache(directory, min_compile_secs=0.0)
+    yield directory
+    disable_persistent_cache()
+
+
+@pytest.fixture(scope="module")
+def programs(cache_dir):
+    model = StreamingTTSModel(CONFIG)
+    talker, flow = managers()
+    buckets = tts_buckets(batch_sizes=BATCH_SIZES, token_counts=TOKEN_COUNTS, flow_chunk=CONFIG.flow_chunk)
+    return model, TTSPrograms.capture(model, buckets, talker=talker, flow=flow, progress=False, max_workers=2)
+
+
+def managers():
+    specs = {spec.resource_key: spec for spec in CONFIG.resource_specs()}
+    return (
+        BoundedKVManager(specs["talker_kv"], num_sources=SOURCES),
+        BoundedKVManager(specs["flow_kv"], num_sources=SOURCES),
+    )
+
+
+def make_engine(programs, **kwargs) -> tuple[Engine, list[Voice]]:
+    model, captured = programs
+    talker, flow = managers()
+    engine = Engine(model, talker=talker, flow=flow, programs=captured, max_batch=2, **kwargs)
+    engine.warm_up()
+    voices = [engine.add_voice(0, frames=4, seed=1), engine.add_voice(1, frames=6, seed=2)]
+    return engine, voices
+
+
+def request(rid: str, voice: Voice, frames: int, text_len: int = 5, seed: int = 0) -> TTSRequest:
+    text = np.random.default_rng(abs(hash(rid)) % 2**32).integers(0, CONFIG.text_vocab_size, text_len)
+    return TTSRequest(rid, text, voice, frames, seed)
+
+
+def assert_complete(stream) -> None:
+    frames = stream.request.frames
+    assert stream.phase is Phase.DONE, stream.error
+    assert len(stream.codes) == frames
+    assert [c.first_frame for c in stream.chunks] == list(range(0, frames, CONFIG.flow_chunk))
+    assert stream.audio.shape == (frames * SAMPLES_PER_FRAME,)
+    assert np.isfinite(stream.audio).all()
+
+
+def test_streams_complete_and_stream_iterator_yields_chunks_in_order(programs):
+    engine, (v0, v1) = make_engine(programs)
+    streams = [
+        engine.submit(request(f"r{i}", (v0, v1)[i % 2], frames)) for i, frames in enumerate((3, 17, 30))
+    ]
+    chunks = list(engine.stream(request("it", v1, 9)))
+    engine.run_until_idle()
+    for stream in streams:
+        assert_complete(stream)
+    assert [c.first_frame for c in chunks] == [0, 4, 8]
+    assert sum(len(c.codes) for c in chunks) == 9
+    assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
+    assert engine.compilations == 0
+
+
+def test_full_caches_offload_a_paused_stream_then_hold_it_until_a_slot_is_released(programs):
+    engine, (v0, v1) = make_engine(programs)
+    paused = engine.submit(request("paused", v0, 20))
+    other = engine.submit(request("other", v1, 12))
+    for _ in range(6):  # both hold a slot in each cache now
+        engine.step()
+    engine.pause("paused")
+    late = engine.submit(request("late", v0, 10))
+    engine.step()
+    # Both talker slots were taken: the paused stream was offloaded to admit the new one.
+    assert engine.counters["allocation_failed"] >= 1
+    assert engine.is_offloaded("paused")
+    assert engine.talker.slot_of("late") is not None
+    engine.resume("paused")
+    resumed_at = engine.clock()
+    engine.run_until_idle()
+    for stream in (paused, other, late):
+        assert_complete(stream)
+    # Resumed while both caches were full (nothing paused to offload), it was held, and reloaded only
+    # once a stream finished and returned its slots.
+    assert engine.counters["holds"] >= 1
+    assert engine.counters["reloads"] >= 1
+    first_release = min(other.finished_at, late.finished_at)
+    back = min(r.started for r in engine.records if "paused" in r.request_ids and r.started > resumed_at)
+    assert back >= first_release
+
+
+def test_a_bad_request_fails_alone_with_its_message(programs):
+    engine, (v0, v1) = make_engine(programs)
+    good = [engine.submit(request("g0", v0, 10)), engine.submit(request("g1", v1, 7))]
+    missing = engine.submit(request("missing", Voice(5, 4), 10))
+    wrong_len = engine.submit(request("wrong", Voice(0, 6), 10))  # voice 0 holds 4 frames
+    engine.run_until_idle()
+    for stream in good:
+        assert_complete(stream)
+    assert missing.phase is Phase.FAILED
+    assert "resource 'talker_kv' rejected the request" in missing.error
+    assert "reads source 5, which is not registered" in missing.error
+    assert wrong_len.phase is Phase.FAILED
+    assert "reads 6 tokens of source 0, which holds 4" in wrong_len.error
+    assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
+    with pytest.raises(ValueError, match="outside"):
+        engine.submit(TTSRequest("bad-text", [3, 99], v0, 4))
+
+
+def test_cancellation_frees_every_slot(programs):
+    engine, (v0, v1) = make_engine(programs)
+    doomed = engine.submit(request("doomed", v0, 40))
+    kept = engine.submit(request("kept", v1, 14))
+    for _ in range(12):
+        engine.step()
+    assert engine.talker.slot_of("doomed") is not None
+    assert engine.flow.slot_of("doomed") is not None
+    engine.cancel("doomed")
+    assert doomed.phase is Phase.CANCELLED
+    assert engine.talker.slot_of("doomed") is None
+    assert engine.flow.slot_of("doomed") is None
+    engine.run_until_idle()
+    assert_complete(kept)
+    assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
+    assert "doomed" not in engine.streams
+
+
+def test_a_stream_idle_past_the_threshold_moves_to_host_memory(programs):
+    now = [0.0]
+    engine, (v0, v1) = make_engine(programs, offload_idle_after_s=1.0, clock=lambda: now[0])
+    idle = engine.submit(request("idle", v0, 16))
+    busy = engine.submit(request("busy", v1, 16))
+    for _ in range(8):
+        engine.step()
+        now[0] += 0.01
+    engine.pause("idle")
+    now[0] += 0.6
+    engine.step()  # the busy stream runs: only the paused one grows idle
+    assert not engine.is_offloaded("idle")
+    now[0] += 0.6
+    engine.step()
+    assert engine.is_offloaded("idle")
+    assert not engine.is_offloaded("busy")
+    engine.resume("idle")
+    while engine.streams:
+        engine.step()
+        now[0] += 0.01
+    assert_complete(idle)
+    assert_complete(busy)
+    assert engine.counters["reloads"] >= 1
+
+
+def slot_bytes(engine: Engine, rid: str) -> list[np.ndarray]:
+    out = []
+    for manager in (engine.talker, engine.flow):
+        slot = manager.slot_of(rid)
+        out += [np.asarray(layer[slot]) for layer in (*manager.cache.k, *manager.cache.v)]
+    return out
+
+
+def test_offload_and_reload_are_bit_exact(programs):
+    runs = {}
+    for offload in (False, True):
+        engine, (v0, v1) = make_engine(programs)
+        target = engine.submit(request("target", v0, 26, seed=5))
+        engine.submit(request("other", v1, 18, seed=6))
+        for _ in range(14):  # the target is past the talker's ring wrap and has flow chunks written
+            engine.step()
+        engine.pause("target")
+        if offload:
+            before = slot_bytes(engine, "target")
+            freed = engine.offload("target")
+            assert freed == engine.talker.config.slot_bytes + engine.flow.config.slot_bytes
+            assert engine.talker.slot_of("target") is None
+        for _ in range(6):
+            engine.step()
+        if offload:
+            # Dirty the freed slots, then reload: the request's bytes come back exactly.
+            engine.submit(request("squatter", v1, 6, seed=7))
+            engine.run_until_idle()
+            for node in engine.nodes.values():
+                assert node.runner.reload("target")
+            for got, want in zip(slot_bytes(engine, "target"), before, strict=True):
+                np.testing.assert_array_equal(got, want)
+        engine.resume("target")
+        engine.run_until_idle()
+        assert_complete(target)
+        runs[offload] = target
+    np.testing.assert_array_equal(runs[True].codes, runs[False].codes)
+    np.testing.assert_array_equal(runs[True].audio, runs[False].audio)
+
+
+def test_no_compilation_after_warm_up_over_a_random_workload(programs):
+    engine, voices = make_engine(programs)
+    rng = np.random.default_rng(0)
+    steps, submitted = 0, 0
+    with assert_no_compilations("serving a random workload") as counter:
+        voices.append(engine.add_voice(2, frames=3, seed=9))  # a voice added at run time
+        while steps < 300:
+            if rng.random() < 0.15 and len(engine.streams) < 5:
+                voice = voices[int(rng.integers(len(voices)))]
+                text_len, frames = int(rng.integers(1, 11)), int(rng.integers(1, 40))
+                engine.submit(request(f"w{submitted}", voice, frames, text_len, seed=submitted))
+                submitted += 1
+            live = list(engine.streams)
+            if live and rng.random() < 0.03:
+                engine.cancel(live[int(rng.integers(len(live)))])
+            elif live and rng.random() < 0.05:
+                rid = live[int(rng.integers(len(live)))]
+                engine.pause(rid)
+                if rng.random() < 0.5:
+                    engine.offload(rid)
+            for stream in list(engine.streams.values()):
+                if stream.paused and rng.random() < 0.2:
+                    engine.resume(stream.request_id)
+            if engine.step():
+                steps += 1
+            elif not engine.streams:
+                steps += 1  # idle iterations count too: arrivals come at random
+        for stream in engine.streams.values():
+            stream.paused = False
+        engine.run_until_idle()
+    assert counter.count == 0
+    assert engine.compilations == 0
+    walks = {record.walk for record in engine.records}
+    assert walks == {"talker_decode", "talker_prefill", "talker_mixed", "flow_chunk"}
+    assert (
+        max(r.positions[0] for r in engine.records if r.walk == "talker_decode")
+        > engine.talker.config.slot_tokens
+    )
+    assert submitted >= 20
+    assert all(s.phase.finished for s in engine.finished.values())
+
+
+class CompilingReplay:
+    """Wraps a captured step so that each replay also compiles a program of a new shape."""
+
+    def __init__(self, captured):
+        self.captured, self.calls = captured, 0
+
+    def replay(self, bucket, *args):
+        self.calls += 1
+        jax.jit(lambda x: x + 1)(np.zeros(1000 + self.calls, np.float32)).block_until_ready()
+        return self.captured.replay(bucket, *args)
+
+
+def test_a_step_that_compiles_warns_and_is_counted(programs):
+    engine, (v0, _) = make_engine(programs)
+    engine.programs.steps["talker_prefill"], original = (
+        CompilingReplay(engine.programs.steps["talker_prefill"]),
+        engine.programs.steps["talker_prefill"],
+    )
+    try:
+        engine.submit(request("r0", v0, 3))
+        with pytest.warns(RecompileWarning, match="engine step talker_prefill"):
+            engine.step()
+    finally:
+        engine.programs.steps["talker_prefill"] = original
+    assert engine.compilations == 1
+    assert engine.records[-1].compilations == 1
+
+
+def test_mstar_jax_run_end_to_end_on_a_tiny_deployment(programs, cache_dir, tmp_path, capsys):
+    deployment = {
+        "model": {"name": "streaming_tts", "config": dataclasses.asdict(CONFIG)},
+        "resources": {"talker_kv": {"max_slots": 2}, "flow_kv": {"max_slots": 2}},
+        "compile": {
+            "batch_sizes": list(BATCH_SIZES),
+            "token_counts": list(TOKEN_COUNTS),
+            "persistent_cache_dir": cache_dir,
+            "persistent_cache_min_compile_secs": 0.0,
+        },
+        "engine": {"max_batch": 2, "hold_backoff_s": 0.001},
+        "workload": {
+            "streams": 5,
+            "arrival_rate_hz": 50.0,
+            "voices": 2,
+            "min_text_tokens": 2,
+            "max_text_tokens": 6,
+            "min_frames": 6,
+            "max_frames": 30,
+            "seed": 1,
+        },
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(deployment))
+    output = tmp_path / "run"
+    assert cli.main(["run", "--config", str(path), "--output", str(output), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "5/5 done" in out
+    assert "0 compilations after warm-up" in out
+    report = json.loads((output / "report.json").read_text())
+    assert report["streams"]["done"] == 5
+    assert report["compile"]["compilations_after_warmup"] == 0
+    assert report["compile"]["buckets"] == 4
+    assert report["audio_seconds"] > 0
+    assert report["memory"]["bytes_per_stream"] == sum(s.config.slot_bytes for s in managers())
+    assert (output / "step_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
