@@ -285,7 +285,7 @@ BAD_VALUES = [
     ("engine.offload_idle_after_s", -2, ["offload_idle_after_s=-2 must be a finite number >= 0.0"]),
     ("workload.arrival_rate_hz", 0, ["workload:", "arrival_rate_hz=0 must be a finite number > 0.0"]),
     ("workload.streams", 0, ["streams=0 must be an int >= 1"]),
-    ("workload.min_frames", 65, ["min_frames=65 must be <= max_frames=64"]),
+    ("workload.min_frames", 161, ["min_frames=161 must be <= max_frames=160"]),
     ("workload.max_text_tokens", 4, ["min_text_tokens=8 must be <= max_text_tokens=4"]),
     ("workload.seed", None, ["seed=None must be an int >= 0"]),
 ]
