@@ -100,16 +100,23 @@ class ResourceRunner:
     def admit(self, step: SubmoduleStep) -> FullAdmitOutcome:
         """Admit the step resource by resource; stop at the first refusal.
 
+        Atomic across resources: on a refusal, the resources that already admitted the step get
+        `abort_step` (in reverse order), so no claim outlives the refused admit.
+
         Returns:
           `FULL_ADMIT_OK`; or the refusing resource's outcome (its reason object unchanged) with
           `failed_resource` naming it; or `ok=True, ready=False` when some resource is still waiting.
         """
         ctx = step.ctx
         ready = True
+        admitted: list[str] = []
         for key in self._keys_for(step):
             outcome = self.resources[key].admit(step.steps[key], ctx)
             if not outcome.ok:
+                for done in reversed(admitted):
+                    self.resources[done].abort_step(step.steps[done], ctx)
                 return FullAdmitOutcome(outcome, failed_resource=key)
+            admitted.append(key)
             ready = ready and outcome.ready
         return FULL_ADMIT_OK if ready else FullAdmitOutcome(AdmitOutcome(True, False, None))
 

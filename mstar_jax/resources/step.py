@@ -3,7 +3,9 @@
 A step is declared once per batch: for every resource, the `Segment`s each request adds to its
 stream. Resources admit it (`AdmitOutcome`), plan it and commit it. Steps are frozen dataclasses
 registered as pytrees whose leaves are the per-step numbers (spans, positions): they pass through
-`jax.jit` as data and never as static arguments, so a new position never recompiles.
+`jax.jit` as data, so a new position or span does not retrace. Request ids and labels are part of
+the tree's structure (a new set of requests retraces), which is why compiled serving code takes the
+plans resources make (arrays) rather than steps.
 """
 
 from __future__ import annotations
@@ -278,6 +280,8 @@ class SubmoduleStep:
 
     A `ResourceStep` whose `segments` is None inherits `segments`. `set_ctx` is the only mutation:
     the engine attaches the step's `StepContext` once it has one.
+    As a pytree its leaves are the inner steps' leaves; the context is not part of the tree, so a
+    step rebuilt by a tree operation has none until `set_ctx` is called again.
     """
 
     steps: dict[str, ResourceStep]
@@ -316,12 +320,15 @@ class SubmoduleStep:
 
 
 def _flatten_submodule_step(step: SubmoduleStep):
+    # The context is engine bookkeeping, not part of the step's structure: it stays out of the treedef.
     keys = tuple(step.steps)
-    return tuple(step.steps[key] for key in keys), (keys, step.segments, step.cg_key_info, step._ctx)
+    segments = None if step.segments is None else tuple(step.segments)
+    return tuple(step.steps[key] for key in keys), (keys, segments, step.cg_key_info)
 
 
 def _unflatten_submodule_step(aux, children) -> SubmoduleStep:
-    keys, segments, cg_key_info, ctx = aux
+    keys, segments, cg_key_info = aux
+    ctx = None
     step = object.__new__(SubmoduleStep)
     for name, value in (
         ("steps", dict(zip(keys, children, strict=True))),

@@ -124,7 +124,7 @@ def test_admit_stops_at_first_refusal_preserving_the_reason_object():
     assert not full.ok
     assert full.failed_resource == "b"
     assert full.reason is reason
-    assert journal == [("admit", "a"), ("admit", "b")]  # c never asked
+    assert journal == [("admit", "a"), ("admit", "b"), ("abort", "a")]  # c never asked; a's claim undone
 
 
 def test_admit_ands_ready():
@@ -195,3 +195,34 @@ def test_padded_request_ids_follow_the_real_ones():
     assert not ctx.is_padding_row("a")
     ctx.request_ids = ["a"]  # a dropped rid invalidates it
     assert tuple(ctx.padded_request_ids) == ("a",)
+
+
+def test_a_refused_admit_leaves_no_claim_in_resources_that_admitted_before():
+    from mstar_jax.resources.kv.bounded.config import (
+        BoundedKVConfig,
+        BoundedKVSpec,
+        BoundedKVStep,
+        SinkWindow,
+    )
+    from mstar_jax.resources.kv.bounded.config import StreamPosition as Pos
+    from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+
+    def manager(key, slots):
+        cfg = BoundedKVConfig(1, 1, 4, 1, 0, SinkWindow(1, 2), max_slots=slots)
+        return BoundedKVManager(BoundedKVSpec(key, {"n"}, cfg), num_sources=1)
+
+    runner = ResourceRunner({"a": manager("a", 2), "b": manager("b", 1)})
+    for rid in ("x", "y"):
+        runner.ingest_request(rid, {})
+
+    def step(rid):
+        kv = BoundedKVStep((Segment(rid, "main", 1),), {rid: Pos(0, 0)})
+        sub = SubmoduleStep({"a": kv, "b": kv})
+        sub.set_ctx(StepContext([rid], "decode", 0, capture=False))
+        return sub
+
+    assert runner.admit(step("x")).ok
+    refused = runner.admit(step("y"))  # "a" has room, "b" is full
+    assert (refused.ok, refused.failed_resource) == (False, "b")
+    assert runner.resources["a"].slot_of("y") is None
+    assert runner.resources["a"].free_slots == 1

@@ -1,7 +1,8 @@
 """Functional device state of the bounded KV cache: the slots, the source bank, and the step's write.
 
-Shape legend: L layers, S slots (+1 padding slot), R rows per request, G KV heads, C slot tokens,
-D head dim, V sources, P max source length, B requests, T step tokens, N = B * R.
+Shape legend (that of `kernels_pallas.sink_window_attention.table`): S slots (+1 padding slot),
+R rows per request, G KV heads, C slot tokens, D head dim, V sources, L max source length, B requests,
+T step tokens, N = B * R. Layers are a tuple, one array per layer.
 
 Each layer's keys (and values) are one array `[S + 1, R, G, C, D]`: slots lead so a mesh can shard
 them on a data axis, KV heads on a model axis, and a kernel gets a layer as its operand with no slice
@@ -73,7 +74,7 @@ class BoundedKVCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SourceBank:
-    """Every layer's registered sources: `k[l]`, `v[l]` of shape `[V, R, G, P, D]`, read in place."""
+    """Every layer's registered sources: `k[l]`, `v[l]` of shape `[V, R, G, L, D]`, read in place."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -130,7 +131,8 @@ def write_step(
     range placed inside it explicitly, because `dynamic_update_slice` would otherwise clamp silently and
     overwrite the wrong entries; ranges never cross the ring's wrap (the plan splits them there). A
     `vmap`-ed per-row update would lower to a scatter plus a full copy of the cache; this costs
-    O(B * min(T, C)) entries per layer.
+    O(B * min(T, C)) entries per layer. (XLA:CPU is the exception for bfloat16 caches: it converts
+    the layer to update it, copying it whole per range; keep CPU caches in float32.)
 
     Args:
       cache_k, cache_v: [S + 1, R, G, C, D] one layer's slots.

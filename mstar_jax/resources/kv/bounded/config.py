@@ -113,6 +113,9 @@ class BoundedKVConfig:
             raise ValueError(f"reverse_step_order={self.reverse_step_order!r} must be a bool")
         object.__setattr__(self, "dtype", _storage_dtype(self.dtype))
         object.__setattr__(self, "_table", self._tabulate_retention())
+        # The config is a static jit argument: hash and compare once-computed keys, not the table per call.
+        object.__setattr__(self, "_frozen_key", self._key())
+        object.__setattr__(self, "_hash", hash(self._frozen_key))
 
     def _tabulate_retention(self) -> tuple[SinkWindow, ...]:
         lengths = range(self.min_source_len, self.max_source_len + 1)
@@ -145,10 +148,14 @@ class BoundedKVConfig:
         )  # fmt: skip
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, BoundedKVConfig) and self._key() == other._key()
+        if self is other:
+            return True
+        if not isinstance(other, BoundedKVConfig) or self._hash != other._hash:
+            return False
+        return self._frozen_key == other._frozen_key
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return self._hash
 
     def retention_for(self, source_len: int) -> SinkWindow:
         """The retention policy of a request whose source is `source_len` long.

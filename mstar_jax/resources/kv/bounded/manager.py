@@ -59,7 +59,7 @@ def _refuse(reason) -> AdmitOutcome:
 
 @partial(jax.jit, donate_argnums=0)
 def _store_source(bank: SourceBank, index, k, v) -> SourceBank:
-    """bank[:, index] = (k, v), per layer; k/v are [L, R, G, P, D] padded to the bank's length."""
+    """bank[:, index] = (k, v), per layer; k/v are [layers, R, G, L, D] padded to the bank length L."""
     return SourceBank(
         k=tuple(layer.at[index].set(new) for layer, new in zip(bank.k, k, strict=True)),
         v=tuple(layer.at[index].set(new) for layer, new in zip(bank.v, v, strict=True)),
@@ -272,15 +272,23 @@ class BoundedKVManager(Resource):
             return ADMIT_OK
         step = _as_bounded_step(step)
         need_slot: list[str] = []
+        seen: set[str] = set()
         for seg in step.segments or ():
             if self._is_padding(seg.request_id, ctx):
                 continue
+            if seg.request_id in seen:  # two rows would share one slot and one write range
+                return _refuse(
+                    AdmitRuntimeError(
+                        f"bounded KV step declares {seg.request_id!r} twice; a request adds one segment per step"
+                    )
+                )
+            seen.add(seg.request_id)
             reason = self._check_segment(
                 seg, step.positions.get(seg.request_id), _step_tokens(step, seg), ctx
             )
             if reason is not None:
                 return _refuse(reason)
-            if self._requests[seg.request_id].slot is None and seg.request_id not in need_slot:
+            if self._requests[seg.request_id].slot is None:
                 need_slot.append(seg.request_id)
         if len(need_slot) > len(self._free):
             rid = need_slot[len(self._free)]

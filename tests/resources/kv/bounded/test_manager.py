@@ -202,13 +202,18 @@ def test_three_new_requests_for_two_free_slots_claim_nothing(manager):
     manager.remove_source(1)  # "b" never became a reader of source 1
 
 
-def test_a_request_named_twice_in_a_step_takes_one_slot(manager):
+def test_a_request_named_twice_in_a_step_is_refused_and_claims_nothing(manager):
+    # Two rows of one request would share its slot and write range while commit advanced it once;
+    # several rows per request are `rows_per_request`, not repeated segments.
     ingest(manager, "a")
     step = BoundedKVStep(
         (Segment("a", "main", 1), Segment("a", "cond", 0)), positions={"a": Pos(3, 0, 0)}, step_tokens={}
     )
-    admit_ok(manager, step, StepContext(["a"], "decode", 0, capture=False))
-    assert (manager.slot_of("a"), manager.free_slots) == (0, 2)
+    outcome = manager.admit(step, StepContext(["a"], "decode", 0, capture=False))
+    assert not outcome.ok
+    assert isinstance(outcome.reason, AdmitRuntimeError)
+    assert "'a' twice" in outcome.reason.message
+    assert (manager.slot_of("a"), manager.free_slots) == (None, 3)
 
 
 def _commit_first_step(manager: BoundedKVManager, rid: str = "a") -> None:
