@@ -279,7 +279,8 @@ class BoundedKVManager(Resource):
             if seg.request_id in seen:  # two rows would share one slot and one write range
                 return _refuse(
                     AdmitRuntimeError(
-                        f"bounded KV step declares {seg.request_id!r} twice; a request adds one segment per step"
+                        f"bounded KV step declares {seg.request_id!r} twice; "
+                        "a request adds one segment per step"
                     )
                 )
             seen.add(seg.request_id)
