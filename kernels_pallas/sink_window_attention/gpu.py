@@ -18,7 +18,9 @@ than Mosaic GPU:
   pointer gather with one contiguous `D` row per key; Mosaic GPU moves contiguous tiles.
 * It runs on H100/H200 with the Triton that jaxlib's CUDA plugin bundles (`jax>=0.10`): Triton compiler
   params select this lowering even where Mosaic GPU is the default GPU lowering. The Triton backend is
-  deprecated upstream but still shipped; were it to go, the public op falls back to XLA.
+  deprecated upstream (jax >= 0.11 warns at every lowering; this module ignores that one warning) but still
+  shipped; were it to go, importing it fails, this kernel raises NotImplementedError and the public op's
+  "auto" falls back to XLA.
 
 Layout of the work: the grid is (attention rows N, KV heads G, query blocks). One program owns one KV
 head of one row and a block of BQ query rows, where query row `r` is step token `r // (H/G)` with query
@@ -35,20 +37,46 @@ rows therefore runs N * G programs, each walking up to K keys.
 
 import dataclasses
 import functools
+import importlib
 import math
-import numbers
+import types
+import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.sink_window_attention import table as tbl
+from kernels_pallas.sink_window_attention.attention import validate_inputs
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Triton's tensor-core dot needs every operand dimension >= 16.
 _MIN_DOT_DIM = 16
+_TRITON_MODULE = "jax.experimental.pallas.triton"
+# Emitted (jax >= 0.11) each time a Triton-backend pallas_call is lowered; matched from its start.
+_TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+
+
+def _triton() -> types.ModuleType:
+    """The Pallas Triton module, imported on use: a JAX without it makes this kernel decline the call."""
+    try:
+        return importlib.import_module(_TRITON_MODULE)
+    except ImportError as e:
+        raise NotImplementedError(
+            f"this JAX ({jax.__version__}) has no Pallas Triton backend ({_TRITON_MODULE}): {e}"
+        ) from e
+
+
+def _ignore_triton_deprecation() -> None:
+    """Ignores JAX's deprecation warning for the Triton backend, and only that warning.
+
+    JAX warns when it lowers the pallas_call, which under a caller's `jax.jit` happens after this module's
+    function has returned, so a `warnings.catch_warnings` around the call cannot catch it: the filter is
+    installed process-wide (re-inserting it on every call is idempotent, and keeps it in front of filters a
+    test harness installs per test, such as pytest's `filterwarnings = error`).
+    """
+    warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
 
 
 def _is_power_of_two(x: int) -> bool:
@@ -86,7 +114,7 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{name}={value!r} must be an int >= 1")
 
     @classmethod
-    def get_default(cls, *, query_rows: int, head_dim: int, max_retained: int) -> "BlockSizes":
+    def default(cls, *, query_rows: int, head_dim: int, max_retained: int) -> "BlockSizes":
         """Default tiles for `query_rows = T * (H / G)` query rows per KV head.
 
         Small problems get small tiles (a decode step of 4 grouped heads needs 16 rows, not 128); keys
@@ -115,8 +143,7 @@ def _online_softmax_step(carry, q, k, v, key_pos, key_ok, q_pos, *, sink, query_
     s = s * scale
     visible = jnp.broadcast_to(key_ok[None, :], s.shape)
     if query_window is not None:
-        kp, qp = key_pos[None, :], q_pos[:, None]
-        visible = visible & (kp <= qp) & ((kp < sink) | (kp > qp - query_window))
+        visible = visible & tbl.query_window_visible(key_pos[None, :], q_pos[:, None], sink, query_window)
     s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
     # A row that has seen no visible key keeps max -inf; subtracting 0 instead keeps exp() at exactly 0
@@ -156,6 +183,7 @@ def _sink_window_kernel(
     block_k: int,
     padded_dim: int,
 ):
+    plgpu = _triton()
     n, g, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, steps, heads, dim = q_ref.shape
     kv_heads = k_ref.shape[2]
@@ -211,7 +239,9 @@ def _sink_window_kernel(
         offset = starts[0] + j
         for i in range(1, tbl.NUM_READS):
             offset = jnp.where(j >= ends[i - 1], starts[i] + (j - ends[i - 1]), offset)
-        in_source = (j < ends[0]) | ((j >= ends[1]) & (j < ends[2]))
+        in_source = jnp.zeros(j.shape, bool)
+        for i in tbl.SOURCE_READS:
+            in_source |= (j >= (ends[i - 1] if i else 0)) & (j < ends[i])
         from_source = (key_ok & in_source)[:, None] & d_ok
         from_slot = (key_ok & ~in_source)[:, None] & d_ok
         at_source = jnp.clip(offset, 0, source_tokens - 1)[:, None]
@@ -222,7 +252,7 @@ def _sink_window_kernel(
             from_c = plgpu.load(cache_ref.at[slot, c, g, at_slot, d], mask=from_slot, other=0)
             return jnp.where(from_source, from_s, from_c)
 
-        key_pos = jnp.where(j < sink_kept, j, window_start + (j - sink_kept))
+        key_pos = tbl.retained_position(j, sink_kept, window_start, xp=jnp)
         return step(
             carry, q, gather(source_k_ref, cache_k_ref), gather(source_v_ref, cache_v_ref), key_pos, key_ok
         )
@@ -248,53 +278,6 @@ def _sink_window_kernel(
     live = row_ok & (t < own) & (l > 0)
     out = acc / jnp.where(live, l, 1.0)[:, None]
     o_ref[...] = jnp.where(live[:, None], out, 0.0).astype(o_ref.dtype)
-
-
-def _static_int(name: str, value, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be a Python int >= {minimum}")
-    return int(value)
-
-
-def _check_shapes(q, k, v, cache_k, cache_v, source_k, source_v, table) -> int:
-    """Validates the argument shapes; returns R, the rows per request."""
-    for name, x, rank in (
-        ("q", q, 4),
-        ("k", k, 4),
-        ("v", v, 4),
-        ("cache_k", cache_k, 5),
-        ("cache_v", cache_v, 5),
-        ("source_k", source_k, 5),
-        ("source_v", source_v, 5),
-        ("table", table, 2),
-    ):
-        if x.ndim != rank:
-            raise ValueError(f"{name} must have rank {rank}, got shape {x.shape}")
-    n_rows, steps, heads, dim = q.shape
-    if k.shape != v.shape or k.shape[:2] != (n_rows, steps) or k.shape[3] != dim:
-        raise ValueError(
-            f"k and v must be [N, T, G, D] = [{n_rows}, {steps}, G, {dim}], got k {k.shape}, v {v.shape}"
-        )
-    kv_heads = k.shape[2]
-    if kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"query heads H={heads} must be a multiple of KV heads G={kv_heads}")
-    if cache_k.shape != cache_v.shape or source_k.shape != source_v.shape:
-        raise ValueError(
-            f"cache_k {cache_k.shape} / cache_v {cache_v.shape} and source_k {source_k.shape} / "
-            f"source_v {source_v.shape} must match pairwise"
-        )
-    batch, row_ints = table.shape
-    if row_ints != tbl.ROW_INTS:
-        raise ValueError(f"table must be i32[B, {tbl.ROW_INTS}], got shape {table.shape}")
-    if batch < 1 or n_rows % batch:
-        raise ValueError(f"q's N={n_rows} must be a multiple of the table's B={batch} (N = B * R)")
-    rows_per_request = n_rows // batch
-    for name, x in (("cache_k", cache_k), ("source_k", source_k)):
-        if x.shape[1] != rows_per_request or x.shape[2] != kv_heads or x.shape[4] != dim:
-            raise ValueError(
-                f"{name} must be [*, R={rows_per_request}, G={kv_heads}, *, D={dim}], got {x.shape}"
-            )
-    return rows_per_request
 
 
 def sink_window_attention_gpu(
@@ -328,45 +311,44 @@ def sink_window_attention_gpu(
       max_retained: K, the static bound on a row's retained keys; retained keys past it are not read.
       query_window: None (every query sees every key) or q >= 1 (causal band, sinks always visible).
       scale: score scale; defaults to 1 / sqrt(D).
-      block_sizes: tiles; `BlockSizes.get_default` when None.
+      block_sizes: tiles; `BlockSizes.default` when None.
       interpret: run the kernel body in the Pallas interpreter (any backend, e.g. CPU tests).
 
     Returns:
       [N, T, H, D] in q's dtype; queries past a row's STEP_TOKENS and rows with no visible key are zeros.
 
     Raises:
-      ValueError: inconsistent shapes or invalid settings.
-      TypeError: a table that is not integer.
-      NotImplementedError: a case this kernel does not handle (mixed or unsupported dtypes, no GPU backend
-        without `interpret`, TPU interpret params); the public op then falls back to XLA.
+      ValueError, TypeError: what `attention.validate_inputs` rejects (the same errors as the public op), or
+        compiled block sizes under 16.
+      NotImplementedError: a case this kernel does not handle (a dtype other than float32, bfloat16 and
+        float16, no GPU backend without `interpret`, TPU interpret params, a JAX without the Pallas Triton
+        backend); the public op's "auto" then falls back to XLA.
     """
-    _check_shapes(q, k, v, cache_k, cache_v, source_k, source_v, table)
-    max_retained = _static_int("max_retained", max_retained, minimum=0)
-    if query_window is not None:
-        query_window = _static_int("query_window", query_window, minimum=1)
-    if scale is not None and not math.isfinite(scale):
-        raise ValueError(f"{scale=} must be None or finite")
-    if not jnp.issubdtype(table.dtype, jnp.integer):
-        raise TypeError(f"table has dtype {table.dtype}; expected int32 (the plan table)")
+    validate_inputs(
+        q, k, v, cache_k, cache_v, source_k, source_v, table,
+        max_retained=max_retained, query_window=query_window, scale=scale,
+    )  # fmt: skip
+    max_retained = int(max_retained)
+    query_window = None if query_window is None else int(query_window)
     if not isinstance(interpret, bool):
         raise NotImplementedError(
             f"interpret={interpret!r}: the Triton kernel runs only in the HLO "
             "interpreter (interpret=True), not in TPU interpret mode"
         )
-    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v, cache_k, cache_v, source_k, source_v)}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in _SUPPORTED_DTYPES:
+    # validate_inputs makes all seven arrays share q's dtype.
+    if jnp.dtype(q.dtype) not in _SUPPORTED_DTYPES:
         raise NotImplementedError(
-            f"needs one dtype among {[str(t) for t in _SUPPORTED_DTYPES]} for q, k, v, "
-            f"cache and source; got {sorted(str(t) for t in dtypes)}"
+            f"q has dtype {q.dtype}; the Triton kernel supports {[str(t) for t in _SUPPORTED_DTYPES]}"
         )
     if not interpret and jax.default_backend() != "gpu":
         raise NotImplementedError(
             f"the compiled Pallas GPU kernel needs a GPU backend, the default is "
             f"{jax.default_backend()!r}; pass interpret=True"
         )
+    plgpu = _triton()
     n_rows, steps, heads, dim = q.shape
     kv_heads = k.shape[2]
-    rows_per_request = n_rows // table.shape[0]
+    rows_per_request = cache_k.shape[1]  # R; validate_inputs checked B * R == N (B may be 0)
     if steps == 0 or n_rows == 0:
         return jnp.zeros(q.shape, q.dtype)
 
@@ -380,7 +362,7 @@ def sink_window_attention_gpu(
     group = heads // kv_heads
     query_rows = steps * group
     if block_sizes is None:
-        block_sizes = BlockSizes.get_default(query_rows=query_rows, head_dim=dim, max_retained=max_retained)
+        block_sizes = BlockSizes.default(query_rows=query_rows, head_dim=dim, max_retained=max_retained)
     padded_dim = _next_power_of_two(dim)
     if not interpret:
         padded_dim = max(padded_dim, _MIN_DOT_DIM)
@@ -409,6 +391,7 @@ def sink_window_attention_gpu(
         padded_dim=padded_dim,
     )
     whole = pl.no_block_spec
+    _ignore_triton_deprecation()
     tiles = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((n_rows, kv_heads, q_blocks * block_q, padded_dim), q.dtype),

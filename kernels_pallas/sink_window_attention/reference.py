@@ -30,8 +30,7 @@ def retained_keys_reference(
     entries = np.concatenate(parts, axis=1)
     kept = int(row[tbl.SINK_KEPT])
     j = np.arange(entries.shape[1])
-    positions = np.where(j < kept, j, row[tbl.WINDOW_START] + (j - kept))
-    return entries, positions
+    return entries, tbl.retained_position(j, kept, row[tbl.WINDOW_START], xp=np)
 
 
 def sink_window_attention_reference(
@@ -72,7 +71,7 @@ def sink_window_attention_reference(
             visible = np.ones(len(key_pos), bool)
             if query_window is not None:
                 p = row[tbl.STREAM_LEN] + i
-                visible = (key_pos <= p) & ((key_pos < row[tbl.SINK]) | (key_pos > p - query_window))
+                visible = tbl.query_window_visible(key_pos, p, row[tbl.SINK], query_window)
             if not visible.any():
                 continue
             for h in range(heads):

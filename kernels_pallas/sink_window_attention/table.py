@@ -26,7 +26,14 @@ Three write ranges store the step's first `span` tokens after attention:
 config's `reverse_step_order` is set) to slot offsets `slot_start + t` for `t < len`.
 
 A padding row has every range empty and `STEP_TOKENS == 0`: it reads and writes nothing.
+
+The helpers at the end are the table's arithmetic, shared by the reference and the kernels. They take the
+array namespace (`numpy`, `jax.numpy`) from the caller, so this module imports neither and the same code
+runs in the float64 oracle, in XLA and inside a Pallas kernel body.
 """
+
+from types import ModuleType
+from typing import Any
 
 SLOT = 0  # slot index into the cache's S axis
 SOURCE = 1  # source index into the bank's V axis
@@ -38,6 +45,8 @@ STEP_TOKENS = 6  # real step tokens (keys and queries) of the row; the rest is b
 READS = 7  # five (start, len) pairs, see the module docstring
 NUM_READS = 5
 READ_FROM_SOURCE = (True, False, True, False, False)
+SOURCE_READS = tuple(i for i, s in enumerate(READ_FROM_SOURCE) if s)  # (0, 2): read from the source bank
+SLOT_READS = tuple(i for i, s in enumerate(READ_FROM_SOURCE) if not s)  # (1, 3, 4): read from the slot
 WRITES = READS + 2 * NUM_READS  # three (step_offset, slot_start, len) triples
 NUM_WRITES = 3
 ROW_INTS = WRITES + 3 * NUM_WRITES
@@ -57,3 +66,35 @@ def write_cols(i: int) -> tuple[int, int, int]:
     """Columns of write range `i`: (step_offset, slot_start, len)."""
     base = WRITES + 3 * i
     return base, base + 1, base + 2
+
+
+def retained_position(j: Any, sink_kept: Any, window_start: Any, *, xp: ModuleType) -> Any:
+    """Stream position of retained key `j`: `j` inside the sink, else `WINDOW_START + (j - SINK_KEPT)`.
+
+    Args:
+      j: integer array (any shape) of indices into a row's retained list.
+      sink_kept: the row's `SINK_KEPT`, broadcastable against `j`.
+      window_start: the row's `WINDOW_START`, broadcastable against `j`.
+      xp: the array namespace providing `where` (`numpy` or `jax.numpy`).
+
+    Returns:
+      Integer array of `j`'s broadcast shape.
+    """
+    return xp.where(j < sink_kept, j, window_start + (j - sink_kept))
+
+
+def query_window_visible(key_pos: Any, query_pos: Any, sink: Any, query_window: int) -> Any:
+    """Whether a query sees a key under a query window: causal, and a sink or one of the last `query_window`.
+
+    Only comparisons and `&` / `|`, so any array type (or plain ints) works; shapes broadcast.
+
+    Args:
+      key_pos: integer array of key stream positions.
+      query_pos: integer array of query stream positions.
+      sink: the row's `SINK` (positions below it stay visible to every later query).
+      query_window: the band, >= 1: a query at `p` sees keys in `(p - query_window, p]` and the sinks.
+
+    Returns:
+      bool array of the broadcast shape.
+    """
+    return (key_pos <= query_pos) & ((key_pos < sink) | (key_pos > query_pos - query_window))

@@ -21,8 +21,6 @@ from jax import lax
 
 from kernels_pallas.sink_window_attention import table as tbl
 
-_SOURCE_READS = tuple(i for i, s in enumerate(tbl.READ_FROM_SOURCE) if s)
-_SLOT_READS = tuple(i for i, s in enumerate(tbl.READ_FROM_SOURCE) if not s)
 # f32 inputs keep f32 products on TPU/GPU (the default would round them to bf16 / TF32); bf16 is exact.
 _PRECISION = lax.Precision.HIGHEST
 
@@ -82,7 +80,7 @@ def _gather_part(
     within = (jnp.arange(n_rows, dtype=jnp.int32) % rows_per_request)[:, None]  # [N, 1]: row c of R
 
     kept, window_start = rows[:, tbl.SINK_KEPT][:, None], rows[:, tbl.WINDOW_START][:, None]
-    positions = jnp.where(retained_j < kept, retained_j, window_start + retained_j - kept)
+    positions = tbl.retained_position(retained_j, kept, window_start, xp=jnp)
     # Gathering [N, G, P, D] (one D-long run per key and head) hands the dots their batch-major layout.
     head = jnp.arange(store_k.shape[2], dtype=jnp.int32)[None, :, None]  # [1, G, 1]
     at = (store[:, None, :], within[:, None, :], head, index[:, None, :])
@@ -118,8 +116,7 @@ def _visible(rows: jax.Array, part: _Part, steps: int, query_window: int | None)
     key_pos = part.positions[:, None, :]  # [N, 1, P]
     query_pos = query_pos[:, :, None]  # [N, T, 1]
     sink = rows[:, tbl.SINK][:, None, None]
-    in_band = (key_pos < sink) | (key_pos > query_pos - query_window)
-    return visible & (key_pos <= query_pos) & in_band
+    return visible & tbl.query_window_visible(key_pos, query_pos, sink, query_window)
 
 
 def sink_window_attention_xla(
@@ -165,11 +162,12 @@ def sink_window_attention_xla(
         with jax.named_scope("gather"):
             source_size = min(max_retained, source_k.shape[3])
             if source_size and source_k.shape[0]:
-                source_index = rows[:, tbl.SOURCE]
-                parts.append(_gather_part(rows, source_k, source_v, source_index, _SOURCE_READS, source_size))
+                source, reads = rows[:, tbl.SOURCE], tbl.SOURCE_READS
+                parts.append(_gather_part(rows, source_k, source_v, source, reads, source_size))
             slot_size = min(max_retained, cache_k.shape[3])
             if slot_size and cache_k.shape[0]:
-                parts.append(_gather_part(rows, cache_k, cache_v, rows[:, tbl.SLOT], _SLOT_READS, slot_size))
+                slot, reads = rows[:, tbl.SLOT], tbl.SLOT_READS
+                parts.append(_gather_part(rows, cache_k, cache_v, slot, reads, slot_size))
             parts.append(_own_part(rows, k, v))
 
         with jax.named_scope("scores"):

@@ -7,12 +7,15 @@ outputs that match the oracle.
 """
 
 import functools
+import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas.sink_window_attention import sink_window_attention, sink_window_attention_xla
 from kernels_pallas.sink_window_attention import table as tbl
 from kernels_pallas.sink_window_attention.gpu import BlockSizes, sink_window_attention_gpu
 from tests.kernels import cases
@@ -189,7 +192,7 @@ def test_empty_step_gives_empty_output():
 
 def test_default_block_sizes_are_triton_legal():
     for query_rows, head_dim, max_retained in [(1, 64, 0), (2, 128, 20), (64, 256, 4096), (1024, 80, 300)]:
-        blocks = BlockSizes.get_default(query_rows=query_rows, head_dim=head_dim, max_retained=max_retained)
+        blocks = BlockSizes.default(query_rows=query_rows, head_dim=head_dim, max_retained=max_retained)
         assert 16 <= blocks.block_q <= 64
         assert 16 <= blocks.block_k <= 64
 
@@ -216,9 +219,10 @@ def test_rejects_what_it_cannot_do():
     case = cases.standard_cases()[0]
     arrays = _arrays(case)
     settings = {"max_retained": case.max_retained, "interpret": True}
-    mixed = (arrays[0].astype(jnp.bfloat16), *arrays[1:])
-    with pytest.raises(NotImplementedError, match="dtype"):
-        sink_window_attention_gpu(*mixed, **settings)
+    with pytest.raises(NotImplementedError, match="float64"):
+        sink_window_attention_gpu(*(x.astype(np.float64) for x in arrays[:7]), arrays[7], **settings)
+    with pytest.raises(NotImplementedError, match="TPU interpret"):
+        sink_window_attention_gpu(*arrays, max_retained=case.max_retained, interpret=object())
     if INTERPRET:
         with pytest.raises(NotImplementedError, match="GPU backend"):
             sink_window_attention_gpu(*arrays, max_retained=case.max_retained)
@@ -230,3 +234,54 @@ def test_rejects_what_it_cannot_do():
         sink_window_attention_gpu(arrays[0][:, :, :3], *arrays[1:], **settings)
     with pytest.raises(ValueError, match="power of two"):
         BlockSizes(block_q=12, block_k=16)
+
+
+@pytest.mark.parametrize(
+    ("index", "mutate", "match"),
+    [
+        (0, lambda x: x[:, :, :3], "multiple of KV heads"),
+        (1, lambda x: x.astype(jnp.bfloat16), "k has dtype"),
+        (4, lambda x: x[:, :, :, :2], "cache_v has shape"),
+        (7, lambda x: x.astype(np.float32), "table has dtype"),
+        (7, lambda x: x[:-1], "attention rows"),
+    ],
+    ids=["heads", "mixed_dtypes", "cache_v", "table_dtype", "table_rows"],
+)
+def test_input_errors_are_the_public_ops(index, mutate, match):
+    # One source of truth (attention.validate_inputs): same exception type and message as the public op.
+    case = cases.standard_cases()[0]
+    arrays = list(_arrays(case))
+    arrays[index] = mutate(arrays[index])
+    with pytest.raises(ValueError, match=match) as public:
+        sink_window_attention(*arrays, max_retained=case.max_retained)
+    with pytest.raises(ValueError, match=match) as gpu:
+        sink_window_attention_gpu(*arrays, max_retained=case.max_retained, interpret=True)
+    assert str(gpu.value) == str(public.value)
+
+
+def test_auto_falls_back_to_xla_without_the_triton_backend(monkeypatch):
+    # A JAX that dropped the Pallas Triton backend: importing it raises ImportError (None in sys.modules).
+    case = cases.standard_cases()[0]
+    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(NotImplementedError, match="Triton"):
+        sink_window_attention_gpu(*_arrays(case), max_retained=case.max_retained)
+    out = sink_window_attention(*_arrays(case), max_retained=case.max_retained, implementation="auto")
+    expected = sink_window_attention_xla(*_arrays(case), max_retained=case.max_retained)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+
+
+def test_ignores_the_triton_deprecation_warning_and_only_it():
+    # jax >= 0.11 warns when it lowers the Triton pallas_call, after the call returns under a caller's jit;
+    # pyproject turns warnings into errors. Emulate that warning after a traced call.
+    case = cases.make_case("warn", seed=110, batch=1)
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _arrays(case)]
+    fn = functools.partial(sink_window_attention_gpu, max_retained=case.max_retained, interpret=True)
+    jax.jit(fn).trace(*specs)
+    warnings.warn(
+        "The Pallas Triton backend is deprecated and will be removed in a future JAX version.",
+        DeprecationWarning,
+        stacklevel=1,
+    )
+    with pytest.raises(DeprecationWarning, match="something else"):
+        warnings.warn("something else is deprecated", DeprecationWarning, stacklevel=1)
