@@ -7,6 +7,7 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_readme_python_blocks_run():
+    # ```python blocks are complete programs; ```py blocks are fragments shown for their shape.
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert blocks, "the README shows no Python example"
     for block in blocks:
