@@ -1,7 +1,10 @@
 """Pallas TPU (Mosaic) sink+window attention: online softmax over a row's retained keys, then its own.
 
-Grid `(N, G, NQ, NK)`: attention row, KV head, query block (all parallel, so megacore chips split them),
-then the key walk (`arbitrary`, it carries the online-softmax state). The key walk has three phases:
+Grid `(N, NQ, NK)`: attention row, query block (both parallel, so megacore chips split them), then the
+key walk (`arbitrary`, it carries the online-softmax state). Every grid step handles all `G` KV heads of
+its key block: one DMA moves `[G, block, D]` of K (and of V), as in MaxText's ragged attention and JAX's
+ragged paged attention, so decode pays the per-step overhead once per key block rather than once per
+block and KV head. The key walk has three phases:
 
   steps [0, NS)            source blocks  (reads 0 and 2, straight from the source bank)
   steps [NS, NS + NC)      slot blocks    (reads 1, 3 and 4, straight from the row's slot)
@@ -19,10 +22,18 @@ Why BlockSpecs and not manual DMA from `pl.ANY` refs: the Pallas pipeline double
 partial block of a store whose length is not a multiple of the block, and is exactly what both interpret
 modes simulate; manual DMA would need hand-written double buffering and start clamping for the same effect.
 
-The GQA heads of one KV head are folded with the step tokens into the query block (`T * H/G` rows), so
-one K/V block serves all of them. Keys are masked per entry by the read ranges they fall in, which also
-gives their stream positions for `query_window`; values of masked keys are zeroed so NaN or stale bytes
-(evicted entries, the padding of a partial block) never reach the output.
+The `H/G` query heads of each KV head are folded with the step tokens (`T * H/G` rows per KV head), and
+the scores and the value update are dots batched over `G` (a leading batch dim, which Mosaic lowers),
+with f32 online-softmax state per KV head and query row. Keys are masked per entry by the read ranges
+they fall in (the same for every KV head), which also gives their stream positions for `query_window`;
+values of masked keys are zeroed so NaN or stale bytes (evicted entries, the padding of a partial block)
+never reach the output.
+
+VMEM per grid step (see `_vmem_bytes`, which `BlockSizes.default` budgets with): the K/V buffers,
+`2 stores x 2 (K, V) x 2 buffers x G x block x D x itemsize` (16 MiB for G = 8, D = 128, bf16 and
+blocks of 1024 in both stores), the double-buffered query, output and own-key blocks, the f32 state
+`G x block_q x (D + 2)` and about three f32 `G x block_q x block` score temporaries. Past the smallest
+default scoped VMEM limit (16 MiB on v5e) the call raises `vmem_limit_bytes` to fit.
 """
 
 import dataclasses
@@ -43,9 +54,13 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # TPU vreg tile: 8 sublanes x 128 lanes of 32 bits; blocks' second-to-last dims must be multiples of 8.
 SUBLANES = 8
+# Key blocks the default chooser may pick, and the VMEM it lets one grid step use: 16 MiB, the scoped VMEM
+# default we understand v5e to have (the smallest of current chips; not yet checked on hardware).
+MAX_BLOCK_KV = 4096
+DEFAULT_VMEM_BUDGET = 16 * 2**20
+# Past this estimate the call sets `vmem_limit_bytes` itself (with headroom for Mosaic's own scratch).
+_SCOPED_VMEM_DEFAULT = 12 * 2**20
 
-_SOURCE_READS = tuple(i for i, s in enumerate(tbl.READ_FROM_SOURCE) if s)
-_SLOT_READS = tuple(i for i, s in enumerate(tbl.READ_FROM_SOURCE) if not s)
 # Per read range, scalar-prefetched: (start, end, offset) with retained index j = store offset + offset.
 _RANGE_INTS = 3
 
@@ -55,10 +70,11 @@ class BlockSizes:
     """Tile sizes of the TPU kernel.
 
     Attributes:
-      block_kv: retained keys per grid step and store (the K/V block's sublane dim). A multiple of 8
-        (the TPU sublane tile; bf16 packs 16 rows per vreg, so prefer multiples of 16 there). A store
-        shorter than the block is taken whole, which TPU allows because the block then equals the dim.
-      block_q: folded query rows (`T * H/G`) per grid step, a multiple of 8; None takes all rows.
+      block_kv: retained keys per grid step and store (the K/V block's sublane dim; each step moves this
+        many keys of all G KV heads). A multiple of 8 (the TPU sublane tile; bf16 packs 16 rows per vreg,
+        so prefer multiples of 16 there). A store shorter than the block is taken whole, which TPU allows
+        because the block then equals the dim.
+      block_q: folded query rows (`T * H/G`) per KV head and grid step, a multiple of 8; None takes all.
     """
 
     block_kv: int
@@ -73,15 +89,53 @@ class BlockSizes:
             raise ValueError(f"block_q={self.block_q!r} must be None or a positive multiple of {SUBLANES}")
 
     @classmethod
-    def default(cls, *, max_retained: int, query_rows: int) -> "BlockSizes":
-        """Blocks for `max_retained` keys and `query_rows = T * H/G` folded queries.
+    def default(
+        cls,
+        *,
+        max_retained: int,
+        query_rows: int,
+        kv_heads: int = 1,
+        head_dim: int = 128,
+        itemsize: int = 2,
+        steps: int = 1,
+        source_len: int | None = None,
+        slot_len: int | None = None,
+    ) -> "BlockSizes":
+        """Blocks for `max_retained` keys and `query_rows = T * H/G` folded queries per KV head.
 
-        Decode is HBM-bound, so the key block is large (128 to 512 rows: few grid steps, long DMAs);
-        the query block caps the f32 accumulator at 512 rows of `D` floats.
+        Decode is HBM-bound and each grid step has a fixed cost, so the key block is as large as
+        `max_retained` needs (a power of two, 128 to 4096 rows) while a step's VMEM (`_vmem_bytes`)
+        stays within `DEFAULT_VMEM_BUDGET`; for very wide K/V rows it shrinks below 128, down to 16. A
+        store shorter than the block is taken whole, so `source_len` and `slot_len` (L and C; None counts
+        a full block) let a short source bank leave its VMEM to longer slot blocks. The query block caps
+        the f32 accumulator at 512 rows of `D` floats summed over the G KV heads.
         """
-        block_kv = min(512, max(128, pl.next_power_of_2(max(max_retained, 1))))
-        block_q = None if query_rows <= 512 else 512
+        rows_cap = max(16, 512 // max(kv_heads, 1) // 16 * 16)
+        block_q = None if query_rows <= rows_cap else rows_cap
+        q_rows = query_rows if block_q is None else block_q
+        block_kv = min(MAX_BLOCK_KV, max(128, pl.next_power_of_2(max(max_retained, 1))))
+
+        def vmem(block: int) -> int:
+            source = block if source_len is None else max(1, min(block, source_len))
+            slot = block if slot_len is None else max(1, min(block, slot_len))
+            return _vmem_bytes(kv_heads, q_rows, source, slot, steps, head_dim, itemsize)
+
+        while block_kv > 16 and vmem(block_kv) > DEFAULT_VMEM_BUDGET:
+            block_kv //= 2
         return cls(block_kv=block_kv, block_q=block_q)
+
+
+def _vmem_bytes(
+    kv_heads: int, block_q: int, block_source: int, block_slot: int, steps: int, dim: int, itemsize: int
+) -> int:
+    """Estimated VMEM of one grid step: pipeline buffers (two each), f32 scratch and score temporaries."""
+    kv = 2 * 2 * kv_heads * (block_source + block_slot) * dim * itemsize
+    q_out = 2 * 2 * kv_heads * block_q * dim * itemsize
+    own = 2 * 2 * kv_heads * steps * dim * itemsize
+    # m and l are [.., 1] columns, padded to the 128 lanes of a vreg.
+    scratch = 4 * kv_heads * block_q * (dim + 2 * 128)
+    scores = 3 * 4 * kv_heads * block_q * max(block_source, block_slot, steps)
+    return kv + q_out + own + scratch + scores
 
 
 def _is_int(x) -> bool:
@@ -96,7 +150,7 @@ def _read_ranges(table: jax.Array) -> jax.Array:
     return jnp.stack([starts, starts + lengths, prefix - starts], axis=2).reshape(-1)
 
 
-def _store_plan(table, reads, block, num_blocks, num_steps, store_ids, rows_per_request, kv_heads):
+def _store_plan(table, reads, block, num_blocks, num_steps, store_ids, rows_per_request):
     """Which blocks of one store (source bank or slots) each row walks, for the index maps and the kernel.
 
     Args:
@@ -104,13 +158,15 @@ def _store_plan(table, reads, block, num_blocks, num_steps, store_ids, rows_per_
       reads: the read ranges that live in this store.
       block: the store's block length; num_blocks: blocks in the store; num_steps: key steps of the phase.
       store_ids: i32[B], the request's source or slot index (already clipped into range).
+      rows_per_request: R.
 
     Returns:
       blocks i32[B * num_steps]: the blocks a request's ranges touch, ascending, then the last one repeated
         (so skipped steps issue no DMA).
-      heads i32[N * G]: row n's KV head g as an index into the store's flattened `[S * R * G]` axis.
+      entries i32[N]: row n's entry of the store's flattened `[S * R]` axis (`store_id * R + n % R`); a
+        grid step reads all G KV heads of it.
       counts i32[B]: how many entries of `blocks` are useful.
-      A request that touches no block holds the last block and head of the most recent earlier row that
+      A request that touches no block holds the last block and entry of the most recent earlier row that
       touched one, so its steps issue no DMA either.
     """
     ids = jnp.arange(num_blocks, dtype=jnp.int32)[None, :]
@@ -132,19 +188,15 @@ def _store_plan(table, reads, block, num_blocks, num_steps, store_ids, rows_per_
     held_row = jnp.concatenate([jnp.full((1,), -1, jnp.int32), lax.cummax(last_user_row)[:-1]])
     has_held = held_row >= 0
     held_request = jnp.maximum(held_row, 0) // rows_per_request
-    held_head = store_ids[held_request] * rows_per_request + jnp.maximum(held_row, 0) % rows_per_request + 1
-    held_head = jnp.where(has_held, held_head * kv_heads - 1, 0)  # the held row's last KV head
+    held_entry = store_ids[held_request] * rows_per_request + jnp.maximum(held_row, 0) % rows_per_request
+    held_entry = jnp.where(has_held, held_entry, 0)
     blocks = jnp.where(used[:, None], blocks, jnp.where(has_held, blocks[held_request, -1], 0)[:, None])
 
     row = jnp.arange(requests * rows_per_request, dtype=jnp.int32)
     request = row // rows_per_request
-    own_head = (store_ids[request] * rows_per_request + row % rows_per_request) * kv_heads
-    heads = jnp.where(
-        used[request, None],
-        own_head[:, None] + jnp.arange(kv_heads, dtype=jnp.int32)[None, :],
-        held_head[request, None],
-    )
-    return blocks.reshape(-1), heads.reshape(-1), counts
+    own_entry = store_ids[request] * rows_per_request + row % rows_per_request
+    entries = jnp.where(used[request], own_entry, held_entry[request])
+    return blocks.reshape(-1), entries, counts
 
 
 def _kernel(
@@ -152,25 +204,25 @@ def _kernel(
     table_ref,  # i32[B * ROW_INTS]
     ranges_ref,  # i32[B * NUM_READS * 3]
     source_blocks_ref,  # i32[B * NS]
-    source_heads_ref,  # i32[N * G] (index maps only)
+    source_entries_ref,  # i32[N] (index maps only)
     source_counts_ref,  # i32[B]
     slot_blocks_ref,  # i32[B * NC]
-    slot_heads_ref,  # i32[N * G] (index maps only)
+    slot_entries_ref,  # i32[N] (index maps only)
     slot_counts_ref,  # i32[B]
     # inputs
-    q_ref,  # [bq, D]
-    source_k_ref,  # [block_source, D]
-    source_v_ref,  # [block_source, D]
-    cache_k_ref,  # [block_slot, D]
-    cache_v_ref,  # [block_slot, D]
-    k_ref,  # [T, D]
-    v_ref,  # [T, D]
+    q_ref,  # [G, bq, D]
+    source_k_ref,  # [G, block_source, D]
+    source_v_ref,  # [G, block_source, D]
+    cache_k_ref,  # [G, block_slot, D]
+    cache_v_ref,  # [G, block_slot, D]
+    k_ref,  # [G, T, D]
+    v_ref,  # [G, T, D]
     # outputs
-    o_ref,  # [bq, D]
+    o_ref,  # [G, bq, D]
     # scratch
-    m_scratch,  # f32[bq, 1] running max
-    l_scratch,  # f32[bq, 1] running sum
-    acc_scratch,  # f32[bq, D] unnormalised output
+    m_scratch,  # f32[G, bq, 1] running max
+    l_scratch,  # f32[G, bq, 1] running sum
+    acc_scratch,  # f32[G, bq, D] unnormalised output
     *,
     rows_per_request: int,
     group: int,
@@ -184,10 +236,10 @@ def _kernel(
     query_window: int | None,
     scale: float,
 ):
-    del source_heads_ref, slot_heads_ref
+    del source_entries_ref, slot_entries_ref
     # lax.div (truncating) rather than `//`: the operands are >= 0 and Mosaic lowers it without fix-ups.
     request = lax.div(pl.program_id(0), jnp.int32(rows_per_request))
-    q_block, step = pl.program_id(2), pl.program_id(3)
+    q_block, step = pl.program_id(1), pl.program_id(2)
     row_base = request * tbl.ROW_INTS
     # Scalars are read inside the branches that use them: a skipped step reads only the two counts.
 
@@ -195,8 +247,9 @@ def _kernel(
         return table_ref[row_base + c]
 
     def token():
-        """Step token of each folded query row (token-major, then the group's heads): i32[bq, 1]."""
-        return lax.div(q_block * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0), jnp.int32(group))
+        """Step token of each folded query row (token-major, then the group's heads): i32[1, bq, 1]."""
+        rows = q_block * block_q + lax.broadcasted_iota(jnp.int32, (1, block_q, 1), 1)
+        return lax.div(rows, jnp.int32(group))
 
     @pl.when(step == 0)
     def _init():
@@ -204,42 +257,46 @@ def _kernel(
         l_scratch[...] = jnp.zeros(l_scratch.shape, jnp.float32)
         acc_scratch[...] = jnp.zeros(acc_scratch.shape, jnp.float32)
 
-    def dot(a, b, dimension_numbers):
+    def dot(a, b, contracting):
+        """A dot batched over the leading KV-head dim, accumulated in f32."""
         precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
         return lax.dot_general(
-            a, b, dimension_numbers, precision=precision, preferred_element_type=jnp.float32
+            a, b, (contracting, ((0,), (0,))), precision=precision, preferred_element_type=jnp.float32
         )
 
     def attend(keys, values, key_ok, key_pos, value_ok):
-        """One online-softmax update: keys, values [bk, D]; key_ok, key_pos [1, bk]; value_ok [bk, 1].
+        """One online-softmax update over every KV head.
+
+        Args:
+          keys, values: [G, bk, D].
+          key_ok, key_pos: [1, 1, bk]; value_ok: [1, bk, 1] (the same keys are valid for every head).
 
         Returns the updated (running sum, accumulator) so the last step need not reload them.
         """
         q = q_ref[...]
-        if keys.shape[0] == 1:
+        if keys.shape[1] == 1:
             # A single key row (decode's own key, a one-entry store): Mosaic cannot lower a bf16 dot of
             # that shape, and the VPU does it as well as the MXU would.
-            s = jnp.sum(q.astype(jnp.float32) * keys.astype(jnp.float32), axis=1, keepdims=True) * scale
+            s = jnp.sum(q.astype(jnp.float32) * keys.astype(jnp.float32), axis=2, keepdims=True) * scale
         else:
-            s = dot(q, keys, (((1,), (1,)), ((), ()))) * scale
+            s = dot(q, keys, ((2,), (2,))) * scale  # [G, bq, bk]
         tokens = token()
-        mask = (tokens < col(tbl.STEP_TOKENS)) & key_ok
+        mask = (tokens < col(tbl.STEP_TOKENS)) & key_ok  # [1, bq, bk]
         if query_window is not None:
             query_pos = col(tbl.STREAM_LEN) + tokens
-            in_band = (key_pos < col(tbl.SINK)) | (key_pos > query_pos - query_window)
-            mask &= (key_pos <= query_pos) & in_band
+            mask &= tbl.query_window_visible(key_pos, query_pos, col(tbl.SINK), query_window)
         s = jnp.where(mask, s, MASK_VALUE)
         m_prev = m_scratch[...]
-        m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        m_next = jnp.maximum(m_prev, s.max(axis=2, keepdims=True))
         alpha = jnp.exp(m_prev - m_next)
         p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
-        total = alpha * l_scratch[...] + p.sum(axis=1, keepdims=True)
+        total = alpha * l_scratch[...] + p.sum(axis=2, keepdims=True)
         # Masked keys may be NaN (poisoned, evicted or partial-block padding): 0 * NaN would leak.
         values = jnp.where(value_ok, values, jnp.zeros_like(values))
-        if values.shape[0] == 1:
+        if values.shape[1] == 1:
             update = p * values.astype(jnp.float32)
         else:
-            update = dot(p.astype(values.dtype), values, (((1,), (0,)), ((), ())))
+            update = dot(p.astype(values.dtype), values, ((2,), (1,)))  # [G, bq, D]
         acc = alpha * acc_scratch[...] + update
         m_scratch[...], l_scratch[...], acc_scratch[...] = m_next, total, acc
         return total, acc
@@ -247,11 +304,11 @@ def _kernel(
     def attend_store(k_block_ref, v_block_ref, blocks_ref, steps, phase_step, block, store_len, reads):
         block_start = blocks_ref[request * steps + phase_step] * block
         # Row form masks scores; column form masks values (each from its own iota: no relayout).
-        offset = block_start + lax.broadcasted_iota(jnp.int32, (1, block), 1)
-        offset_column = block_start + lax.broadcasted_iota(jnp.int32, (block, 1), 0)
-        key_ok = jnp.zeros((1, block), bool)
-        value_ok = jnp.zeros((block, 1), bool)
-        key_pos = jnp.zeros((1, block), jnp.int32)
+        offset = block_start + lax.broadcasted_iota(jnp.int32, (1, 1, block), 2)
+        offset_column = block_start + lax.broadcasted_iota(jnp.int32, (1, block, 1), 1)
+        key_ok = jnp.zeros((1, 1, block), bool)
+        value_ok = jnp.zeros((1, block, 1), bool)
+        key_pos = jnp.zeros((1, 1, block), jnp.int32)
         if query_window is not None:
             sink_kept, window_start = col(tbl.SINK_KEPT), col(tbl.WINDOW_START)
         for i in reads:
@@ -262,7 +319,7 @@ def _kernel(
             value_ok |= (offset_column >= start) & (offset_column < end)
             if query_window is not None:
                 j = offset + ranges_ref[at + 2]  # the retained index; positions as in table.py
-                pos = jnp.where(j < sink_kept, j, window_start + j - sink_kept)
+                pos = tbl.retained_position(j, sink_kept, window_start, xp=jnp)
                 key_pos = jnp.where(inside, pos, key_pos)
         attend(k_block_ref[...], v_block_ref[...], key_ok, key_pos, value_ok)
 
@@ -276,7 +333,7 @@ def _kernel(
             step,
             block_source,
             source_len,
-            _SOURCE_READS,
+            tbl.SOURCE_READS,
         )
 
     slot_step = step - source_steps
@@ -291,15 +348,15 @@ def _kernel(
             slot_step,
             block_slot,
             slot_len,
-            _SLOT_READS,
+            tbl.SLOT_READS,
         )
 
     @pl.when(step == source_steps + slot_steps)
     def _own_and_finish():
-        steps = k_ref.shape[0]
+        steps = k_ref.shape[1]
         step_tokens = col(tbl.STEP_TOKENS)
-        own = lax.broadcasted_iota(jnp.int32, (1, steps), 1)
-        own_ok = lax.broadcasted_iota(jnp.int32, (steps, 1), 0) < step_tokens
+        own = lax.broadcasted_iota(jnp.int32, (1, 1, steps), 2)
+        own_ok = lax.broadcasted_iota(jnp.int32, (1, steps, 1), 1) < step_tokens
         total, acc = attend(k_ref[...], v_ref[...], own < step_tokens, col(tbl.STREAM_LEN) + own, own_ok)
         out = acc / jnp.where(total > 0, total, 1.0)
         o_ref[...] = jnp.where(total > 0, out, 0.0).astype(o_ref.dtype)
@@ -398,7 +455,10 @@ def sink_window_attention_tpu(
 
     group = heads // kv_heads
     query_rows = steps * group
-    blocks = block_sizes or BlockSizes.default(max_retained=max_retained, query_rows=query_rows)
+    blocks = block_sizes or BlockSizes.default(
+        max_retained=max_retained, query_rows=query_rows, kv_heads=kv_heads, head_dim=dim,
+        itemsize=dtype.itemsize, steps=steps, source_len=source_k.shape[3], slot_len=cache_k.shape[3],
+    )  # fmt: skip
     block_q = query_rows if blocks.block_q is None or blocks.block_q >= query_rows else blocks.block_q
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
 
@@ -419,27 +479,25 @@ def sink_window_attention_tpu(
         slot_ids = jnp.clip(table[:, tbl.SLOT], 0, cache_k.shape[0] - 1)
         source_plan = _store_plan(
             table,
-            _SOURCE_READS,
+            tbl.SOURCE_READS,
             block_source,
             pl.cdiv(source_len, block_source),
             source_steps,
             source_ids,
             rows_per_request,
-            kv_heads,
         )
         slot_plan = _store_plan(
             table,
-            _SLOT_READS,
+            tbl.SLOT_READS,
             block_slot,
             pl.cdiv(slot_len, block_slot),
             slot_steps,
             slot_ids,
             rows_per_request,
-            kv_heads,
         )
-        # [S, R, G, C, D] -> [S * R * G, C, D] is free (leading dims merge) and leaves one index per head.
+        # [S, R, G, C, D] -> [S * R, G, C, D] is free (leading dims merge) and leaves one index per row.
         source_k, source_v, cache_k, cache_v = (
-            x.reshape(-1, *x.shape[3:]) for x in (source_k, source_v, cache_k, cache_v)
+            x.reshape(-1, *x.shape[2:]) for x in (source_k, source_v, cache_k, cache_v)
         )
 
         # Fold the H/G query heads of each KV head with the tokens: [N, G, T * H/G, D], token-major.
@@ -447,31 +505,31 @@ def sink_window_attention_tpu(
         q_folded = q_folded.reshape(n_rows, kv_heads, query_rows, dim)
         k_heads, v_heads = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [N, G, T, D]
 
-        def store_index(blocks_at, heads_at, num_steps, first_step):
-            def index(n, g, qb, step, *prefetch):
+        def store_index(blocks_at, entries_at, num_steps, first_step):
+            def index(n, qb, step, *prefetch):
                 block = prefetch[blocks_at][
                     lax.div(n, jnp.int32(rows_per_request)) * num_steps
                     + jnp.clip(step - first_step, 0, num_steps - 1)
                 ]
-                return prefetch[heads_at][n * kv_heads + g], block, 0
+                return prefetch[entries_at][n], 0, block, 0
 
             return index
 
         source_index = store_index(2, 3, source_steps, 0)
         slot_index = store_index(5, 6, slot_steps, source_steps)
-        # Block shapes: the last two dims are (block rows, D); block rows are multiples of 8 (BlockSizes)
-        # or the full dim, and D is always the full dim, as TPU requires.
+        # Block shapes: every KV head (G is the full dim), then (block rows, D); block rows are multiples
+        # of 8 (BlockSizes) or the full dim, and D is always the full dim, as TPU requires.
         in_specs = [
-            pl.BlockSpec((None, None, block_q, dim), lambda n, g, qb, step, *_: (n, g, qb, 0)),
-            pl.BlockSpec((None, block_source, dim), source_index),
-            pl.BlockSpec((None, block_source, dim), source_index),
-            pl.BlockSpec((None, block_slot, dim), slot_index),
-            pl.BlockSpec((None, block_slot, dim), slot_index),
-            pl.BlockSpec((None, None, steps, dim), lambda n, g, qb, step, *_: (n, g, 0, 0)),
-            pl.BlockSpec((None, None, steps, dim), lambda n, g, qb, step, *_: (n, g, 0, 0)),
+            pl.BlockSpec((None, kv_heads, block_q, dim), lambda n, qb, step, *_: (n, 0, qb, 0)),
+            pl.BlockSpec((None, kv_heads, block_source, dim), source_index),
+            pl.BlockSpec((None, kv_heads, block_source, dim), source_index),
+            pl.BlockSpec((None, kv_heads, block_slot, dim), slot_index),
+            pl.BlockSpec((None, kv_heads, block_slot, dim), slot_index),
+            pl.BlockSpec((None, kv_heads, steps, dim), lambda n, qb, step, *_: (n, 0, 0, 0)),
+            pl.BlockSpec((None, kv_heads, steps, dim), lambda n, qb, step, *_: (n, 0, 0, 0)),
         ]
-        out_spec = pl.BlockSpec((None, None, block_q, dim), lambda n, g, qb, step, *_: (n, g, qb, 0))
-        grid = (n_rows, kv_heads, pl.cdiv(query_rows, block_q), source_steps + slot_steps + 1)
+        out_spec = pl.BlockSpec((None, kv_heads, block_q, dim), lambda n, qb, step, *_: (n, 0, qb, 0))
+        grid = (n_rows, pl.cdiv(query_rows, block_q), source_steps + slot_steps + 1)
         kernel = functools.partial(
             _kernel,
             rows_per_request=rows_per_request,
@@ -493,6 +551,9 @@ def sink_window_attention_tpu(
             transcendentals=n_rows * heads * steps * keys_per_row,
             bytes_accessed=itemsize * (2 * q.size + 2 * k.size + 2 * n_rows * kv_heads * max_retained * dim),
         )
+        vmem = _vmem_bytes(kv_heads, block_q, block_source, block_slot, steps, dim, itemsize)
+        # Within every chip's default scoped limit, leave the compiler's choice; past it, ask for room.
+        vmem_limit = None if vmem <= _SCOPED_VMEM_DEFAULT else int(vmem * 1.25) + 2**20
         out = pl.pallas_call(
             kernel,
             out_shape=jax.ShapeDtypeStruct(q_folded.shape, dtype),
@@ -502,13 +563,13 @@ def sink_window_attention_tpu(
                 in_specs=in_specs,
                 out_specs=out_spec,
                 scratch_shapes=[
-                    pltpu.VMEM((block_q, 1), jnp.float32),
-                    pltpu.VMEM((block_q, 1), jnp.float32),
-                    pltpu.VMEM((block_q, dim), jnp.float32),
+                    pltpu.VMEM((kv_heads, block_q, 1), jnp.float32),
+                    pltpu.VMEM((kv_heads, block_q, 1), jnp.float32),
+                    pltpu.VMEM((kv_heads, block_q, dim), jnp.float32),
                 ],
             ),
             compiler_params=pltpu.CompilerParams(
-                dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+                dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=vmem_limit
             ),
             interpret=interpret,
             name="sink_window_attention_tpu",

@@ -32,26 +32,10 @@ TOLERANCE = {np.dtype(np.float32): 1e-5, np.dtype(jnp.bfloat16): 2e-2}
 BF16_SCALE = 0.3  # bfloat16 runs also exercise an explicit scale (no extra compile)
 
 
-def _fast_compile_options() -> dict | None:
-    """XLA:CPU options that cut the compile time of an interpreted kernel, where this jaxlib has them."""
-    if jax.default_backend() != "cpu":
-        return None
-    for options in (
-        {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False},
-        {"xla_backend_optimization_level": 0},
-    ):
-        try:
-            jax.jit(lambda x: x + 1, compiler_options=options).lower(1.0).compile()
-        except Exception:  # an option this jaxlib does not know: try the next set
-            continue
-        return options
-    return None
-
-
 @functools.partial(
     jax.jit,
     static_argnames=("max_retained", "query_window", "scale", "block_sizes", "interpret"),
-    compiler_options=_fast_compile_options(),
+    compiler_options=cases.fast_compile_options(),
 )
 def _attend(*arrays, max_retained, query_window, scale, block_sizes, interpret):
     return sink_window_attention_tpu(
@@ -266,28 +250,43 @@ class TestTpuInterpret(_KernelSuite):
 
 def test_store_plan_walks_touched_blocks_then_holds():
     # Blocks of 4 over a 20-entry store, 4 steps. Request 0 reads [2, 7) and [13, 14): blocks 0, 1, 3.
-    # Request 1 reads nothing: it holds request 0's last block (3) and last head. Request 2 reads [16, 20).
+    # Request 1 reads nothing: it holds request 0's last block (3) and last entry. Request 2 reads [16, 20).
     table = np.zeros((3, tbl.ROW_INTS), np.int32)
     table[0, [tbl.read_start(3), tbl.read_len(3), tbl.read_start(4), tbl.read_len(4)]] = [2, 5, 13, 1]
     table[2, [tbl.read_start(1), tbl.read_len(1)]] = [16, 4]
     store_ids = jnp.asarray([1, 0, 2], jnp.int32)
-    plan = jax.jit(tpu._store_plan, static_argnums=(1, 2, 3, 4, 6, 7))
-    blocks, heads, counts = plan(jnp.asarray(table), (1, 3, 4), 4, 5, 4, store_ids, 2, 2)
+    plan = jax.jit(tpu._store_plan, static_argnums=(1, 2, 3, 4, 6))
+    blocks, entries, counts = plan(jnp.asarray(table), (1, 3, 4), 4, 5, 4, store_ids, 2)
     np.testing.assert_array_equal(counts, [3, 0, 1])
     # Past its count a request repeats its last block: the pipeline sees no new index, so issues no DMA.
     np.testing.assert_array_equal(np.reshape(blocks, (3, 4)), [[0, 1, 3, 3], [3, 3, 3, 3], [4, 4, 4, 4]])
-    # Head index (slot * R + row) * G + g into [S * R * G]; request 1's rows hold (1 * 2 + 1) * 2 + 1 = 7.
-    np.testing.assert_array_equal(
-        np.reshape(heads, (6, 2)), [[4, 5], [6, 7], [7, 7], [7, 7], [8, 9], [10, 11]]
-    )
+    # One entry per row into [S * R] (all G KV heads move together): slot * R + row; request 1's rows
+    # hold request 0's last row, 1 * 2 + 1 = 3.
+    np.testing.assert_array_equal(entries, [2, 3, 3, 3, 4, 5])
 
 
 def test_default_block_sizes_follow_tpu_tiles():
     for max_retained, query_rows in [(0, 1), (20, 2), (300, 64), (4096, 2048)]:
         blocks = BlockSizes.default(max_retained=max_retained, query_rows=query_rows)
         assert blocks.block_kv % 128 == 0
-        assert 128 <= blocks.block_kv <= 512
+        assert 128 <= blocks.block_kv <= tpu.MAX_BLOCK_KV
         assert blocks.block_q is None or blocks.block_q % 16 == 0
+
+
+def test_default_block_sizes_grow_for_decode_within_vmem():
+    # Decode, batch 64, G = 8, H = 16, D = 128, bf16, K = 3254 (C = 3004 slot tokens, L = 250 source).
+    shape = {"query_rows": 2, "kv_heads": 8, "head_dim": 128, "itemsize": 2, "steps": 1}
+    blocks = BlockSizes.default(max_retained=3254, source_len=250, slot_len=3004, **shape)
+    assert blocks.block_kv == 1024
+    # Grid steps per layer: 64 rows x 1 query block x (1 source + 3 slot blocks + own keys) = 320, where
+    # one KV head per step and blocks of 512 took 64 x 8 x (1 + 6 + 1) = 4096.
+    assert tpu._vmem_bytes(8, 2, 250, 1024, 1, 128, 2) <= tpu.DEFAULT_VMEM_BUDGET
+    # Without the store lengths both stores count full blocks, so the budget halves the block.
+    assert BlockSizes.default(max_retained=3254, **shape).block_kv == 512
+    # Wide K/V rows (G = 64, D = 256, f32) shrink the block below 128 rather than overflow VMEM.
+    wide = BlockSizes.default(max_retained=3254, query_rows=2, kv_heads=64, head_dim=256, itemsize=4)
+    assert wide.block_kv < 128
+    assert tpu._vmem_bytes(64, 2, wide.block_kv, wide.block_kv, 1, 256, 4) <= tpu.DEFAULT_VMEM_BUDGET
 
 
 def test_rejects_what_it_cannot_do():
