@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import numpy.typing as npt
 
@@ -276,3 +277,23 @@ def standard_cases(dtype: npt.DTypeLike = np.float32) -> list[KernelCase]:
         make_case("reverse", seed=20, batch=3, reverse=True, **d),
         make_case("padded_slot", seed=21, batch=3, min_slot_tokens=40, **d),
     ]
+
+
+def fast_compile_options() -> dict | None:
+    """XLA:CPU options that halve the compile time of an interpreted kernel, where this jaxlib has them.
+
+    An interpreted kernel runs in milliseconds; compiling it takes seconds, so compile less hard. Option
+    names change between jaxlib versions, so each set is tried on a trivial function first.
+    """
+    if jax.default_backend() != "cpu":
+        return None
+    for options in (
+        {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False},
+        {"xla_backend_optimization_level": 0},
+    ):
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=options).lower(1.0).compile()
+        except Exception:  # an unknown option name: try the next set
+            continue
+        return options
+    return None

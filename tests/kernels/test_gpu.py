@@ -27,27 +27,7 @@ BK = BLOCKS.block_k
 TOLERANCE = {np.dtype(np.float32): 1e-5, np.dtype(jnp.bfloat16): 2e-2}
 
 
-def _fast_compile_options() -> dict | None:
-    """XLA:CPU options that halve the compile time of an interpreted kernel, where this jaxlib has them.
-
-    An interpreted kernel runs in milliseconds; compiling it takes seconds, so compile less hard. Option
-    names change between jaxlib versions, so each set is tried on a trivial function first.
-    """
-    if jax.default_backend() != "cpu":
-        return None
-    for options in (
-        {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False},
-        {"xla_backend_optimization_level": 0},
-    ):
-        try:
-            jax.jit(lambda x: x + 1, compiler_options=options).lower(1.0).compile()
-        except Exception:  # an unknown option name: try the next set
-            continue
-        return options
-    return None
-
-
-_COMPILER_OPTIONS = _fast_compile_options()
+_COMPILER_OPTIONS = cases.fast_compile_options()
 
 
 @functools.partial(

@@ -21,7 +21,7 @@ from tests.kernels import cases
 TOLERANCE = {np.dtype(np.float32): 1e-5, np.dtype(jnp.bfloat16): 2e-2}
 STATIC = ("max_retained", "query_window", "scale")
 # XLA:CPU compile time dominates these tests; LLVM optimisation does not change what is computed.
-_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+_COMPILER_OPTIONS = cases.fast_compile_options()
 _xla = jax.jit(sink_window_attention_xla, static_argnames=STATIC, compiler_options=_COMPILER_OPTIONS)
 _op = jax.jit(
     sink_window_attention, static_argnames=(*STATIC, "implementation"), compiler_options=_COMPILER_OPTIONS
