@@ -29,6 +29,7 @@ from mstar_jax.resources.step import (
     StepContext,
     SubmoduleStep,
 )
+from tests.resources.seed_api import fields_and_defaults
 
 MISSING = dataclasses.MISSING
 
@@ -95,15 +96,6 @@ SEED_MEMBERS = [
 ]
 
 
-def _fields_and_defaults(cls) -> list[tuple[str, object]]:
-    if hasattr(cls, "_fields"):  # NamedTuple
-        return [(name, cls._field_defaults.get(name, MISSING)) for name in cls._fields]
-    return [
-        (f.name, f.default_factory if f.default_factory is not MISSING else f.default)
-        for f in dataclasses.fields(cls)
-    ]
-
-
 @pytest.mark.parametrize("name", SEED_CLASSES)
 def test_seed_classes_import(name):
     assert name in step_module.__all__
@@ -112,7 +104,7 @@ def test_seed_classes_import(name):
 
 @pytest.mark.parametrize(("name", "fields"), SEED_FIELDS, ids=[name for name, _ in SEED_FIELDS])
 def test_seed_fields_in_order_with_defaults(name, fields):
-    got = _fields_and_defaults(getattr(step_module, name))
+    got = fields_and_defaults(getattr(step_module, name))
     assert got[: len(fields)] == fields
 
 

@@ -24,6 +24,7 @@ from mstar_jax.resources.kv.bounded.config import (
 )
 from mstar_jax.resources.spec import NodeResourceSpec, apply_yaml_overrides
 from mstar_jax.resources.step import ResourceStep, Segment, SubmoduleStep
+from tests.resources.seed_api import fields_and_defaults
 
 MISSING = dataclasses.MISSING
 
@@ -87,15 +88,6 @@ SEED_BASES = [
 ]
 
 
-def _fields_and_defaults(cls) -> list[tuple[str, object]]:
-    if hasattr(cls, "_fields"):  # NamedTuple
-        return [(name, cls._field_defaults.get(name, MISSING)) for name in cls._fields]
-    return [
-        (f.name, f.default_factory if f.default_factory is not MISSING else f.default)
-        for f in dataclasses.fields(cls)
-    ]
-
-
 @pytest.mark.parametrize("name", SEED_CLASSES)
 def test_seed_classes_import(name):
     assert name in config_module.__all__
@@ -107,7 +99,7 @@ def test_seed_classes_import(name):
 
 @pytest.mark.parametrize(("name", "fields"), SEED_FIELDS, ids=[name for name, _ in SEED_FIELDS])
 def test_seed_fields_in_order_with_defaults(name, fields):
-    got = _fields_and_defaults(getattr(config_module, name))
+    got = fields_and_defaults(getattr(config_module, name))
     assert got[: len(fields)] == fields
 
 
@@ -138,7 +130,7 @@ def test_sink_window_and_stream_position():
 # --- BoundedKVConfig: fields and validation -----------------------------------------------------------------
 
 
-def test_config_fields_and_defaults():
+def test_configfields_and_defaults():
     cfg = make()
     assert (cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.rows_per_request) == (2, 2, 4, 1)
     assert (cfg.max_source_len, cfg.retention) == (8, SinkWindow(2, 4))
