@@ -217,6 +217,12 @@ class Deployment:
                 f"{list(self.compile.batch_sizes or ())}: a full batch would fit no bucket; add {max_batch} "
                 "to compile.batch_sizes or lower engine.max_batch"
             )
+        chunk = getattr(self.model_config, "flow_chunk", None)
+        if chunk is not None and max(self.token_counts) < chunk:
+            raise ValueError(
+                f"compile.token_counts={list(self.token_counts)} has no bucket of >= model.config.flow_chunk="
+                f"{chunk} frames, so no flow chunk could run; add {chunk} to compile.token_counts"
+            )
         for spec in self.specs:
             if isinstance(spec, BoundedKVSpec) and spec.config.max_slots < max_batch:
                 raise ValueError(

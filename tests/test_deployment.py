@@ -331,6 +331,7 @@ def test_bad_values_are_refused_naming_field_value_and_allowed(key, value, fragm
         ({"compile.min_batch": 8}, ["compile.min_batch=8 must be <= engine.max_batch=4"]),
         ({"compile.batch_sizes": [1, 4], "compile.min_batch": 2}, ["min_batch=2 has no effect", "[1, 4]"]),
         ({"compile.token_counts": [1, 8], "compile.max_tokens": 32}, ["max_tokens=32 has no effect"]),
+        ({"compile.token_counts": [1, 4]}, ["[1, 4] has no bucket of >= model.config.flow_chunk=8", "add 8"]),
     ],
 )
 def test_contradicting_settings_are_refused(changes, fragments):

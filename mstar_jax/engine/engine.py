@@ -213,7 +213,17 @@ class Engine:
     # -- voices and warm-up -------------------------------------------------------------------------
 
     def add_voice(self, index: int, *, frames: int, seed: int) -> Voice:
-        """Register a random voice prompt (see `VoiceBank.add`); after warm-up this compiles nothing."""
+        """Register a random voice prompt (see `VoiceBank.add`); after warm-up this compiles nothing.
+
+        Raises:
+          ValueError: when a live request names voice `index`, admitted or still queued (it would
+            otherwise start speaking with the replacement).
+        """
+        waiting = sorted(rid for rid, s in self.streams.items() if s.request.voice.index == index)
+        if waiting:
+            raise ValueError(
+                f"voice {index} is named by live request(s) {waiting}; replace it once they finish"
+            )
         with count_compilations() as counter:
             voice = self.voices.add(index, frames=frames, seed=seed)
         if self.warmed_up:
@@ -286,16 +296,22 @@ class Engine:
         """
         stream = self.submit(request)
         sent = 0
-        while True:
-            while sent < len(stream.chunks):
-                yield stream.chunks[sent]
-                sent += 1
-            if stream.phase.finished:
-                if stream.phase is not Phase.DONE:
-                    raise RuntimeError(f"request {request.request_id!r} {stream.phase.value}: {stream.error}")
-                return
-            if not self.step():
-                self._sleep_until_runnable()
+        try:
+            while True:
+                while sent < len(stream.chunks):
+                    yield stream.chunks[sent]
+                    sent += 1
+                if stream.phase.finished:
+                    if stream.phase is not Phase.DONE:
+                        raise RuntimeError(
+                            f"request {request.request_id!r} {stream.phase.value}: {stream.error}"
+                        )
+                    return
+                if not self.step():
+                    self._sleep_until_runnable()
+        finally:  # a client that drops the iterator must not leave the request holding its slots
+            if not stream.phase.finished:
+                self.cancel(request.request_id)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request and return everything it holds."""
@@ -512,6 +528,8 @@ class Engine:
         mel, samples = outputs
         for i, row in enumerate(rows):
             stream, span = row.stream, row.span
+            if stream.phase.finished:  # cancelled by an earlier row's callback during this step
+                continue
             chunk = AudioChunk(
                 first_frame=row.start, codes=np.asarray(row.codes, np.int32), mel=mel[i, :span],
                 samples=samples[i, : span * SAMPLES_PER_FRAME],
@@ -527,10 +545,14 @@ class Engine:
                 except Exception as err:  # a client's callback must not stop the other streams
                     self._finish(stream, Phase.FAILED, f"on_chunk callback raised {err!r}")
                     continue
+                if stream.phase.finished:  # the callback cancelled its own stream
+                    continue
             if stream.talker_done and stream.flow_written == stream.request.frames:
                 self._finish(stream, Phase.DONE, None)
 
     def _finish(self, stream: Stream, phase: Phase, error: str | None) -> None:
+        if stream.phase.finished:  # a stream ends once
+            return
         rid = stream.request_id
         for node in self.nodes.values():
             node.runner.remove_request(rid)

@@ -163,6 +163,33 @@ def test_cancellation_frees_every_slot(programs):
     assert "doomed" not in engine.streams
 
 
+def test_a_voice_named_by_a_queued_request_cannot_be_replaced(programs):
+    engine, (v0, _) = make_engine(programs)
+    engine.submit(request("queued", v0, 5))  # not admitted yet: it holds no slot
+    with pytest.raises(ValueError, match=r"voice 0 is named by live request\(s\) \['queued'\]"):
+        engine.add_voice(0, frames=6, seed=99)
+    engine.run_until_idle()
+    engine.add_voice(0, frames=6, seed=99)  # free once the request finished
+
+
+def test_a_dropped_stream_iterator_returns_its_slots(programs):
+    engine, (v0, _) = make_engine(programs)
+    chunks = engine.stream(request("dropped", v0, 20))
+    next(chunks)
+    chunks.close()
+    assert engine.finished["dropped"].phase is Phase.CANCELLED
+    assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
+
+
+def test_a_stream_cancelled_from_its_callback_ends_once(programs):
+    engine, (v0, _) = make_engine(programs)
+    stream = engine.submit(request("self", v0, 4), on_chunk=lambda chunk: engine.cancel("self"))
+    engine.run_until_idle()
+    assert stream.phase is Phase.CANCELLED
+    assert (engine.counters["cancelled"], engine.counters["done"]) == (1, 0)
+    assert len(stream.chunks) == 1
+
+
 def test_a_stream_idle_past_the_threshold_moves_to_host_memory(programs):
     now = [0.0]
     engine, (v0, v1) = make_engine(programs, offload_idle_after_s=1.0, clock=lambda: now[0])
