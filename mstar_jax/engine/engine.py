@@ -386,11 +386,11 @@ class Engine:
         if admitted is None:
             return False
         sub, bucket, rows = admitted
-        plan = node.runner.plan(sub)[node.key]
         params = self.model.talker_params if node.name == "talker" else self.model.flow_params
-        inputs = batch.step_inputs(bucket, rows)
         positions = tuple(r.stream.written_in(node.name) for r in rows)
-        try:
+        try:  # from here on an error must give back what admit claimed
+            plan = node.runner.plan(sub)[node.key]
+            inputs = batch.step_inputs(bucket, rows)
             with warn_on_compilations(f"engine step {bucket}") as counter:
                 cache, outputs = self.programs.steps[bucket.graph_walk].replay(
                     bucket, params, node.manager.cache, node.manager.bank, plan, *inputs
