@@ -316,11 +316,10 @@ class BoundedKVManager(Resource):
     def plan(self, step: ResourceStep, ctx: StepContext) -> BoundedKVPlan:
         """The plan table for `step`'s segments (padding rows get empty layouts), padded to the bucket."""
         step = _as_bounded_step(step)
-        real = [seg for seg in step.segments or () if not self._is_padding(seg.request_id, ctx)]
-        real_index = [
-            i for i, seg in enumerate(step.segments or ()) if not self._is_padding(seg.request_id, ctx)
-        ]
-        rows = len(step.segments or ())
+        segments = step.segments or ()
+        real_index = [i for i, seg in enumerate(segments) if not self._is_padding(seg.request_id, ctx)]
+        real = [segments[i] for i in real_index]
+        rows = len(segments)
         lease = ctx.slot_lease
         if lease is not None and lease.bucket is not None:
             rows = max(rows, lease.bucket.bs)
