@@ -48,7 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.sink_window_attention import table as tbl
-from kernels_pallas.sink_window_attention.attention import validate_inputs
+from kernels_pallas.sink_window_attention.validate import validate_inputs
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Triton's tensor-core dot needs every operand dimension >= 16.
@@ -318,7 +318,7 @@ def sink_window_attention_gpu(
       [N, T, H, D] in q's dtype; queries past a row's STEP_TOKENS and rows with no visible key are zeros.
 
     Raises:
-      ValueError, TypeError: what `attention.validate_inputs` rejects (the same errors as the public op), or
+      ValueError, TypeError: what `validate.validate_inputs` rejects (the same errors as the public op), or
         compiled block sizes under 16.
       NotImplementedError: a case this kernel does not handle (a dtype other than float32, bfloat16 and
         float16, no GPU backend without `interpret`, TPU interpret params, a JAX without the Pallas Triton

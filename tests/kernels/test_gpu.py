@@ -228,7 +228,7 @@ def test_rejects_what_it_cannot_do():
     ids=["heads", "mixed_dtypes", "cache_v", "table_dtype", "table_rows"],
 )
 def test_input_errors_are_the_public_ops(index, mutate, match):
-    # One source of truth (attention.validate_inputs): same exception type and message as the public op.
+    # One source of truth (validate.validate_inputs): same exception type and message as the public op.
     case = cases.standard_cases()[0]
     arrays = list(_arrays(case))
     arrays[index] = mutate(arrays[index])
