@@ -23,7 +23,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.sink_window_attention import table as tbl
-from kernels_pallas.sink_window_attention import tpu
+from kernels_pallas.sink_window_attention import tpu_blocks, tpu_plan
 from kernels_pallas.sink_window_attention.tpu import BlockSizes, sink_window_attention_tpu
 from tests.kernels import cases
 
@@ -255,7 +255,7 @@ def test_store_plan_walks_touched_blocks_then_holds():
     table[0, [tbl.read_start(3), tbl.read_len(3), tbl.read_start(4), tbl.read_len(4)]] = [2, 5, 13, 1]
     table[2, [tbl.read_start(1), tbl.read_len(1)]] = [16, 4]
     store_ids = jnp.asarray([1, 0, 2], jnp.int32)
-    plan = jax.jit(tpu._store_plan, static_argnums=(1, 2, 3, 4, 6))
+    plan = jax.jit(tpu_plan.store_plan, static_argnums=(1, 2, 3, 4, 6))
     blocks, entries, counts = plan(jnp.asarray(table), (1, 3, 4), 4, 5, 4, store_ids, 2)
     np.testing.assert_array_equal(counts, [3, 0, 1])
     # Past its count a request repeats its last block: the pipeline sees no new index, so issues no DMA.
@@ -269,31 +269,67 @@ def test_default_block_sizes_follow_tpu_tiles():
     for max_retained, query_rows in [(0, 1), (20, 2), (300, 64), (4096, 2048)]:
         blocks = BlockSizes.default(max_retained=max_retained, query_rows=query_rows)
         assert blocks.block_kv % 128 == 0
-        assert 128 <= blocks.block_kv <= tpu.MAX_BLOCK_KV
+        assert 128 <= blocks.block_kv <= tpu_blocks.MAX_BLOCK_KV
         assert blocks.block_q is None or blocks.block_q % 16 == 0
 
 
-def test_default_block_sizes_grow_for_decode_within_vmem():
-    # Decode, batch 64, G = 8, H = 16, D = 128, bf16, K = 3254 (C = 3004 slot tokens, L = 250 source).
-    shape = {"query_rows": 2, "kv_heads": 8, "head_dim": 128, "itemsize": 2, "steps": 1}
-    blocks = BlockSizes.default(max_retained=3254, source_len=250, slot_len=3004, **shape)
-    assert blocks.block_kv == 1024
-    # Grid steps per layer: 64 rows x 1 query block x (1 source + 3 slot blocks + own keys) = 320, where
-    # one KV head per step and blocks of 512 took 64 x 8 x (1 + 6 + 1) = 4096.
-    assert tpu._vmem_bytes(8, 2, 250, 1024, 1, 128, 2) <= tpu.DEFAULT_VMEM_BUDGET
-    # Without the store lengths both stores count full blocks, so the budget halves the block.
-    assert BlockSizes.default(max_retained=3254, **shape).block_kv == 512
-    # Wide K/V rows (G = 64, D = 256, f32) shrink the block below 128 rather than overflow VMEM.
-    wide = BlockSizes.default(max_retained=3254, query_rows=2, kv_heads=64, head_dim=256, itemsize=4)
-    assert wide.block_kv < 128
-    assert tpu._vmem_bytes(64, 2, wide.block_kv, wide.block_kv, 1, 256, 4) <= tpu.DEFAULT_VMEM_BUDGET
+def test_vmem_counts_tiles_as_mosaic_pads_them():
+    # A [1024, 64] bf16 block fills 128 lanes per row, as [1024, 128] does; one row takes a 16-row tile.
+    assert tpu_blocks.tile_bytes(1024, 64, 2) == tpu_blocks.tile_bytes(1024, 128, 2) == 1024 * 128 * 2
+    assert tpu_blocks.tile_bytes(1, 128, 2) == 16 * 128 * 2
+    assert tpu_blocks.tile_bytes(1, 128, 4) == 8 * 128 * 4
+    # Stores read transposed ([G, D, block]) put keys in lanes, so a 64-wide head dim wastes nothing.
+    assert tpu_blocks.tile_bytes(64, 1024, 2) == 64 * 1024 * 2
+    assert [tpu_blocks.keys_in_lanes(d) for d in (64, 80, 128, 256)] == [False, False, True, True]
+
+
+def _vmem(block: int, *, source: int | None = None, slot: int | None = None, **shape) -> int:
+    return tpu_blocks.vmem_bytes(
+        kv_heads=shape["kv_heads"], block_q=shape["query_rows"], steps=shape["steps"],
+        head_dim=shape["head_dim"], itemsize=shape["itemsize"],
+        block_source=block if source is None else min(block, source),
+        block_slot=block if slot is None else min(block, slot),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "stores", "block_kv"),
+    [
+        (128, {"source_len": 256, "slot_len": 3008}, 1024),
+        (128, {}, 512),
+        (64, {"source_len": 256, "slot_len": 3008}, 2048),
+    ],
+    ids=["d128", "d128_full_blocks", "d64_transposed"],
+)
+def test_default_block_sizes_grow_for_decode_within_vmem(head_dim, stores, block_kv):
+    # Decode, G = 8, H = 16, bf16, K = 3254 (C = 3008 slot tokens, L = 256 source). The chosen block is
+    # the largest power of two whose tiled VMEM fits the budget: its double fails it (up to the cap).
+    shape = {"query_rows": 2, "kv_heads": 8, "head_dim": head_dim, "itemsize": 2, "steps": 1}
+    blocks = BlockSizes.default(max_retained=3254, **stores, **shape)
+    assert blocks.block_kv == block_kv
+    lengths = {"source": stores.get("source_len"), "slot": stores.get("slot_len")}
+    assert _vmem(block_kv, **lengths, **shape) <= tpu_blocks.VMEM_BUDGET
+    assert (
+        block_kv == tpu_blocks.MAX_BLOCK_KV
+        or _vmem(2 * block_kv, **lengths, **shape) > tpu_blocks.VMEM_BUDGET
+    )
+
+
+def test_default_block_sizes_shrink_for_wide_rows():
+    # G = 64, D = 256, f32: the block shrinks below 128 rather than overflow VMEM; read transposed (D = 64)
+    # keys are lanes, so the block stops at 128.
+    wide = {"query_rows": 2, "kv_heads": 64, "itemsize": 4, "steps": 1}
+    assert BlockSizes.default(max_retained=3254, head_dim=256, **wide).block_kv == 16
+    assert BlockSizes.default(max_retained=3254, head_dim=64, **wide).block_kv == 128
 
 
 def test_rejects_what_it_cannot_do():
     case = cases.standard_cases()[0]
     arrays = _arrays(case)
     settings = {"max_retained": case.max_retained, "interpret": True}
-    with pytest.raises(NotImplementedError, match="float32 or all bfloat16"):
+    with pytest.raises(NotImplementedError, match="float32 and bfloat16"):
+        sink_window_attention_tpu(*(x.astype(np.float16) for x in arrays[:7]), arrays[7], **settings)
+    with pytest.raises(ValueError, match="must share one dtype"):
         sink_window_attention_tpu(arrays[0].astype(jnp.bfloat16), *arrays[1:], **settings)
     with pytest.raises(ValueError, match="query_window"):
         sink_window_attention_tpu(*arrays, **settings, query_window=0)

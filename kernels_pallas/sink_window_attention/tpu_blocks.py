@@ -1,0 +1,155 @@
+"""Tile sizes of the TPU kernel and the VMEM they cost, counted as Mosaic lays tiles out.
+
+VMEM holds 2-D tiles of 8 sublanes x 128 lanes of 32 bits: a block's last dim is padded to a multiple of
+128 lanes and its second-to-last to the sublane tile (8 rows of float32, 16 of bfloat16, which packs two
+rows per sublane). A `[G, 1024, 64]` block therefore costs as much as `[G, 1024, 128]`, which is why
+counting a 64-wide head dim as 64 lanes overflowed the scoped VMEM at head_dim 64 on v4, v5e and v5p.
+
+Store orientation. TPU's default layout for a `[.., C, D]` cache keeps `D` in lanes only when `D` is a
+multiple of 128; otherwise it puts `C` in lanes and `D` in sublanes (measured with libtpu on v4, v5e, v5p
+and v6e for D in {32, 64, 80}; C, G and R do not change it). A kernel operand must be row-major, so for
+such head dims the kernel reads the stores as `[.., D, C]` (a free view of that layout) rather than make
+XLA transpose the whole layer before every call. Slot capacities are padded to the sublane tile by the
+cache for the same reason (`[.., C, D]` with `C % 8 != 0` is laid out with `G` and `C` swapped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+SUBLANES = 8
+LANES = 128
+MAX_BLOCK_KV = 4096
+# One grid step's VMEM, estimated by `vmem_bytes`, may use this much. The scoped VMEM limit the compiler
+# applies by default is 16 MiB on v4 and v5e (its E1001 errors say so); the call always states its own
+# `vmem_limit_bytes`, the estimate plus headroom, so a chip with a smaller default never refuses it.
+VMEM_BUDGET = 16 * 2**20
+# Headroom over the estimate for Mosaic's internal scratch and the index arithmetic's registers spilled.
+_VMEM_HEADROOM = 4 * 2**20
+
+
+def keys_in_lanes(head_dim: int) -> bool:
+    """Whether TPU's default cache layout keeps the head dim in lanes (`D % 128 == 0`), see module doc."""
+    return head_dim % LANES == 0
+
+
+def sublane_tile(itemsize: int) -> int:
+    """Rows per VMEM tile: 8 of 32 bits, more for packed narrower types (16 bfloat16)."""
+    return SUBLANES * max(1, 4 // itemsize)
+
+
+def tile_bytes(rows: int, cols: int, itemsize: int) -> int:
+    """VMEM bytes of a `[rows, cols]` array: rows padded to the sublane tile, cols to 128 lanes."""
+    return (
+        pl.cdiv(rows, sublane_tile(itemsize))
+        * sublane_tile(itemsize)
+        * pl.cdiv(cols, LANES)
+        * LANES
+        * itemsize
+    )
+
+
+def vmem_bytes(
+    *,
+    kv_heads: int,
+    block_q: int,
+    block_source: int,
+    block_slot: int,
+    steps: int,
+    head_dim: int,
+    itemsize: int,
+) -> int:
+    """VMEM of one grid step: double-buffered blocks, f32 scratch and the score temporaries, as tiled."""
+
+    def heads(rows: int, cols: int, size: int = itemsize) -> int:
+        return kv_heads * tile_bytes(rows, cols, size)
+
+    def store(block: int) -> int:
+        return heads(block, head_dim) if keys_in_lanes(head_dim) else heads(head_dim, block)
+
+    widest = max(block_source, block_slot, steps)
+    buffers = (
+        2 * 2 * (store(block_source) + store(block_slot) + heads(steps, head_dim) + heads(block_q, head_dim))
+    )
+    scratch = 2 * heads(block_q, 1, 4) + heads(block_q, head_dim, 4)
+    # scores, probabilities and mask in f32, probabilities cast for the value dot, values with masked zeros
+    temporaries = (
+        3 * heads(block_q, widest, 4) + heads(block_q, widest) + store(max(block_source, block_slot))
+    )
+    return buffers + scratch + temporaries
+
+
+def vmem_limit_bytes(estimate: int) -> int:
+    """The `vmem_limit_bytes` a call with `estimate` bytes of VMEM asks for."""
+    return estimate + _VMEM_HEADROOM
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BlockSizes:
+    """Tile sizes of the TPU kernel.
+
+    Attributes:
+      block_kv: retained keys per grid step and store. A multiple of 8 (the sublane tile) when the head
+        dim is in lanes; when the stores are read transposed (head dim not a multiple of 128) keys are in
+        lanes and the kernel rounds the block up to a multiple of 128. A store shorter than the block is
+        taken whole, which TPU allows because the block then equals the dim.
+      block_q: folded query rows (`T * H/G`) per KV head and grid step, a multiple of 8; None takes all.
+    """
+
+    block_kv: int
+    block_q: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.block_kv, int) or self.block_kv < 1 or self.block_kv % SUBLANES:
+            raise ValueError(f"block_kv={self.block_kv!r} must be a positive multiple of {SUBLANES}")
+        if self.block_q is not None and (
+            not isinstance(self.block_q, int) or self.block_q < 1 or self.block_q % SUBLANES
+        ):
+            raise ValueError(f"block_q={self.block_q!r} must be None or a positive multiple of {SUBLANES}")
+
+    @classmethod
+    def default(
+        cls,
+        *,
+        max_retained: int,
+        query_rows: int,
+        kv_heads: int = 1,
+        head_dim: int = 128,
+        itemsize: int = 2,
+        steps: int = 1,
+        source_len: int | None = None,
+        slot_len: int | None = None,
+        vmem_budget: int = VMEM_BUDGET,
+    ) -> BlockSizes:
+        """Blocks for `max_retained` keys and `query_rows = T * H/G` folded queries per KV head.
+
+        Decode is HBM-bound and each grid step has a fixed cost, so the key block is as large as
+        `max_retained` needs (a power of two, 128 to 4096) while `vmem_bytes` stays within `vmem_budget`;
+        for very wide K/V rows it shrinks below 128 (down to 16) where the head dim is in lanes. A store
+        shorter than the block is taken whole, so `source_len` and `slot_len` (L and C; None counts a full
+        block) let a short source bank leave its VMEM to longer slot blocks. The query block caps the f32
+        accumulator at 512 rows of `D` floats summed over the G KV heads.
+        """
+        rows_cap = max(16, 512 // max(kv_heads, 1) // 16 * 16)
+        block_q = None if query_rows <= rows_cap else rows_cap
+        q_rows = query_rows if block_q is None else block_q
+        block_kv = min(MAX_BLOCK_KV, max(LANES, pl.next_power_of_2(max(max_retained, 1))))
+        smallest = 16 if keys_in_lanes(head_dim) else LANES
+
+        def vmem(block: int) -> int:
+            source = block if source_len is None else max(1, min(block, source_len))
+            slot = block if slot_len is None else max(1, min(block, slot_len))
+            return vmem_bytes(
+                kv_heads=kv_heads, block_q=q_rows, block_source=source, block_slot=slot, steps=steps,
+                head_dim=head_dim, itemsize=itemsize,
+            )  # fmt: skip
+
+        while block_kv > smallest and vmem(block_kv) > vmem_budget:
+            block_kv //= 2
+        return cls(block_kv=block_kv, block_q=block_q)
+
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
