@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from mstar_jax.models import model_config
-from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, SinkWindow
+from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, SinkWindow, store_capacity
 from mstar_jax.resources.spec import NodeResourceSpec, apply_yaml_overrides
 
 __all__ = [
@@ -327,7 +327,7 @@ def resource_costs(spec: NodeResourceSpec) -> ResourceCosts:
         max_retained=config.max_retained,
         slot_bytes=config.slot_bytes,
         all_slots_bytes=config.slot_bytes * config.max_slots,
-        source_bytes=config.num_layers * config.max_source_len * per_entry,
+        source_bytes=config.num_layers * store_capacity(config.max_source_len) * per_entry,
     )
 
 

@@ -10,6 +10,7 @@ import pytest
 from mstar_jax import cli
 from mstar_jax.cli import SUBCOMMANDS, Subcommand, format_bytes, main
 from mstar_jax.deployment import DEFAULT_CONFIG, load_deployment
+from mstar_jax.resources.kv.bounded.config import store_capacity
 
 TPU_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tpu_streaming_tts.yaml"
 
@@ -59,9 +60,16 @@ def test_check_prints_every_resource_with_the_configs_numbers(path, capsys):
         f"{format_bytes(per_request)} ({per_request:,} B)"
     ]
     voices = deployment.workload.voices
-    # A voice's source bank entry: layers x max voice frames x rows x heads x (K,V) x dim x itemsize.
+    # A voice's source bank entry: layers x max voice frames (in tiles of 8) x rows x heads x (K,V) x dim
+    # x itemsize.
     bank = sum(
-        c.num_layers * c.max_source_len * c.rows_per_request * c.num_heads * 2 * c.head_dim * c.dtype.itemsize
+        c.num_layers
+        * store_capacity(c.max_source_len)
+        * c.rows_per_request
+        * c.num_heads
+        * 2
+        * c.head_dim
+        * c.dtype.itemsize
         for c in configs
     )
     assert _row(out, f"total bytes for {voices} voices (source bank)") == [
@@ -76,18 +84,20 @@ def test_check_of_the_default_config_by_hand(capsys):
     # talker: voice 8..24, sink = voice + 4, window 32; flow: sink = voice, window 16.
     assert _row(out, "retention at min source") == ["sink 12 + window 32", "sink 8 + window 16"]
     assert _row(out, "retention at max source") == ["sink 28 + window 32", "sink 24 + window 16"]
-    # 2 layers x 36 tokens x 1 row x 2 heads x (K,V) x 16 x 4 B; 2 x 16 x 2 rows x 4 heads x 2 x 16 x 4 B.
-    assert _row(out, "bytes per slot") == ["18.0 KiB (18,432 B)", "32.0 KiB (32,768 B)"]
-    assert _row(out, "total bytes per request (a slot in each)") == ["50.0 KiB (51,200 B)"]
+    # 2 layers x 36 tokens (in tiles of 8: 40) x 1 row x 2 heads x (K,V) x 16 x 4 B;
+    # 2 x 16 x 2 rows x 4 heads x 2 x 16 x 4 B.
+    assert _row(out, "bytes per slot") == ["20.0 KiB (20,480 B)", "32.0 KiB (32,768 B)"]
+    assert _row(out, "total bytes per request (a slot in each)") == ["52.0 KiB (53,248 B)"]
     assert _row(out, "compile") == ["batch sizes [1, 2, 4], token counts [1, 8, 16], persistent cache off"]
 
 
 def test_check_of_the_tpu_config_shows_human_units(capsys):
     assert main(["check", str(TPU_CONFIG)]) == 0
     out = capsys.readouterr().out
-    # 28 layers x 3004 tokens x 8 KV heads x (K,V) x 128 x 2 B = 344,522,752 B; 64 slots of it.
-    assert _row(out, "bytes per slot")[0] == "328.6 MiB (344,522,752 B)"
-    assert _row(out, "bytes for all slots")[0] == "20.5 GiB (22,049,456,128 B)"
+    # 28 layers x 3004 tokens (in tiles of 8: 3008) x 8 KV heads x (K,V) x 128 x 2 B = 344,981,504 B;
+    # 64 slots of it.
+    assert _row(out, "bytes per slot")[0] == "329.0 MiB (344,981,504 B)"
+    assert _row(out, "bytes for all slots")[0] == "20.6 GiB (22,078,816,256 B)"
 
 
 def test_bad_config_exits_2_with_the_message_and_no_traceback(tmp_path, capsys):

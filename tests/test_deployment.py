@@ -144,9 +144,10 @@ def test_costs_of_the_default_config_by_hand():
     assert talker.window_capacity == 32
     assert talker.slot_tokens == 36
     assert talker.max_retained == 24 + 4 + 32  # 60, at the longest voice
-    assert talker.slot_bytes == 2 * 36 * 1 * 2 * 2 * 16 * 4  # layers*tokens*rows*heads*(K,V)*dim*4 B = 18,432
-    assert talker.all_slots_bytes == 4 * 18_432
-    assert talker.source_bytes == 2 * 24 * 1 * 2 * 2 * 16 * 4  # a 24-frame voice = 12,288
+    # layers * tokens (36, allocated in tiles of 8: 40) * rows * heads * (K,V) * dim * 4 B = 20,480
+    assert talker.slot_bytes == 2 * 40 * 1 * 2 * 2 * 16 * 4
+    assert talker.all_slots_bytes == 4 * 20_480
+    assert talker.source_bytes == 2 * 24 * 1 * 2 * 2 * 16 * 4  # a 24-frame voice (3 tiles) = 12,288
     # flow: sink = the voice (nothing written in it), window 16, 2 layers, 2 rows (CFG), 4 heads x 16.
     assert (flow.key, flow.nodes, flow.rows_per_request) == ("flow_kv", ("flow",), 2)
     assert flow.retention_at_min == SinkWindow(8, 16)
@@ -159,13 +160,13 @@ def test_costs_of_the_default_config_by_hand():
 
 def test_costs_of_the_tpu_config_by_hand():
     talker, flow = load_deployment(TPU_CONFIG).costs()
-    # 28 layers x (4 + 3000) entries x 8 KV heads x (K,V) x 128 x 2 B (bf16)
+    # 28 layers x (4 + 3000 = 3004, allocated in tiles of 8: 3008) entries x 8 KV heads x (K,V) x 128 x 2 B
     assert talker.slot_tokens == 3004
-    assert talker.slot_bytes == 28 * 3004 * 8 * 2 * 128 * 2 == 344_522_752
-    assert talker.all_slots_bytes == 64 * 344_522_752
+    assert talker.slot_bytes == 28 * 3008 * 8 * 2 * 128 * 2 == 344_981_504
+    assert talker.all_slots_bytes == 64 * 344_981_504
     assert talker.max_retained == 250 + 4 + 3000
-    # 16 layers x 100 entries x 2 rows x 8 heads x (K,V) x 64 x 2 B
-    assert flow.slot_bytes == 16 * 100 * 2 * 8 * 2 * 64 * 2 == 6_553_600
+    # 16 layers x 100 entries (in tiles of 8: 104) x 2 rows x 8 heads x (K,V) x 64 x 2 B
+    assert flow.slot_bytes == 16 * 104 * 2 * 8 * 2 * 64 * 2 == 6_815_744
     assert flow.max_retained == 250 + 100
 
 

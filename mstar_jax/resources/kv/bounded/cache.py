@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from kernels_pallas.sink_window_attention import table as tbl
-from mstar_jax.resources.kv.bounded.config import BoundedKVConfig
+from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, store_capacity
 
 __all__ = ["BoundedKVCache", "BoundedKVPlan", "SourceBank", "write_step"]
 
@@ -47,8 +47,7 @@ class BoundedKVCache:
 
     @staticmethod
     def slot_shape(config: BoundedKVConfig) -> tuple[int, ...]:
-        # A slot of zero tokens (no window, sink inside the source) still needs one addressable entry.
-        tokens = max(config.slot_tokens, 1)
+        tokens = config.slot_capacity
         return (config.max_slots + 1, config.rows_per_request, config.num_heads, tokens, config.head_dim)
 
     @classmethod
@@ -81,7 +80,7 @@ class SourceBank:
 
     @staticmethod
     def source_shape(config: BoundedKVConfig, num_sources: int) -> tuple[int, ...]:
-        length = max(config.max_source_len, 1)
+        length = store_capacity(config.max_source_len)
         return (num_sources, config.rows_per_request, config.num_heads, length, config.head_dim)
 
     @classmethod

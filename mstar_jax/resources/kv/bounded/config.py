@@ -23,7 +23,17 @@ from mstar_jax.resources.step import ResourceStep, register_step_pytree
 if TYPE_CHECKING:
     from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 
-__all__ = ["BoundedKVConfig", "BoundedKVSpec", "BoundedKVStep", "SinkWindow", "StreamPosition"]
+__all__ = [
+    "BoundedKVConfig",
+    "BoundedKVSpec",
+    "BoundedKVStep",
+    "SinkWindow",
+    "StreamPosition",
+    "store_capacity",
+]
+
+# Store lengths are allocated in multiples of the TPU sublane tile (see `store_capacity`).
+STORE_TILE = 8
 
 
 class SinkWindow(NamedTuple):
@@ -194,10 +204,25 @@ class BoundedKVConfig:
         return max(policy.sink + policy.window for policy in self._table)
 
     @property
+    def slot_capacity(self) -> int:
+        """Entries one slot allocates per layer and row: `slot_tokens` padded to the store tile (8)."""
+        return store_capacity(self.slot_tokens)
+
+    @property
     def slot_bytes(self) -> int:
-        """Device bytes of one slot: K and V for every layer and row."""
+        """Device bytes of one slot: K and V for every layer and row, padding entries included."""
         per_entry = self.rows_per_request * self.num_heads * 2 * self.head_dim * self.dtype.itemsize
-        return self.num_layers * self.slot_tokens * per_entry
+        return self.num_layers * self.slot_capacity * per_entry
+
+
+def store_capacity(length: int) -> int:
+    """Entries a store (a slot, a source) allocates for `length`: a multiple of `STORE_TILE`, at least one.
+
+    TPU lays out a `[.., C, D]` array whose `C % 8 != 0` with its KV-head and token axes swapped, which the
+    attention kernel cannot read in place, so XLA would copy the whole layer before every call (measured
+    with libtpu on v4, v5e, v5p and v6e). Entries past `length` are never planned, so never read or written.
+    """
+    return max(-(-length // STORE_TILE) * STORE_TILE, STORE_TILE)
 
 
 register_static_pytree(BoundedKVConfig)

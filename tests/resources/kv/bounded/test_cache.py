@@ -392,8 +392,9 @@ def _config(**overrides) -> BoundedKVConfig:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_cache_abstract_and_create(dtype):
     config = _config(dtype=dtype)
-    # sink_capacity = max over s in [1, 5] of (s + 2) - s = 2; window 3: C = 5. S + 1 = 7 slots.
-    expected = (7, 2, 2, 5, 4)
+    # sink_capacity = max over s in [1, 5] of (s + 2) - s = 2; window 3: 5 slot tokens, allocated as the
+    # store tile, C = 8. S + 1 = 7 slots.
+    expected = (7, 2, 2, 8, 4)
     abstract = BoundedKVCache.abstract(config)
     assert len(abstract.k) == len(abstract.v) == 3
     for x in (*abstract.k, *abstract.v):
@@ -407,17 +408,17 @@ def test_cache_abstract_and_create(dtype):
         assert not np.asarray(x, np.float32).any()
     assert cache.padding_slot == config.max_slots == 6
     itemsize = np.dtype(dtype).itemsize
-    assert cache.nbytes == 2 * 3 * (7 * 2 * 2 * 5 * 4) * itemsize
+    assert cache.nbytes == 2 * 3 * (7 * 2 * 2 * 8 * 4) * itemsize
     assert cache.nbytes == (config.max_slots + 1) * config.slot_bytes  # the padding slot is one more slot
 
 
-def test_cache_of_zero_token_slots_keeps_one_entry():
+def test_cache_of_zero_token_slots_keeps_one_tile():
     # The sink never passes the source and there is no window: a slot holds nothing, but a kernel still
-    # needs one addressable entry per slot.
+    # needs addressable entries per slot (one store tile).
     config = _config(retention=lambda s: SinkWindow(s, 0))
     assert config.slot_tokens == 0
-    assert BoundedKVCache.abstract(config).k[0].shape == (7, 2, 2, 1, 4)
-    assert BoundedKVCache.slot_shape(config) == (7, 2, 2, 1, 4)
+    assert BoundedKVCache.abstract(config).k[0].shape == (7, 2, 2, 8, 4)
+    assert BoundedKVCache.slot_shape(config) == (7, 2, 2, 8, 4)
 
 
 def test_source_bank_shapes():
@@ -426,12 +427,13 @@ def test_source_bank_shapes():
     assert bank.num_sources == 4
     assert len(bank.k) == len(bank.v) == 3
     for x in (*bank.k, *bank.v):
-        assert (x.shape, x.dtype) == ((4, 2, 2, 5, 4), np.dtype(jnp.bfloat16))  # [V, R, G, P, D]
+        # [V, R, G, L, D]; L = 5 allocated as one store tile of 8
+        assert (x.shape, x.dtype) == ((4, 2, 2, 8, 4), np.dtype(jnp.bfloat16))
     abstract = SourceBank.abstract(config, 1)
-    assert abstract.k[0].shape == (1, 2, 2, 5, 4)
-    # No source at all still leaves one (never read) entry to address.
+    assert abstract.k[0].shape == (1, 2, 2, 8, 4)
+    # No source at all still leaves one (never read) store tile to address.
     empty = _config(max_source_len=0, min_source_len=0, retention=SinkWindow(1, 2))
-    assert SourceBank.abstract(empty, 2).k[0].shape == (2, 2, 2, 1, 4)
+    assert SourceBank.abstract(empty, 2).k[0].shape == (2, 2, 2, 8, 4)
 
 
 def test_plan_counts_requests():

@@ -332,9 +332,12 @@ def test_capacities_equal_a_brute_force_stream_simulation(seed):
         assert cfg.max_retained == expected["max_retained"]
         slot_tokens = expected["sink_capacity"] + expected["window_capacity"]
         assert cfg.slot_tokens == slot_tokens
+        # Allocated in whole store tiles of 8 entries, at least one.
+        capacity = max(8, -(-slot_tokens // 8) * 8)
+        assert cfg.slot_capacity == capacity
         # K and V, for every layer, row, head and head dim element.
         per_token = sizes["rows_per_request"] * sizes["num_heads"] * 2 * sizes["head_dim"] * ITEMSIZE[dtype]
-        assert cfg.slot_bytes == sizes["num_layers"] * slot_tokens * per_token
+        assert cfg.slot_bytes == sizes["num_layers"] * capacity * per_token
 
 
 @pytest.mark.parametrize(
@@ -362,8 +365,9 @@ def test_capacities_hand_computed(retention, lo, hi, sink_capacity, window_capac
         max_retained,
     )
     assert cfg.slot_tokens == sink_capacity + window_capacity
-    # 2 layers x slot_tokens x 1 row x 2 heads x (K and V) x 4 dims x 4 bytes.
-    assert cfg.slot_bytes == 2 * (sink_capacity + window_capacity) * 1 * 2 * 2 * 4 * 4
+    # 2 layers x slot tokens in tiles of 8 x 1 row x 2 heads x (K and V) x 4 dims x 4 bytes.
+    capacity = max(8, -(-(sink_capacity + window_capacity) // 8) * 8)
+    assert cfg.slot_bytes == 2 * capacity * 1 * 2 * 2 * 4 * 4
 
 
 # --- equality and hashing -----------------------------------------------------------------------------------

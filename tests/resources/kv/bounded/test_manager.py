@@ -19,7 +19,13 @@ from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.resources.kv.bounded import layout
 from mstar_jax.resources.kv.bounded.attention import attend
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache
-from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, BoundedKVStep, SinkWindow
+from mstar_jax.resources.kv.bounded.config import (
+    BoundedKVConfig,
+    BoundedKVSpec,
+    BoundedKVStep,
+    SinkWindow,
+    store_capacity,
+)
 from mstar_jax.resources.kv.bounded.config import StreamPosition as Pos
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.step import (
@@ -398,7 +404,7 @@ def test_register_source_stores_each_layer_padded(manager):
             (bank.k[layer], k, bank_before.k[layer]),
             (bank.v[layer], v, bank_before.v[layer]),
         ):
-            assert new.shape == (3, R, G, CFG.max_source_len, D)
+            assert new.shape == (3, R, G, store_capacity(CFG.max_source_len), D)
             np.testing.assert_array_equal(new[2, :, :, :2], x[layer])
             assert not new[2, :, :, 2:].any()  # padded past the source's length
             np.testing.assert_array_equal(new[:2], old[:2])  # other sources untouched

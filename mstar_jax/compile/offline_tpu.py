@@ -1,0 +1,140 @@
+"""Compiling for TPU on a host without one: libtpu's real compiler behind compile-only devices.
+
+`jax.experimental.topologies` gives devices of a TPU topology that exist only to compile for; a program
+whose inputs are placed on one of them is lowered and compiled by libtpu exactly as on the chip (Mosaic
+layout and VMEM allocation, XLA's layout assignment and the copies it inserts), and nothing runs. The
+compiled program's `memory_analysis()`, `cost_analysis()` and optimized HLO (`as_text()`) are what the
+tests and `benchmarks/accelerators.py` inspect.
+
+libtpu must be installed at the version the installed jax pins (the `aot` extra). Before libtpu is first
+loaded this module sets `TPU_SKIP_MDS_QUERY` (no metadata server to ask) and `ALLOW_MULTIPLE_LIBTPU_LOAD`
+(a compile-only client touches no chip, so it need not take libtpu's one-process lock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = [
+    "GENERATIONS",
+    "TpuGeneration",
+    "compile_for_tpu",
+    "large_copies",
+    "tpu_device",
+    "tpu_toolchain_missing",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TpuGeneration:
+    """A TPU generation as the offline compiler sees it.
+
+    Attributes:
+      name: "v4", "v5e", "v5p" or "v6e".
+      topology: the smallest topology name `get_topology_desc` accepts for it.
+      hbm_bytes_per_s: one chip's HBM bandwidth (public spec sheets), for roofline step times.
+    """
+
+    name: str
+    topology: str
+    hbm_bytes_per_s: float
+
+
+GENERATIONS: dict[str, TpuGeneration] = {
+    g.name: g
+    for g in (
+        TpuGeneration(name="v4", topology="v4:2x2x1", hbm_bytes_per_s=1.2e12),
+        TpuGeneration(name="v5e", topology="v5e:2x2", hbm_bytes_per_s=819e9),
+        TpuGeneration(name="v5p", topology="v5p:2x2x1", hbm_bytes_per_s=2765e9),
+        TpuGeneration(name="v6e", topology="v6e:2x2", hbm_bytes_per_s=1640e9),
+    )
+}
+
+# HLO ops that move a whole buffer: a relayout (copy, transpose) or a memory-space move (copy-start).
+_MOVING_OPS = ("copy", "transpose", "copy-start")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+(?P<op>[\w\-]+)\(")
+_ARRAY_SHAPE = re.compile(r"\b(?P<dtype>pred|[suf]\d+|bf16|f8\w*)\[(?P<dims>[\d,]*)\]")
+_ITEM_BITS = {"pred": 8, "bf16": 16}
+
+
+def tpu_toolchain_missing() -> str | None:
+    """None when libtpu can compile here; else a one-line reason (tests skip with it)."""
+    if importlib.util.find_spec("libtpu") is None:
+        return "libtpu is not installed (install the `aot` extra: pip install -e '.[aot]')"
+    try:
+        tpu_device("v5e")
+    except Exception as e:  # libtpu refusing to start, a jax/libtpu version mismatch
+        return f"libtpu is installed but cannot compile for TPU here: {type(e).__name__}: {e}"
+    return None
+
+
+@functools.cache
+def tpu_device(generation: str) -> jax.Device:
+    """A compile-only device of `generation` (one of `GENERATIONS`)."""
+    if generation not in GENERATIONS:
+        raise ValueError(f"{generation=} is not one of {sorted(GENERATIONS)}")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=GENERATIONS[generation].topology)
+    return topology.devices[0]
+
+
+def compile_for_tpu(
+    fn: Callable[..., Any],
+    *specs: Any,
+    generation: str = "v5e",
+    donate_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    **static_kwargs: Any,
+) -> jax.stages.Compiled:
+    """Compiles `jax.jit(fn)` for one chip of `generation` with libtpu; nothing runs.
+
+    Args:
+      fn: the function to compile.
+      *specs: its positional arguments as pytrees of `jax.ShapeDtypeStruct` (any sharding is replaced by
+        the compile-only device).
+      generation: a key of `GENERATIONS`.
+      donate_argnums: positional arguments donated (their buffers may be updated in place).
+      static_argnames, **static_kwargs: static keyword arguments, as for `jax.jit`.
+
+    Returns:
+      The compiled program (inspect it with `memory_analysis`, `cost_analysis`, `as_text`).
+    """
+    sharding = jax.sharding.SingleDeviceSharding(tpu_device(generation))
+    placed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), specs)
+    jitted = jax.jit(fn, donate_argnums=donate_argnums, static_argnames=static_argnames)
+    return jitted.trace(*placed, **static_kwargs).lower(lowering_platforms=("tpu",)).compile()
+
+
+def _largest_array_bytes(shape: str) -> int:
+    sizes = [0]
+    for match in _ARRAY_SHAPE.finditer(shape):
+        dtype, dims = match["dtype"], match["dims"]
+        bits = _ITEM_BITS.get(dtype) or int(re.sub(r"\D", "", dtype) or 8)
+        sizes.append(int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * bits // 8)
+    return max(sizes)
+
+
+def large_copies(compiled: jax.stages.Compiled, min_bytes: int) -> list[str]:
+    """The optimized HLO's copies, transposes and memory-space moves of buffers of at least `min_bytes`.
+
+    Scans every computation, fusions included (a relayout usually hides in a `copy` inside a loop fusion),
+    and returns each offending instruction as `"op name: shape"`.
+    """
+    found = []
+    for line in compiled.as_text().splitlines():
+        match = _INSTRUCTION.match(line)
+        if match and match["op"] in _MOVING_OPS and _largest_array_bytes(match["shape"]) >= min_bytes:
+            found.append(f"{match['op']} {match['name']}: {match['shape'][:120]}")
+    return found
