@@ -27,9 +27,9 @@ head of one row and a block of BQ query rows, where query row `r` is step token 
 head `g * (H/G) + r % (H/G)` (GQA: the heads sharing a KV head share every key load). It walks the
 row's retained keys in blocks of BK up to the retained count read from the table at run time (so blocks
 past it cost nothing), then the step's own keys up to `STEP_TOKENS`, keeping an online softmax with
-float32 statistics. Every index is clamped into its array and every load masked. Each program writes
-one [BQ, DP] tile of a padded [N, G, MP, DP] output (MP = T * H/G rounded up to BQ) that the wrapper
-slices and transposes to [N, T, H, D] (a small XLA op, O(output)).
+float32 statistics. Every index is clamped into its array (bar the head dim's padding lanes, masked) and
+every load masked. Each program writes one [BQ, DP] tile of a padded [N, G, MP, DP] output (MP = T * H/G
+rounded up to BQ) that the wrapper slices and transposes to [N, T, H, D] (a small XLA op, O(output)).
 
 Not done here: splitting long key walks across programs (flash-decoding split-K). A decode step of few
 rows therefore runs N * G programs, each walking up to K keys.
@@ -53,6 +53,8 @@ from kernels_pallas.sink_window_attention.validate import validate_inputs
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Triton's tensor-core dot needs every operand dimension >= 16.
 _MIN_DOT_DIM = 16
+# float32 tiles keep block_q * block_k * DP within this (see `BlockSizes.default`).
+_F32_DOT_VOLUME = 2**17
 _TRITON_MODULE = "jax.experimental.pallas.triton"
 # Emitted (jax >= 0.11) each time a Triton-backend pallas_call is lowered; matched from its start.
 _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
@@ -114,16 +116,41 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{name}={value!r} must be an int >= 1")
 
     @classmethod
-    def default(cls, *, query_rows: int, head_dim: int, max_retained: int) -> "BlockSizes":
+    def default(cls, *, query_rows: int, head_dim: int, max_retained: int, itemsize: int = 2) -> "BlockSizes":
         """Default tiles for `query_rows = T * (H / G)` query rows per KV head.
 
-        Small problems get small tiles (a decode step of 4 grouped heads needs 16 rows, not 128); keys
-        come in blocks of 64 (32 for wide heads, to bound registers), never past the padded key count.
+        Small problems get small tiles (a decode step of 4 grouped heads needs 16 rows, not 128); keys are
+        never blocked past the padded key count. The rule keys on DP (the head dim padded to a power of
+        two: D 80 and 96 build like 128) and the dtype, and was read off `ptxas -v` for sm_90a
+        (`mstar_jax.compile.offline_gpu`, 270 cases: D 64-256 × GQA 1/4/8 × decode and prefill chunks
+        with and without a query window × K 32-8192; `tests/kernels/test_gpu_offline.py` keeps to it):
+
+        * 16-bit dtypes (tensor-core dots): block_q <= 64, block_k 64 (32 at DP 256), 2 stages, 8 warps
+          once block_q * DP >= 4096, else 4. No spills; at most 224 registers (DP 256, [64, 32]) and
+          128 KiB of shared memory. 4 warps spilled at DP 128 [64, 64] and DP 256 [64, 32], and hit
+          255 registers at DP 128 [32, 64] and DP 256 [16, 32].
+        * float32 (HIGHEST precision runs the dots on FMA units: a thread holds its share of both operands
+          over the whole contraction, so registers grow with block_q * block_k * DP): 1 stage, 16 warps,
+          block_q <= 4096 / DP and block_q * block_k * DP <= 2**17. No spills; at most 102 registers
+          (of 128 at 16 warps) and 80 KiB of shared memory. The 16-bit tiles with 2 stages spilled in
+          all float32 cases but one (0.6-56 KB of spill stores) and took up to 256 KiB.
+
+        Args:
+          query_rows: query rows per KV head, T * H/G.
+          head_dim: D.
+          max_retained: K.
+          itemsize: bytes per element of the inputs (2: bfloat16 or float16; 4: float32).
         """
-        block_q = min(max(_next_power_of_two(query_rows), _MIN_DOT_DIM), 64)
-        block_k = 32 if head_dim > 128 else 64
-        block_k = min(block_k, max(_next_power_of_two(max_retained), _MIN_DOT_DIM))
-        num_warps = 8 if block_q * max(head_dim, block_k) >= 64 * 128 else 4
+        padded_dim = max(_next_power_of_two(head_dim), _MIN_DOT_DIM)
+        block_q = max(_next_power_of_two(query_rows), _MIN_DOT_DIM)
+        max_keys = max(_next_power_of_two(max_retained), _MIN_DOT_DIM)
+        if itemsize >= 4:
+            block_q = min(block_q, max(_MIN_DOT_DIM, 4096 // padded_dim))
+            block_k = min(64, _F32_DOT_VOLUME // (block_q * padded_dim), max_keys)
+            return cls(block_q=block_q, block_k=block_k, num_warps=16, num_stages=1)
+        block_q = min(block_q, 64)
+        block_k = min(32 if padded_dim > 128 else 64, max_keys)
+        num_warps = 8 if block_q * padded_dim >= 4096 else 4
         return cls(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=2)
 
 
@@ -210,11 +237,11 @@ def _sink_window_kernel(
         ends.append(total)
     retained = jnp.minimum(total, max_retained)
 
-    # Head-dim lanes: padded to a power of two; the tail is clamped to a real column and masked.
+    # Head-dim lanes: padded to a power of two; the tail lanes are masked, never read. They are not
+    # clamped to a real column: a clamp hides from Triton that a row's lanes are contiguous, and the
+    # per-lane gathers that follow spilled registers at D 80 and 96 (ptxas, sm_90a).
     d = lax.broadcasted_iota(jnp.int32, (1, padded_dim), 1)
     d_ok = d < dim
-    if padded_dim != dim:
-        d = jnp.minimum(d, dim - 1)
 
     rows = qb * block_q + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
     t = lax.div(rows, group)
@@ -321,8 +348,11 @@ def sink_window_attention_gpu(
       ValueError, TypeError: what `validate.validate_inputs` rejects (the same errors as the public op), or
         compiled block sizes under 16.
       NotImplementedError: a case this kernel does not handle (a dtype other than float32, bfloat16 and
-        float16, no GPU backend without `interpret`, TPU interpret params, a JAX without the Pallas Triton
-        backend); the public op's "auto" then falls back to XLA.
+        float16, TPU interpret params, a JAX without the Pallas Triton backend); the public op's "auto"
+        then falls back to XLA. Without `interpret` the kernel traces on any host but lowers only for
+        CUDA (the lowering platform, not the host's default backend, decides where it runs: a CPU host
+        can lower it with `lowering_platforms=("cuda",)`); lowering it for CPU raises Pallas's
+        ValueError there.
     """
     validate_inputs(
         q, k, v, cache_k, cache_v, source_k, source_v, table,
@@ -339,11 +369,6 @@ def sink_window_attention_gpu(
     if jnp.dtype(q.dtype) not in _SUPPORTED_DTYPES:
         raise NotImplementedError(
             f"q has dtype {q.dtype}; the Triton kernel supports {[str(t) for t in _SUPPORTED_DTYPES]}"
-        )
-    if not interpret and jax.default_backend() != "gpu":
-        raise NotImplementedError(
-            f"the compiled Pallas GPU kernel needs a GPU backend, the default is "
-            f"{jax.default_backend()!r}; pass interpret=True"
         )
     plgpu = _triton()
     n_rows, steps, heads, dim = q.shape
@@ -362,7 +387,9 @@ def sink_window_attention_gpu(
     group = heads // kv_heads
     query_rows = steps * group
     if block_sizes is None:
-        block_sizes = BlockSizes.default(query_rows=query_rows, head_dim=dim, max_retained=max_retained)
+        block_sizes = BlockSizes.default(
+            query_rows=query_rows, head_dim=dim, max_retained=max_retained, itemsize=q.dtype.itemsize
+        )
     padded_dim = _next_power_of_two(dim)
     if not interpret:
         padded_dim = max(padded_dim, _MIN_DOT_DIM)
