@@ -30,13 +30,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.sink_window_attention import table as tbl
 from kernels_pallas.sink_window_attention.tpu_blocks import (
-    LANES,
     SUBLANES,
     SUPPORTED_DTYPES,
     BlockSizes,
+    choose_tiles,
     keys_in_lanes,
-    vmem_bytes,
-    vmem_limit_bytes,
 )
 from kernels_pallas.sink_window_attention.tpu_kernel import sink_window_kernel
 from kernels_pallas.sink_window_attention.tpu_plan import read_ranges, store_plan
@@ -126,15 +124,11 @@ def sink_window_attention_tpu(
     query_rows = steps * group
     num_sources, num_slots = max(source_k.shape[0], 1), max(cache_k.shape[0], 1)
     source_len, slot_len = max(source_k.shape[3], SUBLANES), max(cache_k.shape[3], SUBLANES)
-    blocks = block_sizes or BlockSizes.default(
-        max_retained=max_retained, query_rows=query_rows, kv_heads=kv_heads, head_dim=dim,
-        itemsize=dtype.itemsize, steps=steps, source_len=source_len, slot_len=slot_len,
+    tiles = choose_tiles(
+        max_retained=max_retained, steps=steps, group=group, kv_heads=kv_heads, head_dim=dim,
+        itemsize=dtype.itemsize, source_len=source_len, slot_len=slot_len, block_sizes=block_sizes,
     )  # fmt: skip
-    block_q = query_rows if blocks.block_q is None or blocks.block_q >= query_rows else blocks.block_q
-    # Keys lie in sublanes (blocks of 8 rows) or, for stores read transposed, in lanes (blocks of 128).
-    block_kv = blocks.block_kv if keys_in_lanes(dim) else pl.cdiv(blocks.block_kv, LANES) * LANES
-    # A store shorter than the block is one block equal to the full dim, legal on TPU at any length.
-    block_source, block_slot = min(block_kv, source_len), min(block_kv, slot_len)
+    block_q, block_source, block_slot = tiles.block_q, tiles.block_source, tiles.block_slot
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
 
     with jax.named_scope("sink_window_attention_tpu"):
@@ -203,10 +197,6 @@ def sink_window_attention_tpu(
             transcendentals=n_rows * heads * steps * keys_per_row,
             bytes_accessed=itemsize * (2 * q.size + 2 * k.size + 2 * n_rows * kv_heads * max_retained * dim),
         )
-        vmem = vmem_bytes(
-            kv_heads=kv_heads, block_q=block_q, block_source=block_source, block_slot=block_slot,
-            steps=steps, head_dim=dim, itemsize=itemsize,
-        )  # fmt: skip
         out = pl.pallas_call(
             kernel,
             out_shape=jax.ShapeDtypeStruct(q_folded.shape, dtype),
@@ -223,7 +213,7 @@ def sink_window_attention_tpu(
             ),
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "parallel", "arbitrary"),
-                vmem_limit_bytes=vmem_limit_bytes(vmem),
+                vmem_limit_bytes=tiles.vmem_limit_bytes,
             ),
             interpret=interpret,
             name="sink_window_attention_tpu",

@@ -153,3 +153,57 @@ class BlockSizes:
 
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Tiles:
+    """The blocks one call uses and the VMEM it asks for.
+
+    Attributes:
+      block_q: folded query rows per grid step.
+      block_source, block_slot: keys per grid step in each store (at most the store's length).
+      vmem_limit_bytes: the scoped VMEM the call asks for: `vmem_bytes` of these blocks plus headroom.
+    """
+
+    block_q: int
+    block_source: int
+    block_slot: int
+    vmem_limit_bytes: int
+
+
+def choose_tiles(
+    *,
+    max_retained: int,
+    steps: int,
+    group: int,
+    kv_heads: int,
+    head_dim: int,
+    itemsize: int,
+    source_len: int,
+    slot_len: int,
+    block_sizes: BlockSizes | None = None,
+) -> Tiles:
+    """The tiles of a call: `block_sizes` (or `BlockSizes.default`) fitted to the stores' lengths.
+
+    Keys lie in sublanes (blocks of 8 rows) or, for stores read transposed, in lanes, where the block is
+    rounded up to 128; a store shorter than the block is one block equal to the full dim, legal on TPU at
+    any length.
+    """
+    query_rows = steps * group
+    blocks = block_sizes or BlockSizes.default(
+        max_retained=max_retained, query_rows=query_rows, kv_heads=kv_heads, head_dim=head_dim,
+        itemsize=itemsize, steps=steps, source_len=source_len, slot_len=slot_len,
+    )  # fmt: skip
+    block_q = query_rows if blocks.block_q is None else min(blocks.block_q, query_rows)
+    block_kv = blocks.block_kv if keys_in_lanes(head_dim) else pl.cdiv(blocks.block_kv, LANES) * LANES
+    block_source, block_slot = min(block_kv, source_len), min(block_kv, slot_len)
+    vmem = vmem_bytes(
+        kv_heads=kv_heads, block_q=block_q, block_source=block_source, block_slot=block_slot, steps=steps,
+        head_dim=head_dim, itemsize=itemsize,
+    )  # fmt: skip
+    return Tiles(
+        block_q=block_q,
+        block_source=block_source,
+        block_slot=block_slot,
+        vmem_limit_bytes=vmem_limit_bytes(vmem),
+    )
