@@ -38,7 +38,10 @@ def attend(
       q: [N, T, H, D] queries (RoPE already applied), N = B * rows_per_request, request-major.
       k, v: [N, T, G, D] the step's keys (RoPE applied) and values.
       config: the cache's config (static).
-      scale, implementation, interpret: passed to `sink_window_attention`.
+      scale: passed to `sink_window_attention`.
+      implementation, interpret: passed to `sink_window_attention` and to the store (`write_step`): "xla"
+        means both XLA paths, "pallas_tpu" / "pallas_gpu" both kernels of that platform, and "auto" picks
+        each op's own way (the store follows the platform the program is lowered for).
 
     Returns:
       (out [N, T, H, D] in q's dtype, the updated cache).
@@ -50,7 +53,8 @@ def attend(
             implementation=implementation, interpret=interpret,
         )  # fmt: skip
         new_k, new_v, out = write_step(
-            cache.k[layer], cache.v[layer], k, v, plan.table, reverse=config.reverse_step_order, after=out
-        )
+            cache.k[layer], cache.v[layer], k, v, plan.table, reverse=config.reverse_step_order, after=out,
+            implementation=implementation, interpret=interpret,
+        )  # fmt: skip
     replace_layer = lambda layers, new: (*layers[:layer], new, *layers[layer + 1 :])  # noqa: E731
     return out, dataclasses.replace(cache, k=replace_layer(cache.k, new_k), v=replace_layer(cache.v, new_v))

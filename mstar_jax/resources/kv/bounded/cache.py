@@ -25,9 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from kernels_pallas.sink_window_attention import table as tbl
+from kernels_pallas.sink_window_attention.store import store_step_after
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, store_capacity
 
 __all__ = ["BoundedKVCache", "BoundedKVPlan", "SourceBank", "write_step"]
@@ -119,62 +118,32 @@ def write_step(
     *,
     reverse: bool,
     after: Any = None,
+    implementation: str = "auto",
+    interpret: Any = False,
 ) -> tuple[jax.Array, jax.Array, Any]:
     """Store each request's written step tokens into its slot, in place when the cache is donated.
 
     Equivalent to, for every request `b`, write range `(step_offset, slot_start, len)` and `t < len`:
-    `cache[slot_b, :, :, slot_start + t] = step[b, :, step_offset ± t]`.
-
-    Each write range becomes one read-modify-write of a `min(T, C)`-token block with
-    `lax.dynamic_update_slice` inside a `fori_loop`. The block start is clamped into the slot and the
-    range placed inside it explicitly, because `dynamic_update_slice` would otherwise clamp silently and
-    overwrite the wrong entries; ranges never cross the ring's wrap (the plan splits them there). A
-    `vmap`-ed per-row update would lower to a scatter plus a full copy of the cache; this costs
-    O(B * min(T, C)) entries per layer. (XLA:CPU is the exception for bfloat16 caches: it converts
-    the layer to update it, copying it whole per range; keep CPU caches in float32.)
+    `cache[slot_b, :, :, slot_start + t] = step[b, :, step_offset ± t]`. A thin call of
+    `kernels_pallas.sink_window_attention.store.store_step_after`: the XLA loop (`store_step_xla`), or the
+    Pallas store kernel of the platform the program is lowered for.
 
     Args:
       cache_k, cache_v: [S + 1, R, G, C, D] one layer's slots.
       k, v: [N, T, G, D] the step's keys and values, N = B * R.
       table: i32[B, ROW_INTS] the plan table.
       reverse: the config's `reverse_step_order` (a range copies step tokens counting down).
-      after: values computed from reads of this cache (the attention output), returned unchanged. They
-        ride in the loop's carry so every read is sequenced before the in-place store; otherwise XLA
-        may order the store first and copy the whole layer to keep the reads' view (measured on CPU).
+      after: values computed from reads of this cache (the attention output), returned unchanged. The XLA
+        loop carries them so every read is sequenced before the in-place store (else XLA may order the
+        store first and copy the whole layer to keep the reads' view, measured on CPU); the Pallas kernels
+        alias the cache, which orders them after its reads.
+      implementation: "auto", "xla", "pallas_tpu" or "pallas_gpu" (see `store_step`).
+      interpret: passed to the Pallas kernels (True, or `pltpu.InterpretParams` for the TPU kernel).
 
     Returns:
       The updated (cache_k, cache_v) and `after`.
     """
-    table = jnp.asarray(table)  # the loop indexes it with a traced row
-    num_requests = table.shape[0]
-    _, rows, groups, capacity, dim = cache_k.shape
-    steps = k.shape[1]
-    block = min(steps, capacity)
-    # [B, R, G, T, D]: a request's rows and heads move together into its slot.
-    k_req = k.reshape(num_requests, rows, steps, groups, dim).transpose(0, 1, 3, 2, 4).astype(cache_k.dtype)
-    v_req = v.reshape(num_requests, rows, steps, groups, dim).transpose(0, 1, 3, 2, 4).astype(cache_v.dtype)
-    offsets = jnp.arange(block, dtype=jnp.int32)
-
-    def store_range(i, carry):
-        ck, cv, after = carry
-        b, w = i // tbl.NUM_WRITES, i % tbl.NUM_WRITES
-        row = table[b]
-        base = tbl.WRITES + 3 * w
-        step_offset, slot_start, length = row[base], row[base + 1], row[base + 2]
-        start = jnp.clip(slot_start, 0, capacity - block)
-        t = offsets - (slot_start - start)  # index of each block entry within the range
-        token = step_offset - t if reverse else step_offset + t
-        token = jnp.clip(token, 0, steps - 1)
-        inside = ((t >= 0) & (t < length))[None, None, :, None]
-        corner = (row[tbl.SLOT], 0, 0, start, 0)
-        size = (1, rows, groups, block, dim)
-        new_k = jnp.take(lax.dynamic_index_in_dim(k_req, b, keepdims=False), token, axis=2)
-        new_v = jnp.take(lax.dynamic_index_in_dim(v_req, b, keepdims=False), token, axis=2)
-        old_k = lax.dynamic_slice(ck, corner, size)[0]
-        old_v = lax.dynamic_slice(cv, corner, size)[0]
-        ck = lax.dynamic_update_slice(ck, jnp.where(inside, new_k, old_k)[None], corner)
-        cv = lax.dynamic_update_slice(cv, jnp.where(inside, new_v, old_v)[None], corner)
-        # Opaque to XLA, so `after` is not a loop invariant it could hoist out of the carry.
-        return ck, cv, lax.optimization_barrier(after)
-
-    return lax.fori_loop(0, num_requests * tbl.NUM_WRITES, store_range, (cache_k, cache_v, after))
+    return store_step_after(
+        cache_k, cache_v, k, v, table, after,
+        reverse=reverse, implementation=implementation, interpret=interpret,
+    )  # fmt: skip

@@ -1,0 +1,489 @@
+"""The store op (`store_step`) against a brute-force NumPy write, in every implementation and mode.
+
+The oracle copies one token at a time into a float64 copy of the cache. Tables come from the host
+planner (`cases.make_case`, i.e. `layout.plan_table` over random stream states): reversed step order,
+padding rows, writes split at the ring's wrap, spans from 0 up to T (also longer than the window), slot
+capacities that are not a multiple of 8. A kernel passes when the whole new cache equals the oracle's bit
+for bit: every written entry, and every byte outside the write ranges unchanged. Step tokens the table
+does not copy are NaN (past STEP_TOKENS) or finite but not written (past the span), so copying one shows.
+
+Cases sharing (R, G, D, T, C, reverse) are concatenated into one call (requests stacked, slots shifted),
+so each implementation compiles three programs per dtype. Modes: the XLA loop; the TPU kernel in TPU
+interpret mode with the race detector on (which simulates its DMAs and semaphores and raises on an
+out-of-bounds access) and in the HLO interpreter (`interpret=True`); the GPU kernel in the HLO
+interpreter. Then dispatch ("auto" follows the lowering platform), input errors, and what the real TPU
+compiler (libtpu, no TPU needed) and the Triton/ptxas toolchain make of the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels_pallas.sink_window_attention import store, store_step
+from kernels_pallas.sink_window_attention import table as tbl
+from mstar_jax.compile import offline_tpu
+from mstar_jax.resources.kv.bounded import attention as bounded_attention
+from mstar_jax.resources.kv.bounded import layout
+from mstar_jax.resources.kv.bounded.cache import write_step
+from tests.kernels import cases
+
+
+def store_reference(cache: np.ndarray, step: np.ndarray, table: np.ndarray, *, reverse: bool) -> np.ndarray:
+    """f64[S, R, G, C, D]: `cache[slot, :, :, slot_start + t] = step[rows of b, step_offset ± t]`.
+
+    Args:
+      cache: [S, R, G, C, D] one layer's slots.
+      step: [N, T, G, D] the step's keys (or values), N = B * R.
+      table: i32[B, ROW_INTS].
+      reverse: ranges copy step tokens counting down.
+    """
+    out = np.array(cache, np.float64)
+    step = np.asarray(step, np.float64)
+    rows = cache.shape[1]
+    for b, row in enumerate(table):
+        for w in range(tbl.NUM_WRITES):
+            step_offset, slot_start, length = (int(row[col]) for col in tbl.write_cols(w))
+            for t in range(length):
+                token = step_offset - t if reverse else step_offset + t
+                for r in range(rows):
+                    out[row[tbl.SLOT], r, :, slot_start + t] = step[b * rows + r, token]
+    return out
+
+
+def _one_row_table(*, written: int, span: int, window: int, reverse: bool) -> np.ndarray:
+    """Slot 1, sink 0, no source: the ring of `window` entries, `written` before the step."""
+    return layout.plan_table(
+        slot=[1], source=[0], source_len=[0], written=[written], span=[span], step_tokens=[span], sink=[0],
+        window=[window], window_includes_step=[False], sink_capacity=0, reverse=reverse,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("reverse", "slot"),
+    [
+        # Window 4, n = 3, span 3: stream positions 3, 4, 5 sit at ring offsets 3, 0, 1, so the write is
+        # split at the wrap: token 0 -> offset 3, then tokens 1, 2 -> offsets 0, 1; offset 2 keeps -1.
+        (False, [11.0, 12.0, -1.0, 10.0]),
+        # Reversed, position 3 holds the last token (2), position 4 token 1 and position 5 token 0.
+        (True, [11.0, 10.0, -1.0, 12.0]),
+    ],
+)
+def test_reference_by_hand(reverse, slot):
+    table = _one_row_table(written=3, span=3, window=4, reverse=reverse)
+    cache = np.full((3, 1, 1, 4, 1), -1.0)  # 2 slots + padding, R = G = D = 1, C = 4
+    step = np.array([10.0, 11.0, 12.0]).reshape(1, 3, 1, 1)
+    out = store_reference(cache, step, table, reverse=reverse)
+    np.testing.assert_array_equal(out[1, 0, 0, :, 0], slot)
+    np.testing.assert_array_equal(out[[0, 2]], cache[[0, 2]])  # other slots untouched
+
+
+# --- cases: planner tables in a few shared geometries ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StoreCase:
+    """One concatenated store call: caches filled with random finite values, the planner's table."""
+
+    name: str
+    cache_k: np.ndarray  # [S, R, G, C, D]
+    cache_v: np.ndarray
+    k: np.ndarray  # [N, T, G, D]; NaN past each row's STEP_TOKENS
+    v: np.ndarray
+    table: np.ndarray  # i32[B, ROW_INTS]
+    reverse: bool
+
+
+def _concatenate(name: str, group: list[cases.KernelCase], *, capacity: int, dtype, seed: int) -> StoreCase:
+    tables, slots = [], 0
+    for c in group:
+        assert c.cache_k.shape[3] == capacity, (c.name, c.cache_k.shape)
+        table = c.table.copy()
+        table[:, tbl.SLOT] += slots
+        tables.append(table)
+        slots += c.cache_k.shape[0]
+    rng = np.random.default_rng(seed)
+    shape = (slots, *group[0].cache_k.shape[1:])
+    return StoreCase(
+        name=name,
+        cache_k=rng.standard_normal(shape).astype(dtype),
+        cache_v=rng.standard_normal(shape).astype(dtype),
+        k=np.concatenate([c.k for c in group]).astype(dtype),
+        v=np.concatenate([c.v for c in group]).astype(dtype),
+        table=np.concatenate(tables),
+        reverse=group[0].reverse,
+    )
+
+
+def _forward_group(dtype) -> list[cases.KernelCase]:
+    """R 1, G 2, D 32, T 8, C 27: decode and chunk rows, wraps, a window shorter than the step."""
+    c = {"dtype": dtype, "steps": 8, "min_slot_tokens": 27, "heads": 2, "kv_heads": 2}
+    return [
+        cases.make_case("decode", seed=1, batch=4, sink=3, window=24, step_tokens=1, **c),
+        # sink 2, window 8 (rings of 8 inside the 27-token slot): n up to ~40, spans of 8 wrap.
+        cases.make_case(
+            "chunk_wraps", seed=2, batch=3, sink=2, window=8, source_len=0, written=[5, 9, 33], **c
+        ),
+        # A window of 5 under 8-token spans: only each span's last 5 tokens are written.
+        cases.make_case("window_shorter_than_step", seed=3, batch=2, sink=0, window=5, **c),
+        # The sink's written part: sink 10 over sources of 3, 0, 7.
+        cases.make_case(
+            "sink_over_source", seed=4, batch=3, sink=10, window=8, source_len=[3, 0, 7], written=[2, 30, 50],
+            **c,
+        ),
+        # Bucket padding: 5, 8 and 1 real tokens; spans 5, 3 and 0 (a read-only row); two padding rows.
+        cases.make_case(
+            "bucket_padded", seed=5, batch=3, step_tokens=[5, 8, 1], spans=[5, 3, 0], padding_rows=2, **c
+        ),
+    ]  # fmt: skip
+
+
+def _forward(dtype) -> StoreCase:
+    return _concatenate("forward", _forward_group(dtype), capacity=27, dtype=dtype, seed=11)
+
+
+def _reversed(dtype) -> StoreCase:
+    """Reversed step order, R 2, G 1, D 32, T 5, C 16 (tile-aligned, the TPU kernel's 8-token tiles)."""
+    c = {"dtype": dtype, "steps": 5, "min_slot_tokens": 16, "rows_per_request": 2, "heads": 2, "kv_heads": 1}
+    group = [
+        cases.make_case(
+            "reverse_wraps", seed=6, batch=3, sink=2, window=7, source_len=0, written=[4, 11, 60], **c
+        ),
+        # n = sink - 1, sink, sink + window, sink + window + 1: the sink fills, the ring starts and wraps.
+        cases.make_case(
+            "reverse_sink_to_ring", seed=7, batch=4, sink=5, window=11, source_len=0, written=[2, 4, 13, 17],
+            padding_rows=1, **c,
+        ),
+    ]  # fmt: skip
+    return _concatenate("reversed", group, capacity=16, dtype=dtype, seed=12)
+
+
+def _wide_heads(dtype) -> StoreCase:
+    """D 160 (the TPU kernel's tiled path in float32 too; two token blocks of the GPU kernel), T 12."""
+    c = {"dtype": dtype, "steps": 12, "min_slot_tokens": 24, "head_dim": 160, "heads": 1, "kv_heads": 1}
+    group = [
+        cases.make_case(
+            "wide_wraps", seed=8, batch=3, sink=4, window=20, source_len=0, written=[0, 19, 70], **c
+        ),
+        cases.make_case("wide_padding", seed=9, batch=1, sink=4, window=20, padding_rows=1, **c),
+    ]  # fmt: skip
+    return _concatenate("wide_heads", group, capacity=24, dtype=dtype, seed=13)
+
+
+GEOMETRIES = (_forward, _reversed, _wide_heads)
+DTYPES = [pytest.param(np.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
+
+
+def test_cases_cover_what_the_planner_makes():
+    seen = dict.fromkeys(["wrap", "sink_write", "padding", "read_only", "span_T"], 0)
+    for make in GEOMETRIES:
+        case = make(np.float32)
+        for row in case.table:
+            lengths = [int(row[tbl.write_cols(w)[2]]) for w in range(tbl.NUM_WRITES)]
+            seen["padding"] += row[tbl.STEP_TOKENS] == 0
+            seen["read_only"] += row[tbl.STEP_TOKENS] > 0 and sum(lengths) == 0
+            seen["wrap"] += lengths[2] > 0
+            seen["sink_write"] += lengths[0] > 0
+            seen["span_T"] += sum(lengths) == case.k.shape[1]
+    assert all(seen.values()), seen
+    assert _forward(np.float32).cache_k.shape[3] == 27  # a slot capacity that is not a multiple of 8
+    # Spans of 8 over a window of 5: each row writes only the 5 entries the ring keeps.
+    (short,) = (c for c in _forward_group(np.float32) if c.name == "window_shorter_than_step")
+    assert [int(sum(row[tbl.write_cols(w)[2]] for w in range(3))) for row in short.table] == [5, 5]
+
+
+# --- every implementation against the oracle ---------------------------------------------------------------
+
+
+def _races_found() -> bool | None:
+    """Whether TPU interpret mode's race detector flagged the last kernel; None where JAX hides it."""
+    try:
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    except ImportError:
+        return None
+    races = getattr(interpret_pallas_call, "races", None)
+    return None if races is None else bool(races.races_found)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("reverse", "implementation", "interpret"),
+    compiler_options=cases.fast_compile_options(),
+)
+def _store(cache_k, cache_v, k, v, table, *, reverse, implementation, interpret):
+    return store_step(
+        cache_k, cache_v, k, v, table, reverse=reverse, implementation=implementation, interpret=interpret
+    )
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+def _check(case: StoreCase, new_k, new_v) -> None:
+    for name, old, new, step in (("k", case.cache_k, new_k, case.k), ("v", case.cache_v, new_v, case.v)):
+        assert new.shape == old.shape, (name, new.shape)
+        assert new.dtype == old.dtype, (name, new.dtype)
+        want = store_reference(old, step, case.table, reverse=case.reverse).astype(old.dtype)
+        wrong = np.argwhere((_bits(new) != _bits(want)).any(axis=(1, 2, 4)))  # (slot, offset) pairs
+        written = np.argwhere((_bits(want) != _bits(old)).any(axis=(1, 2, 4)))
+        written = {tuple(p) for p in written.tolist()}
+        outside = [tuple(p) for p in wrong.tolist() if tuple(p) not in written]
+        assert not outside, f"{case.name} {name}: entries outside the write ranges changed at {outside[:8]}"
+        assert not len(wrong), f"{case.name} {name}: written entries differ at {wrong[:8].tolist()}"
+
+
+# The race detector compares DMAs only with two simulated cores: with one it missed two DMAs in flight to
+# the same bytes (see test_race_detector_sees_two_requests_writing_one_slot).
+RACES = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+MODES = {
+    "xla": ("xla", False),
+    "tpu_interpret": ("pallas_tpu", RACES),
+    "tpu_hlo_interpret": ("pallas_tpu", True),
+    "gpu_hlo_interpret": ("pallas_gpu", True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_matches_the_oracle(mode, dtype):
+    implementation, interpret = MODES[mode]
+    for make in GEOMETRIES:
+        case = make(dtype)
+        try:
+            new_k, new_v = _store(
+                case.cache_k, case.cache_v, case.k, case.v, case.table,
+                reverse=case.reverse, implementation=implementation, interpret=interpret,
+            )  # fmt: skip
+            new_k, new_v = jax.device_get((new_k, new_v))
+            races = _races_found() if isinstance(interpret, pltpu.InterpretParams) else None
+        finally:
+            if isinstance(interpret, pltpu.InterpretParams):
+                pltpu.reset_tpu_interpret_mode_state()  # also forgets the races found
+        assert races is not True, f"{case.name}: TPU interpret mode detected a data race"
+        _check(case, new_k, new_v)
+
+
+def test_race_detector_sees_two_requests_writing_one_slot():
+    # Two requests naming slot 1 both write offsets 0..2 (no planner would): the detector must flag it,
+    # or its silence in test_matches_the_oracle proves nothing.
+    row = _one_row_table(written=0, span=3, window=4, reverse=False)
+    table = np.concatenate([row, row])
+    cache = np.zeros((3, 1, 1, 8, 128), np.float32)
+    step = np.ones((2, 3, 1, 128), np.float32)
+    jax.block_until_ready(
+        store_step(
+            cache, cache, step, step, table, reverse=False, implementation="pallas_tpu", interpret=RACES
+        )
+    )
+    found = _races_found()
+    pltpu.reset_tpu_interpret_mode_state()
+    if found is None:
+        pytest.skip("this JAX hides TPU interpret mode's race detector")
+    assert found
+
+
+def test_casts_the_step_to_the_cache_dtype():
+    table = _one_row_table(written=0, span=2, window=2, reverse=False)
+    cache = np.zeros((2, 1, 1, 8, 128), jnp.bfloat16)
+    step = np.broadcast_to(np.array([1.5, -2.25], np.float32)[None, :, None, None], (1, 2, 1, 128))
+    for implementation, interpret in MODES.values():
+        new_k, _ = store_step(
+            cache, cache, step, step, table, reverse=False, implementation=implementation, interpret=interpret
+        )
+        assert new_k.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(new_k[1, 0, 0, :2, 0], np.float32), [1.5, -2.25])
+    pltpu.reset_tpu_interpret_mode_state()
+
+
+# --- dispatch ---------------------------------------------------------------------------------------------
+
+
+def _specs(*, slots=17, rows=1, groups=2, capacity=16, dim=128, steps=4, batch=2, dtype=jnp.float32):
+    cache = jax.ShapeDtypeStruct((slots, rows, groups, capacity, dim), dtype)
+    step = jax.ShapeDtypeStruct((batch * rows, steps, groups, dim), dtype)
+    return cache, cache, step, step, jax.ShapeDtypeStruct((batch, tbl.ROW_INTS), jnp.int32)
+
+
+def _lowered_text(platform: str, *, implementation="auto", interpret=False, **shape) -> str:
+    fn = functools.partial(store_step, reverse=True, implementation=implementation, interpret=interpret)
+    lowered = jax.jit(fn, donate_argnums=(0, 1)).trace(*_specs(**shape)).lower(lowering_platforms=(platform,))
+    return lowered.as_text()
+
+
+@pytest.mark.parametrize(
+    ("platform", "kernel"), [("tpu", "store_step_tpu"), ("cuda", "store_step_gpu"), ("cpu", None)]
+)
+def test_auto_lowers_the_kernel_of_the_lowering_platform(platform, kernel):
+    text = _lowered_text(platform)
+    kernels = [k for k in ("store_step_tpu", "store_step_gpu") if k in text]
+    assert kernels == ([kernel] if kernel else []), kernels
+    assert ("stablehlo.while" in text) == (kernel is None)  # the XLA loop only where no kernel runs
+
+
+def test_auto_takes_the_xla_loop_where_the_kernel_declines():
+    # TPU lays out a cache with C % 8 != 0 or D % 128 != 0 other than row-major; the kernel declines it.
+    for shape in ({"capacity": 27}, {"dim": 64}):
+        text = _lowered_text("tpu", **shape)
+        assert "store_step_tpu" not in text, shape
+        assert "stablehlo.while" in text, shape
+        with pytest.raises(NotImplementedError, match="pad C"):  # an explicit request is not rerouted
+            _lowered_text("tpu", implementation="pallas_tpu", **shape)
+
+
+def test_explicit_kernels_decline_what_they_cannot_do():
+    with pytest.raises(NotImplementedError, match="TPU interpret mode"):
+        _lowered_text("cuda", implementation="pallas_gpu", interpret=pltpu.InterpretParams())
+    with pytest.raises(NotImplementedError, match="float16"):
+        _lowered_text("tpu", implementation="pallas_tpu", dtype=jnp.float16)
+
+
+def test_auto_on_cpu_stores_in_place():
+    specs = _specs(slots=65, capacity=64, steps=4, batch=8)
+    compiled = (
+        jax.jit(functools.partial(store_step, reverse=False), donate_argnums=(0, 1)).lower(*specs).compile()
+    )
+    layer = int(np.prod(specs[0].shape)) * 4
+    assert offline_tpu.large_copies(compiled, layer // 4) == []
+    assert compiled.memory_analysis().alias_size_in_bytes == 2 * layer
+
+
+def test_write_step_and_attend_pass_the_implementation_through(monkeypatch):
+    calls = []
+
+    def fake_kernel(name):
+        def kernel(ck, cv, k, v, table, *, reverse, interpret):
+            calls.append((name, reverse, interpret))
+            return ck, cv
+
+        return kernel
+
+    monkeypatch.setattr(store, "_pallas_implementation", fake_kernel)
+    marker = object()  # stands for a `pltpu.InterpretParams(...)`: passed through untouched
+    cache_k, cache_v, k, v, table = (np.zeros(s.shape, s.dtype) for s in _specs())
+    after = np.ones(3)
+    for name in ("pallas_tpu", "pallas_gpu"):
+        *_, out = write_step(
+            cache_k, cache_v, k, v, table, reverse=True, after=after, implementation=name, interpret=marker
+        )
+        assert out is after
+    assert calls == [("pallas_tpu", True, marker), ("pallas_gpu", True, marker)]
+
+    forwarded = {}
+
+    def record_write(*args, **kwargs):
+        forwarded.update(kwargs)
+        return args[0], args[1], kwargs["after"]
+
+    monkeypatch.setattr(bounded_attention, "sink_window_attention", lambda *a, **kw: a[0])
+    monkeypatch.setattr(bounded_attention, "write_step", record_write)
+    config = dataclasses.make_dataclass("Config", ["max_retained", "query_window", "reverse_step_order"])
+    cache = dataclasses.make_dataclass("Cache", ["k", "v"])((cache_k,), (cache_v,))
+    bounded_attention.attend(
+        cache, cache, type("Plan", (), {"table": table})(), 0, k, k, v, config=config(8, None, True),
+        implementation="pallas_gpu", interpret=marker,
+    )  # fmt: skip
+    assert (forwarded["implementation"], forwarded["interpret"]) == ("pallas_gpu", marker)
+
+
+# --- input errors -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("index", "mutate", "error", "match"),
+    [
+        (0, lambda x: x[0], ValueError, r"cache_k has shape \(1, 2, 16, 128\) \(rank 4\); expected rank 5"),
+        (1, lambda x: x[:, :, :, :8], ValueError, "cache_v is float32.*expected cache_k's"),
+        (1, lambda x: x.astype(jnp.bfloat16), ValueError, "cache_v is bfloat16"),
+        (2, lambda x: x[:, :, :1], ValueError, r"k has shape \(2, 4, 1, 128\); expected .* G = 2"),
+        (2, lambda x: x.astype(jnp.int32), ValueError, "k has dtype int32; expected a floating dtype"),
+        (3, lambda x: x[:, :2], ValueError, "v has shape .* expected k's shape"),
+        (4, lambda x: x.astype(jnp.int64), ValueError, "table has dtype int64; expected int32"),
+        (4, lambda x: x[:, :5], ValueError, r"expected \[B, ROW_INTS\] with ROW_INTS = 26"),
+        (4, lambda x: x[:1], ValueError, r"k should have 1 rows \(B \* R, request-major\); k has 2"),
+    ],
+    ids=["cache_rank", "cache_v_shape", "cache_v_dtype", "k_heads", "k_dtype", "v_shape", "table_dtype",
+         "table_columns", "table_rows"],
+)  # fmt: skip
+def test_input_errors_name_the_argument(index, mutate, error, match):
+    arrays = [np.zeros(s.shape, s.dtype) for s in _specs()]
+    arrays[index] = mutate(arrays[index])
+    with pytest.raises(error, match=match):
+        store_step(*arrays, reverse=False)
+
+
+def test_settings_errors():
+    arrays = [np.zeros(s.shape, s.dtype) for s in _specs()]
+    with pytest.raises(TypeError, match="reverse=1 must be a bool"):
+        store_step(*arrays, reverse=1)
+    with pytest.raises(ValueError, match="implementation='mosaic'"):
+        store_step(*arrays, reverse=False, implementation="mosaic")
+
+
+# --- the real TPU compiler (libtpu, compile-only devices) ---------------------------------------------------
+
+TPU_MISSING = offline_tpu.tpu_toolchain_missing()
+needs_libtpu = pytest.mark.skipif(TPU_MISSING is not None, reason=f"no offline TPU compiler: {TPU_MISSING}")
+
+
+def _compile_tpu(generation="v5e", **shape) -> jax.stages.Compiled:
+    fn = functools.partial(store_step, reverse=True)  # "auto": the lowering platform's kernel
+    return offline_tpu.compile_for_tpu(fn, *_specs(**shape), generation=generation, donate_argnums=(0, 1))
+
+
+def _bytes_accessed(compiled) -> float:
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
+
+
+@needs_libtpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32_direct", "bf16_tiled"])
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_tpu_kernel_compiles_and_stores_in_place(generation, dtype):
+    shape = {"slots": 65, "rows": 2, "groups": 2, "capacity": 48, "steps": 8, "batch": 8, "dtype": dtype}
+    compiled = _compile_tpu(generation, **shape)
+    assert "store_step_tpu" in compiled.as_text()
+    layer = int(np.prod(_specs(**shape)[0].shape)) * jnp.dtype(dtype).itemsize
+    assert offline_tpu.large_copies(compiled, layer // 4) == []
+    assert compiled.memory_analysis().alias_size_in_bytes == 2 * layer
+    assert compiled.memory_analysis().temp_size_in_bytes < layer // 4
+
+
+@needs_libtpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32_direct", "bf16_tiled"])
+def test_tpu_bytes_accessed_follow_the_tokens_written_not_the_slots(dtype):
+    def accessed(**shape):
+        return _bytes_accessed(_compile_tpu(capacity=48, steps=8, dtype=dtype, **shape))
+
+    # 16 slots or 256: the same bytes (XLA may prefetch the small step into VMEM for 16: a little more).
+    small, large = accessed(slots=16, batch=8), accessed(slots=256, batch=8)
+    assert large <= 1.1 * small, (small, large)
+    # 8 requests or 64: eight times the tokens written, about eight times the bytes.
+    eight, many = accessed(slots=65, batch=8), accessed(slots=65, batch=64)
+    assert 6 <= many / eight <= 10, (eight, many)
+    # And within a small multiple of the bytes written (tiles of 8 tokens for bfloat16).
+    written = 2 * 64 * 2 * 8 * 128 * jnp.dtype(dtype).itemsize
+    assert many / written <= (8 if dtype == jnp.float32 else 24), many / written
+
+
+# --- the Triton kernel built for sm_90a (no GPU needed) -----------------------------------------------------
+
+
+def test_gpu_kernel_builds_without_spills():
+    from mstar_jax.compile.offline_gpu import gpu_toolchain_missing, triton_kernel_stats
+
+    if reason := gpu_toolchain_missing():
+        pytest.skip(reason)
+    for shape in ({"steps": 64, "dtype": jnp.float32}, {"steps": 1, "dim": 64, "dtype": jnp.bfloat16}):
+        fn = functools.partial(store_step, reverse=True)
+        lowered = jax.jit(fn).trace(*_specs(**shape)).lower(lowering_platforms=("cuda",))
+        (stats,) = triton_kernel_stats(lowered, compute_capability="9.0")
+        assert stats.name == "store_step_gpu"
+        assert stats.spill_store_bytes == stats.spill_load_bytes == 0, stats
