@@ -21,15 +21,19 @@ Implementation = Literal["auto", "xla", "pallas_tpu", "pallas_gpu"]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 
 
+@functools.cache
 def _pallas_implementation(name: str):
+    """The Pallas kernel `name`, jitted so that a model's layers of one shape trace it once.
+
+    "auto" traces the TPU and the GPU kernel for every call (only the lowering platform's is lowered):
+    without the inner `jit` that is two kernel traces per layer and step function.
+    """
     # Imported on use so that the package imports without the Pallas kernels (and their lowering stacks).
     if name == "pallas_tpu":
-        from kernels_pallas.sink_window_attention.tpu import sink_window_attention_tpu
-
-        return sink_window_attention_tpu
-    from kernels_pallas.sink_window_attention.gpu import sink_window_attention_gpu
-
-    return sink_window_attention_gpu
+        from kernels_pallas.sink_window_attention.tpu import sink_window_attention_tpu as kernel
+    else:
+        from kernels_pallas.sink_window_attention.gpu import sink_window_attention_gpu as kernel
+    return jax.jit(kernel, static_argnames=("max_retained", "query_window", "scale", "interpret"))
 
 
 def sink_window_attention(
