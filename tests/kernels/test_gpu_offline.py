@@ -5,7 +5,9 @@ has the CUDA plugin's Triton compile the kernel to PTX and `ptxas -v` assemble i
 (`mstar_jax.compile.offline_gpu`), and holds the default block sizes to what ptxas reports: no register
 spills, registers within the hardware's 255, shared memory under sm_90's 227 KiB per block. The cases
 cover every padded head dim and both query-block regimes of `BlockSizes.default` per dtype (about a
-second of Triton + ptxas each); the sweep behind the rule is summarised in its docstring.
+second of Triton + ptxas each); the sweep behind the rule is summarised in its docstring. Whole two-layer
+steps through `attend` (`mstar_jax.compile.accelerator_cases`) are lowered the same way, store kernel
+included.
 """
 
 import functools
@@ -17,6 +19,7 @@ import pytest
 
 from kernels_pallas.sink_window_attention import sink_window_attention
 from kernels_pallas.sink_window_attention import table as tbl
+from mstar_jax.compile import accelerator_cases
 from mstar_jax.compile.offline_gpu import PtxStats, gpu_toolchain_missing, triton_kernel_stats
 
 if reason := gpu_toolchain_missing():
@@ -105,3 +108,23 @@ def test_rejects_a_program_without_a_triton_kernel():
     lowered = _lower(specs, implementation="xla", max_retained=64, query_window=None)
     with pytest.raises(ValueError, match=re.escape("no __gpu$xla.gpu.triton custom call")):
         triton_kernel_stats(lowered)
+
+
+STEP_CASES = ["decode_d64", "decode_d128", "decode_d256_8k", "prefill_d64_t128", "prefill_d128_t16"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("name", STEP_CASES)
+def test_attend_step_lowers_both_kernels_in_place(name, dtype):
+    # A two-layer step through `attend`, traced on this CPU host with implementation="auto" and lowered
+    # for CUDA: it must carry the attention and store kernels, build them without spills, and alias the
+    # donated cache (each layer's K and V) to the output.
+    case = next(c for c in accelerator_cases.CASES if c.name == name)
+    fn, specs = case.step(dtype)
+    lowered = jax.jit(fn, donate_argnums=0).trace(*specs).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("tf.aliasing_output") == 2 * accelerator_cases.STEP_LAYERS
+    stats = triton_kernel_stats(lowered)
+    assert {s.name for s in stats} == {"sink_window_attention_gpu", "store_step_gpu"}
+    for kernel in stats:
+        assert (kernel.spill_store_bytes, kernel.spill_load_bytes) == (0, 0), kernel
+        assert kernel.shared_memory_bytes < SM90_SHARED_MEMORY_BYTES, kernel
