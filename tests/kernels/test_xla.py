@@ -127,7 +127,8 @@ def _lowered_text(case: cases.KernelCase, op, platform: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("platform", "kernel_marker"), [("cpu", None), ("tpu", "tpu_custom_call"), ("cuda", "__gpu$xla.gpu.triton")]
+    ("platform", "kernel_marker"),
+    [("cpu", None), ("tpu", "tpu_custom_call"), ("cuda", "__gpu$xla.gpu.triton")],
 )
 def test_auto_follows_the_lowering_platform(platform, kernel_marker):
     # Traced on this CPU host, lowered for each platform: the TPU and CUDA programs carry their kernel.
