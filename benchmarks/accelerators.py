@@ -105,6 +105,32 @@ def gpu_rows(cases, dtypes) -> list[tuple]:
     return rows
 
 
+def _print_tpu_summary(rows: list[TpuRow]) -> None:
+    """One row per case and dtype: the generations side by side (the same program, four compilers)."""
+    generations = list(offline_tpu.GENERATIONS)
+    by_case: dict[tuple[str, str], list[TpuRow]] = {}
+    for row in rows:
+        by_case.setdefault((row.case, row.dtype), []).append(row)
+    table = []
+    for (case, dtype), group in by_case.items():
+        compiled = sorted({r.generation for r in group if r.compiled == "yes"}, key=generations.index)
+        roofline = " / ".join(f"{r.roofline_us:.0f}" for r in group)
+        table.append(
+            (case, dtype, "all 4" if len(compiled) == len(generations) else ", ".join(compiled) or "none",
+             f"{group[0].vmem_mib:.1f}", f"{max(r.temp_per_layer for r in group):.4f}",
+             f"{max(r.accessed_per_retained for r in group):.2f}", roofline)
+        )  # fmt: skip
+    header = (
+        "case",
+        "dtype",
+        "compiles, no copy",
+        "VMEM asked MiB",
+        "max temp ÷ layer",
+        "accessed ÷ retained",
+    )
+    _print_table((*header, "roofline µs " + "/".join(generations)), table)
+
+
 def _print_table(header: tuple[str, ...], rows: list[tuple]) -> None:
     cells = [tuple(header)] + [tuple(str(c) for c in row) for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
@@ -117,6 +143,9 @@ def _print_table(header: tuple[str, ...], rows: list[tuple]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three cases, bf16 only (figures labelled so)")
+    parser.add_argument(
+        "--summary", action="store_true", help="one TPU row per case and dtype (the README's)"
+    )
     args = parser.parse_args(argv)
     cases = accelerator_cases.CASES[:3] if args.quick else accelerator_cases.CASES
     dtypes = (jnp.bfloat16,) if args.quick else accelerator_cases.DTYPES
@@ -125,15 +154,16 @@ def main(argv: list[str] | None = None) -> None:
     if (missing := offline_tpu.tpu_toolchain_missing()) is None:
         print(f"TPU, Pallas kernel compiled by libtpu{label}")
         rows = tpu_rows(cases, dtypes)
-        _print_table(
-            ("gen", "case", "dtype", "compiled", "VMEM asked MiB", "temp ÷ layer", "accessed ÷ retained",
-             "roofline µs"),
-            [
+        if args.summary:
+            _print_tpu_summary(rows)
+        else:
+            header = ("gen", "case", "dtype", "compiled", "VMEM asked MiB", "temp ÷ layer")
+            cells = [
                 (r.generation, r.case, r.dtype, r.compiled, f"{r.vmem_mib:.1f}", f"{r.temp_per_layer:.4f}",
                  f"{r.accessed_per_retained:.2f}", f"{r.roofline_us:.1f}")
                 for r in rows
-            ],
-        )  # fmt: skip
+            ]  # fmt: skip
+            _print_table((*header, "accessed ÷ retained", "roofline µs"), cells)
     else:
         print(f"TPU: skipped, {missing}")
     if (missing := offline_gpu.gpu_toolchain_missing()) is None:
