@@ -9,9 +9,11 @@ Prints, from one run:
      back to back; median and spread (min-max of the per-repeat ratios) over the repeat count.
   2. Where libtpu is installed: the TPU program of `store_step` (`"auto"` lowered for TPU, i.e. the Pallas
      kernel) compiled for v5e on compile-only devices, its `cost_analysis()` bytes accessed ÷ the bytes
-     the step writes (every request's T tokens, K and V), for S in {16, 64, 256} x B in {1, 8, 64}, in
-     float32 (the direct DMA path) and bfloat16 (the tiled path). Flat along S and along B means O(bytes
-     written) with no term in the cache's size. Counted by the compiler, not measured: no TPU ran.
+     the step writes (every request's T tokens, K and V), for S in {16, 64, 256} x B in {1, 8, 64}: at
+     D = 128 in float32 (the direct DMA path) and bfloat16 (the tiled path), and at D = 64 (the lanes
+     path: the slot's tokens lie in lanes, read and written back in tiles of 128 tokens). Flat along S
+     and along B means O(bytes written) with no term in the cache's size. Counted by the compiler, not
+     measured: no TPU ran.
 
 Run: python -m benchmarks.ring_write [--quick] [--repeats N]
 """
@@ -123,19 +125,26 @@ def tpu_bytes(*, quick: bool) -> None:
         return
     label = " (--quick: bfloat16 only)" if quick else ""
     print(f"\n2. TPU (v5e, libtpu): store_step's bytes accessed ÷ bytes written{label}")
-    print(f"   R={ROWS} G={GROUPS} D={DIM} C={SINK + WINDOW} T={STEPS}; rows S (slots), columns B (requests)")
-    dtypes = (jnp.bfloat16,) if quick else (jnp.float32, jnp.bfloat16)
+    print(f"   R={ROWS} G={GROUPS} C={SINK + WINDOW} T={STEPS}; rows S (slots), columns B (requests)")
+    paths = [
+        (jnp.float32, DIM, "direct DMAs"),
+        (jnp.bfloat16, DIM, "tiles of 8 tokens"),
+        (jnp.float32, 64, "lane tiles of 128 tokens"),
+        (jnp.bfloat16, 64, "lane tiles of 128 tokens"),
+    ]
+    if quick:
+        paths = [path for path in paths if path[0] == jnp.bfloat16]
     slot_counts, batches = (16, 64, 256), (1, 8, 64)
-    for dtype in dtypes:
+    for dtype, dim, unit in paths:
         itemsize = jnp.dtype(dtype).itemsize
-        print(f"\n   {jnp.dtype(dtype).name} ({'direct DMAs' if itemsize == 4 else 'tiles of 8 tokens'})")
+        print(f"\n   {jnp.dtype(dtype).name}, D={dim} ({unit})")
         corner = "S \\ B"
         print(f"   {corner:>7}" + "".join(f"{b:>10}" for b in batches) + "   (bytes accessed at B=64)")
         for slots in slot_counts:
             row = []
             for batch in batches:
-                cache = jax.ShapeDtypeStruct((slots + 1, ROWS, GROUPS, SINK + WINDOW, DIM), dtype)
-                step = jax.ShapeDtypeStruct((batch * ROWS, STEPS, GROUPS, DIM), dtype)
+                cache = jax.ShapeDtypeStruct((slots + 1, ROWS, GROUPS, SINK + WINDOW, dim), dtype)
+                step = jax.ShapeDtypeStruct((batch * ROWS, STEPS, GROUPS, dim), dtype)
                 specs = (cache, cache, step, step, jax.ShapeDtypeStruct((batch, tbl.ROW_INTS), jnp.int32))
                 fn = functools.partial(store_step, reverse=False)
                 compiled = offline_tpu.compile_for_tpu(fn, *specs, generation="v5e", donate_argnums=(0, 1))
@@ -144,7 +153,7 @@ def tpu_bytes(*, quick: bool) -> None:
                 )
                 cost = compiled.cost_analysis()
                 accessed = (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
-                written = 2 * batch * ROWS * GROUPS * STEPS * DIM * itemsize
+                written = 2 * batch * ROWS * GROUPS * STEPS * dim * itemsize
                 row.append((accessed / written, accessed))
             cells = "".join(f"{ratio:10.2f}" for ratio, _ in row)
             print(f"   {slots:>7}{cells}   ({row[-1][1] / 2**20:.2f} MiB)")

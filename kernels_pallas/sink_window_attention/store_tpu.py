@@ -6,39 +6,55 @@ Equivalent to `store.store_step_xla` (same arguments, no `after`): for every req
 `table.py`.
 
 The caches stay where they are, in HBM (`memory_space=pl.ANY`), aliased input to output, so a donated
-cache is updated in place and nothing but the written tokens' bytes moves. The wrapper arranges the step's
-keys and values as `[B, R, G, T, D]` (a request's rows and heads lie together, as in its slot), in the
-cache's dtype and, for a reversed step order, with the token axis flipped once: every write range is then
-one contiguous run of tokens on both sides. The grid walks the requests ("arbitrary"): program `b` starts
-its own DMAs, then waits for those of request `b - 1`, so consecutive requests' copies overlap (the last
+cache is updated in place and nothing but the written tokens' tiles moves. The wrapper arranges the step's
+keys and values like a slot, `[B, R, G, T, D]` (a request's rows and heads lie together), in the cache's
+dtype and, for a reversed step order, with the token axis flipped once: every write range is then one
+contiguous run of tokens on both sides. The grid walks the requests ("arbitrary"): program `b` starts its
+own write DMAs, then waits for those of request `b - 1`, so consecutive requests' copies overlap (the last
 program also waits for its own). Distinct requests own distinct slots and padding rows write nothing, so
 no two DMAs in flight touch the same bytes.
 
 A DMA has a static shape but a range a dynamic length: a run of `n` units is copied as the binary
 decomposition of `n`, one copy of `p` units at offset `n & ~(2p - 1)` for each power of two `p` with
 `n & p`: at most log2(T) + 1 copies per range and K/V, none moving a byte twice or touching one past the
-range. TPU lays out the last two dims `(C, D)` in (8, 128) tiles (two bf16 rows packed per 32-bit word),
-and Mosaic slices the token axis of such a buffer at any offset only when a token row is 32-bit and at
-most one lane tile wide; elsewhere only at multiples of 8 ("Offsets along tiled dimensions must be aligned
-to tiles", found by compiling with libtpu). Hence two paths:
+range. TPU lays out the last two dims of a buffer in (8, 128) tiles (two bf16 rows packed per 32-bit
+word), and Mosaic slices a tiled dim of one only at multiples of the tile ("Offsets along tiled dimensions
+must be aligned to tiles", found by compiling with libtpu), with one exception: the token axis of
+`[.., C, D]` at any offset when a token row is 32-bit and at most one lane tile wide. Hence three paths:
 
-  direct (32-bit, D <= 128): the unit is one token; each range is copied HBM to HBM straight from the
+  direct (32-bit, D = 128): the unit is one token; each range is copied HBM to HBM straight from the
     arranged step into the slot. The kernel reads and writes exactly the bytes written.
-  tiled (bfloat16, or D > 128): the unit is a tile of `TOKEN_TILE` tokens and each range's tiles are read
-    into VMEM, merged with the step's tokens and written back. Per range the kernel keeps a window of `W`
-    tokens that starts at a tile and covers the range; the request's step `[R, G, T, D]` comes in as a
-    VMEM block, and window entry `i` of range `w` takes, wherever range `r` of the request writes slot
-    offset `start_w + i`, the step rotated along its token axis by `slot_start_r - start_w - first_r`
-    (a dynamic rotate, which Mosaic supports for 32-bit values only: the merge runs in float32, exact for
-    bfloat16). Two ranges of a request may share a tile (the end of the sink and the start of the ring):
-    every window merges all of the request's ranges, and the wrapper trims later ranges' tile spans by
-    earlier ones, so each tile is written back by one window only. Bytes: the step, plus the tiles
-    touched, read and written (at most the tokens written and two partial tiles per range).
+  tiled (bfloat16, or D a larger multiple of 128): the unit is a tile of `TOKEN_TILE` tokens (sublanes);
+    each range's tiles are read into VMEM, merged with the step's tokens and written back, see below.
+  lanes (D not a multiple of 128, `tpu_blocks.keys_in_lanes`): TPU's default layout of such a cache puts
+    the tokens in lanes and D in sublanes, so the kernel works on the free view `[S, R, G, D, C]` (the
+    wrapper swaps the last two axes on the way in and out; XLA makes both bitcasts). The unit is a lane
+    tile of `LANES` tokens, merged as in the tiled path. Mosaic slices lanes only in whole tiles, so when
+    `C % 128 != 0` the slot's last, partial tile `[C0, C)` (C0 = C rounded down to 128; all of the slot
+    when C < 128) has its own buffer of exactly that width, read, merged and written whole by one static
+    copy for any request whose ranges reach into it.
 
-Compiled, the cache must be laid out row-major, which TPU does for `C % 8 == 0` and `D % 128 == 0`;
-otherwise XLA copies the whole layer around any Mosaic call (this one, and the attention kernel), so the
-kernel declines (NotImplementedError; "auto" then takes the XLA loop): pad the slot to the tile.
-Interpreted, any shape runs (tiles of one token where `C % 8 != 0`).
+Merging (tiled and lanes paths). Per range the kernel keeps a window of `W` tokens that starts at a tile
+and covers the range's tiles below C0; the request's step `[R, G, T, D]` comes in as a VMEM block and,
+one row and head at a time, is padded to TP tokens in float32 (and transposed to `[D, TP]` in VMEM in the
+lanes path: arranged so in HBM, a step of few tokens would be padded to 128 lanes there). Window entry `i`
+of range `w` takes, wherever range `r` of the request writes slot offset `start_w + i`, the step rotated
+along its token axis by `slot_start_r - start_w - first_r` (a dynamic rotate, which Mosaic supports for
+32-bit values only: the merge runs in float32, exact for bfloat16). Two ranges of a request may share a
+tile (the end of the sink and the start of the ring): every window (and the tail) merges all of the
+request's ranges, and the wrapper trims later ranges' tile spans by earlier ones and every span at C0, so
+each tile is written back by one copy only. The windows are double-buffered across requests (request `b`
+reads and merges while `b - 1`'s are written back), or single where two sets would pass
+`tpu_blocks.VMEM_BUDGET` (`b` first waits for `b - 1`'s write-back). Bytes: the step, plus the tiles
+touched, read and written (for a decode step, one tile of 8 tokens, or of 128 in the lanes path, per
+written token).
+
+Compiled, the cache must be laid out as the kernel views it, or XLA copies the whole layer around any
+Mosaic call (this one, and the attention kernel). TPU lays out `[.., C, D]` row-major when `D % 128 == 0`
+and `C % 8 == 0`, and as the row-major `[.., D, C]` when `D % 128 != 0` and C pads to whole lane tiles less
+than D does (and no more than S, R, G do: `_tokens_in_lanes`; e.g. D = 64 with C >= 128, or 64 < C < 128).
+Elsewhere the kernel declines (NotImplementedError; "auto" then takes the XLA loop): pad the slot.
+Interpreted, any shape runs (tiles of one token where the tiled path gets `C % 8 != 0`).
 
 Runs compiled on TPU, and on any backend in TPU interpret mode (`pltpu.InterpretParams`, race detector
 included) and in the HLO interpreter (`interpret=True`).
@@ -55,18 +71,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.sink_window_attention import table as tbl
+from kernels_pallas.sink_window_attention.tpu_blocks import LANES, VMEM_BUDGET, keys_in_lanes
 
 __all__ = ["SUPPORTED_DTYPES", "TOKEN_TILE", "store_step_tpu"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-# Token rows per HBM tile: the alignment Mosaic requires of a slice of a cache's token axis (unless each
-# token row is 32-bit and at most one lane tile wide).
+# Token rows per HBM tile: the alignment Mosaic requires of a slice of a cache's token axis in sublanes
+# (unless each token row is 32-bit and at most one lane tile wide). In lanes it is `LANES`.
 TOKEN_TILE = 8
-LANES = 128
-# Per request of the tiled path, scalar-prefetched: the slot, then per range (window start, offset of the
-# first tile to write, tiles to write), then per range (first token on the arranged axis, slot_start, len).
+# Per request of the merging paths, scalar-prefetched: the slot, then per range (window start, first token
+# of the tiles to write, tiles to write), then per range (first token on the arranged axis, slot_start,
+# len), then whether the slot's partial last lane tile is written.
 _SLOT, _SPANS, _RANGES = 0, 1, 1 + 3 * tbl.NUM_WRITES
-_PLAN_INTS = _RANGES + 3 * tbl.NUM_WRITES
+_TAIL = _RANGES + 3 * tbl.NUM_WRITES
+_PLAN_INTS = _TAIL + 1
 # VMEM the call may use without asking (below every chip's default scoped limit), as in `tpu.py`.
 _SCOPED_VMEM_DEFAULT = 12 * 2**20
 _MAX_VMEM = 96 * 2**20
@@ -152,79 +170,126 @@ def _direct_kernel(
     _overlapped(copies_of)
 
 
-def _tiled_kernel(
+def _tokens(ndim: int, axis: int, start, size: int, *lead) -> tuple:
+    """The index `(*lead, :, .., pl.ds(start, size) at axis, ..)` into an `ndim`-dim ref (axis < 0)."""
+    index = [slice(None)] * (ndim - len(lead))
+    index[axis] = pl.ds(start, size)
+    return (*lead, *index)
+
+
+def _merge_kernel(
     # scalar prefetch
-    plan_ref,  # i32[B * _PLAN_INTS] per request: slot, tile spans, ranges (see `_tile_plan`)
+    plan_ref,  # i32[B * _PLAN_INTS] per request: slot, tile spans, ranges, tail flag (see `_tile_plan`)
     # inputs
     step_k_ref,  # [R, G, T, D] request b's arranged step keys (VMEM block)
     step_v_ref,  # [R, G, T, D] request b's arranged step values
-    cache_k_alias_ref,  # [S, R, G, C, D] aliased to cache_k_hbm_ref
-    cache_v_alias_ref,  # [S, R, G, C, D] aliased to cache_v_hbm_ref
+    cache_k_alias_ref,  # [S, R, G, C, D] aliased to cache_k_hbm_ref; lanes path [S, R, G, D, C]
+    cache_v_alias_ref,  # [S, R, G, C, D] aliased to cache_v_hbm_ref; lanes path [S, R, G, D, C]
     # outputs
-    cache_k_hbm_ref,  # [S, R, G, C, D]
-    cache_v_hbm_ref,  # [S, R, G, C, D]
+    cache_k_hbm_ref,  # [S, R, G, C, D]; lanes path [S, R, G, D, C]
+    cache_v_hbm_ref,  # [S, R, G, C, D]; lanes path [S, R, G, D, C]
     # scratch
-    window_k_scratch,  # [2 (request parity), NUM_WRITES, R, G, W, D] the slot's tiles, then merged
-    window_v_scratch,  # [2, NUM_WRITES, R, G, W, D]
-    step_scratch,  # f32[R, G, TP, D] the step in float32, zero past T (TP >= W, a multiple of 8)
-    read_sems,  # DMA semaphores [NUM_WRITES, 2 (K, V), chunks]
-    write_sems,  # DMA semaphores [2 (request parity), NUM_WRITES, 2 (K, V), chunks]
-    *,
+    step_scratch,  # f32[TP, D] one row and head of the step, zero past T (TP >= W, C - C0; whole tiles)
+    read_sems,  # DMA semaphores [NUM_WRITES + 1 (the tail), 2 (K, V), chunks]
+    write_sems,  # DMA semaphores [depth (request parity), NUM_WRITES + 1, 2 (K, V), chunks]
+    *buffers,  # for K, then V: the windows [depth, NUM_WRITES, R, G, W, D] (lanes [.., D, W]) if W > 0,
+    # then the tail [depth, R, G, D, C - C0] if C0 < C: the slot's tiles, then merged
+    axis: int,
+    depth: int,
     tile: int,
     window: int,
+    tail: int,
     chunks: tuple[int, ...],
 ):
     del cache_k_alias_ref, cache_v_alias_ref
     b = pl.program_id(0)
-    pairs = ((cache_k_hbm_ref, window_k_scratch), (cache_v_hbm_ref, window_v_scratch))
+    capacity = cache_k_hbm_ref.shape[axis]
+    per_kv = len(buffers) // 2
+    windows = [kv[0] if window else None for kv in (buffers[:per_kv], buffers[per_kv:])]
+    tails = [kv[-1] if tail else None for kv in (buffers[:per_kv], buffers[per_kv:])]
 
     def copies_of(b, *, write: bool, sems):
-        base = b * _PLAN_INTS
+        base, parity = b * _PLAN_INTS, b % depth
         slot = plan_ref[base + _SLOT]
+
+        def copy(hbm, vmem, sem):
+            return pltpu.make_async_copy(*((vmem, hbm) if write else (hbm, vmem)), sem)
+
         copies = []
-        for w in range(tbl.NUM_WRITES):
-            start, first_tile, tiles = (plan_ref[base + _SPANS + 3 * w + c] for c in range(3))
-            for i, (take, offset, size) in enumerate(_decomposed(tiles, chunks)):
-                at_slot = pl.multiple_of(first_tile + offset * tile, tile)
-                at_window = pl.multiple_of(first_tile - start + offset * tile, tile)
-                for j, (cache, scratch) in enumerate(pairs):
-                    hbm = cache.at[slot, :, :, pl.ds(at_slot, size * tile), :]
-                    vmem = scratch.at[b % 2, w, :, :, pl.ds(at_window, size * tile), :]
-                    src, dst = (vmem, hbm) if write else (hbm, vmem)
-                    sem = sems.at[b % 2, w, j, i] if write else sems.at[w, j, i]
-                    copies.append((take, pltpu.make_async_copy(src, dst, sem)))
+        for j, cache in enumerate((cache_k_hbm_ref, cache_v_hbm_ref)):
+            for w in range(tbl.NUM_WRITES if window else 0):
+                start, first_tile, tiles = (plan_ref[base + _SPANS + 3 * w + c] for c in range(3))
+                for i, (take, offset, size) in enumerate(_decomposed(tiles, chunks)):
+                    at_slot = pl.multiple_of(first_tile + offset * tile, tile)
+                    at_window = pl.multiple_of(first_tile - start + offset * tile, tile)
+                    hbm = cache.at[_tokens(5, axis, at_slot, size * tile, slot)]
+                    vmem = windows[j].at[_tokens(6, axis, at_window, size * tile, parity, w)]
+                    sem = sems.at[parity, w, j, i] if write else sems.at[w, j, i]
+                    copies.append((take, copy(hbm, vmem, sem)))
+            if tail:  # one static copy of the partial last tile, whole
+                hbm = cache.at[_tokens(5, axis, capacity - tail, tail, slot)]
+                sem = sems.at[parity, tbl.NUM_WRITES, j, 0] if write else sems.at[tbl.NUM_WRITES, j, 0]
+                copies.append((plan_ref[base + _TAIL] != 0, copy(hbm, tails[j].at[parity], sem)))
         return copies
+
+    write_back = functools.partial(copies_of, write=True, sems=write_sems)
+    if depth == 1:  # the buffers are free once request b - 1's are written back
+
+        @pl.when(b > 0)
+        def _():
+            _each(write_back(b - 1), start=False)
 
     reads = copies_of(b, write=False, sems=read_sems)
     _each(reads, start=True)
     _each(reads, start=False)
 
-    # Window entry i of range w sits at slot offset start_w + i; where range r writes it, it takes the
-    # arranged step token first_r + (start_w + i - slot_start_r): the step rotated along its token axis
-    # (a 32-bit rotate, which Mosaic supports at a dynamic amount; hence the float32 detour for bf16).
-    base = b * _PLAN_INTS
+    # Entry i of a window (or the tail) starting at slot offset `start` sits at `start + i`; where range r
+    # writes it, it takes the arranged step token first_r + (start + i - slot_start_r): the step rotated
+    # along its token axis (a 32-bit rotate, which Mosaic supports at a dynamic amount; hence the float32
+    # detour for bf16). The lanes path transposes the step, its tokens to lanes. One (row, head) at a
+    # time, so that the values stay a few vregs (whole windows at once took as much VMEM again).
+    base, parity = b * _PLAN_INTS, b % depth
     ranges = [tuple(plan_ref[base + _RANGES + 3 * r + c] for c in range(3)) for r in range(tbl.NUM_WRITES)]
-    steps, dim = step_k_ref.shape[-2:]
-    steps_padded = step_scratch.shape[2]
-    offsets = lax.broadcasted_iota(jnp.int32, (window, dim), 0)
-    if steps_padded > steps:  # the rotate wraps around TP: what it brings past T is never taken
-        step_scratch[:, :, steps:, :] = jnp.zeros((*step_scratch.shape[:2], steps_padded - steps, dim))
-    for step_ref, scratch in ((step_k_ref, window_k_scratch), (step_v_ref, window_v_scratch)):
-        step_scratch[:, :, :steps, :] = step_ref[...].astype(jnp.float32)
-        step = step_scratch[...]
-        for w in range(tbl.NUM_WRITES):
-            start = plan_ref[base + _SPANS + 3 * w]
-            position = start + offsets
-            merged = scratch[b % 2, w].astype(jnp.float32)
-            for first, slot_start, length in ranges:
-                inside = (position >= slot_start) & (position < slot_start + length)
-                shift = lax.rem(slot_start - start - first, steps_padded)
-                shift = jnp.where(shift < 0, shift + steps_padded, shift)
-                rotated = pltpu.roll(step, shift, 2)[:, :, :window]
-                merged = jnp.where(inside[None, None], rotated, merged)
-            scratch[b % 2, w] = merged.astype(scratch.dtype)
+    starts = [plan_ref[base + _SPANS + 3 * w] for w in range(tbl.NUM_WRITES if window else 0)]
+    rows, groups, steps, dim = step_k_ref.shape
+    steps_padded = step_scratch.shape[0]
+    token_axis = 2 + axis  # of a [W, D] (or [D, W]) window of one row and head
 
-    _overlapped(functools.partial(copies_of, write=True, sems=write_sems))
+    def merged(old, start, step):
+        position = start + lax.broadcasted_iota(jnp.int32, old.shape, token_axis)
+        out = old.astype(jnp.float32)
+        for first, slot_start, length in ranges:
+            inside = (position >= slot_start) & (position < slot_start + length)
+            shift = lax.rem(slot_start - start - first, steps_padded)
+            shift = jnp.where(shift < 0, shift + steps_padded, shift)
+            rotated = pltpu.roll(step, shift, token_axis)
+            out = jnp.where(inside, lax.slice_in_dim(rotated, 0, old.shape[token_axis], axis=token_axis), out)
+        return out.astype(old.dtype)
+
+    if steps_padded > steps:  # the rotate wraps around TP: what it brings past T is never taken
+        step_scratch[steps:, :] = jnp.zeros((steps_padded - steps, dim), jnp.float32)
+
+    def merge_head(h, carry):
+        r, g = lax.div(h, groups), lax.rem(h, groups)  # h >= 0: truncation is floor
+        for j, step_ref in enumerate((step_k_ref, step_v_ref)):
+            step_scratch[:steps, :] = step_ref[r, g].astype(jnp.float32)
+            step = step_scratch[...] if axis == -2 else step_scratch[...].T
+            for w, start in enumerate(starts):
+                windows[j][parity, w, r, g] = merged(windows[j][parity, w, r, g], start, step)
+            if tail:
+                tails[j][parity, r, g] = merged(tails[j][parity, r, g], capacity - tail, step)
+        return carry
+
+    lax.fori_loop(0, rows * groups, merge_head, 0)
+
+    if depth == 2:
+        _overlapped(write_back)
+    else:
+        _each(write_back(b), start=True)
+
+        @pl.when(b == pl.num_programs(0) - 1)
+        def _():
+            _each(write_back(b), start=False)
 
 
 def _arranged(x: jax.Array, num_requests: int, dtype, reverse: bool) -> jax.Array:
@@ -247,19 +312,21 @@ def _write_ranges(table: jax.Array, *, steps: int, capacity: int, reverse: bool)
 
 
 def _tile_plan(
-    table: jax.Array, *, steps: int, capacity: int, num_slots: int, tile: int, window: int, reverse
+    table: jax.Array, *, steps: int, capacity: int, num_slots: int, tile: int, window: int, reverse: bool
 ):
-    """The tiled path's per-request plan, i32[B, _PLAN_INTS].
+    """The merging paths' per-request plan, i32[B, _PLAN_INTS].
 
     Per request: the slot; per range the window's start `a` (a tile multiple, the window `[a, a + W)`
-    inside the slot and covering the range), the offset of the first tile to write and how many (trimmed
-    so that no tile is written by two windows); per range its first token on the arranged step axis and
-    its clamped (slot_start, len).
+    covering the range's tiles below C0 = C rounded down to the tile), the first token of the tiles to
+    write and how many (trimmed so that no tile is written by two windows, and cut at C0); per range its
+    first token on the arranged step axis and its clamped (slot_start, len); whether a range reaches the
+    partial tile `[C0, C)`.
     """
     first, slot_start, length = _write_ranges(table, steps=steps, capacity=capacity, reverse=reverse)
+    whole = capacity // tile * tile  # C0
     # Offsets are >= 0 here, so truncating division is floor division (and cheaper than `//`).
     floor = lax.div(slot_start, tile) * tile
-    start = jnp.minimum(floor, capacity - window)
+    start = jnp.minimum(floor, max(whole - window, 0))
     span_start = jnp.where(length > 0, floor, 0)
     span_end = jnp.where(length > 0, lax.div(slot_start + length + tile - 1, tile) * tile, 0)
     # Ranges are disjoint and contiguous, so two ranges' tile spans can only share their end tiles: cut
@@ -273,23 +340,42 @@ def _tile_plan(
             hi = jnp.where(live & (e_lo < hi) & (hi <= e_hi), e_lo, hi)
         starts.append(lo)
         ends.append(jnp.maximum(hi, lo))
-    span_start, span_end = jnp.stack(starts, 1), jnp.stack(ends, 1)
+    # The partial tile is the tail copy's alone.
+    span_end = jnp.minimum(jnp.stack(ends, 1), whole)
+    span_start = jnp.minimum(jnp.stack(starts, 1), span_end)
     tiles = lax.div(span_end - span_start, tile)
+    tail = jnp.any((length > 0) & (slot_start + length > whole), axis=1).astype(jnp.int32)
     slot = jnp.clip(table[:, tbl.SLOT], 0, num_slots - 1)
     spans = jnp.stack([start, span_start, tiles], -1).reshape(-1, 3 * tbl.NUM_WRITES)
     ranges = jnp.stack([first, slot_start, length], -1).reshape(-1, 3 * tbl.NUM_WRITES)
-    return jnp.concatenate([slot[:, None], spans, ranges], axis=1).astype(jnp.int32)
+    return jnp.concatenate([slot[:, None], spans, ranges, tail[:, None]], axis=1).astype(jnp.int32)
 
 
 def _vmem_bytes(shape: tuple[int, ...], dtype) -> int:
     """VMEM of one buffer: the minor dim padded to 128 lanes, the second-minor to the sublane tile."""
     sublanes = 8 * (4 // jnp.dtype(dtype).itemsize)
     *major, rows, lanes = shape
-    padded = -(-rows // sublanes) * sublanes * (-(-lanes // 128) * 128)
+    padded = -(-rows // sublanes) * sublanes * (-(-lanes // LANES) * LANES)
     size = padded * jnp.dtype(dtype).itemsize
     for d in major:
         size *= d
     return size
+
+
+def _tokens_in_lanes(shape: tuple[int, ...]) -> bool:
+    """Whether TPU's default layout of an `[S, R, G, C, D]` cache is the row-major `[S, R, G, D, C]`.
+
+    TPU makes minor (lanes) the dim that pads least to whole 128-lane tiles, a tie going to the more minor
+    dim: C, where it pads less than D (so never when D % 128 == 0) and no more than S, R and G. Measured
+    with libtpu on v4, v5e, v5p and v6e (D in {32, 64, 80, 192}, C from 16 to 3004, S up to 1025); a slot
+    count that pads less than a ragged C takes the lanes (S = 1025, C = 300).
+    """
+    *major, capacity, dim = shape
+
+    def padding(n: int) -> float:
+        return -(-n // LANES) * LANES / max(n, 1)
+
+    return padding(capacity) < padding(dim) and all(padding(capacity) <= padding(n) for n in major)
 
 
 def _store_direct(cache_k, cache_v, step_k, step_v, table, *, reverse, interpret):
@@ -321,39 +407,62 @@ def _store_direct(cache_k, cache_v, step_k, step_v, table, *, reverse, interpret
     )(table.reshape(-1), step_k, step_v, cache_k, cache_v)
 
 
-def _store_tiled(cache_k, cache_v, step_k, step_v, table, *, reverse, interpret):
-    """The tile-unit path: each range's tiles read into VMEM, merged with the step's tokens, written back."""
-    num_slots, rows, groups, capacity, dim = cache_k.shape
+def _store_merged(cache_k, cache_v, step_k, step_v, table, *, lanes, reverse, interpret):
+    """The tiled and lanes paths: each range's tiles read into VMEM, merged with the step, written back.
+
+    The caches are `[S, R, G, C, D]`, or `[S, R, G, D, C]` in the lanes path (tokens in lanes, tiles of
+    `LANES`); the arranged step is `[B, R, G, T, D]` in both.
+    """
+    axis = -1 if lanes else -2
+    num_slots, rows, groups = cache_k.shape[:3]
+    capacity, dim = cache_k.shape[axis], cache_k.shape[-3 - axis]
     num_requests, steps = table.shape[0], step_k.shape[3]
     dtype = cache_k.dtype
     limit = min(steps, capacity)
-    tile = TOKEN_TILE if capacity % TOKEN_TILE == 0 else 1  # 1 only interpreted (see store_step_tpu)
-    window = min(-(-(limit + tile - 1) // tile) * tile, capacity)
+    # Tiles of one token only interpreted (see store_step_tpu).
+    tile = LANES if lanes else (TOKEN_TILE if capacity % TOKEN_TILE == 0 else 1)
+    whole = capacity // tile * tile
+    tail = capacity - whole
+    window = min(-(-(limit + tile - 1) // tile) * tile, whole)
     chunks = _powers_of_two(window // tile)
     plan = _tile_plan(
         table, steps=steps, capacity=capacity, num_slots=num_slots, tile=tile, window=window, reverse=reverse
     )
-    # The rotate needs at least W tokens (the kernel pads the step in VMEM).
-    steps_padded = -(-max(steps, window) // TOKEN_TILE) * TOKEN_TILE
+
+    # The rotate needs at least W (and the tail's) tokens, whole tiles of them (the kernel pads the step).
+    align = LANES if lanes else TOKEN_TILE
+    steps_padded = -(-max(steps, window, tail) // align) * align
     step_block = (rows, groups, steps, dim)
-    window_block = (tbl.NUM_WRITES, rows, groups, window, dim)
-    # Step blocks (double-buffered by the pipeline, and their float32 copy), the parity-doubled windows.
-    vmem = 4 * _vmem_bytes(step_block, dtype) + 3 * _vmem_bytes(
-        (rows, groups, steps_padded, dim), jnp.float32
-    )
-    vmem += 4 * _vmem_bytes(window_block, dtype)
+    window_block = (tbl.NUM_WRITES, rows, groups, *((dim, window) if lanes else (window, dim)))
+    tail_block = (rows, groups, dim, tail)
+    blocks = ([window_block] if window else []) + ([tail_block] if tail else [])
+
+    def vmem_bytes(depth: int) -> int:
+        """Step blocks (double-buffered by the pipeline), one row and head of the step in float32 and four
+        temporaries of its size, `depth` copies of the windows and tail of K and V."""
+        size = 4 * _vmem_bytes(step_block, dtype) + 5 * _vmem_bytes((steps_padded, dim), jnp.float32)
+        return size + 2 * depth * sum(_vmem_bytes(block, dtype) for block in blocks)
+
+    # Two requests' windows, so that one's are written back while the next one's are read and merged; one
+    # (each request waiting for the last one's write-back) where two would pass the VMEM every chip has.
+    depth = 2 if vmem_bytes(2) <= VMEM_BUDGET else 1
+    vmem = vmem_bytes(depth)
     if vmem > _MAX_VMEM:
-        raise NotImplementedError(
-            f"the TPU store's blocks {step_block}, {window_block} need {vmem} bytes of VMEM"
-        )
+        raise NotImplementedError(f"the TPU store's blocks {step_block}, {blocks} need {vmem} bytes of VMEM")
+    buffers = [pltpu.VMEM((depth, *block), dtype) for block in blocks]
     vmem_limit = None if vmem <= _SCOPED_VMEM_DEFAULT else int(vmem * 1.25) + 2**20
-    # Tokens read and written back per request, at most: the written ones and each range's partial tiles.
-    touched = min(limit + 2 * min(tbl.NUM_WRITES, limit) * (tile - 1), capacity)
+    # Tokens read and written back per request, at most: a range of n tokens touches at most
+    # ceil((n + tile - 1) / tile) tiles, and the up to NUM_WRITES ranges of a request hold `limit` tokens.
+    ranges = min(tbl.NUM_WRITES, limit)
+    touched = min((limit + ranges * (2 * tile - 2)) // tile * tile, capacity)
     token_bytes = 2 * num_requests * rows * groups * dim * dtype.itemsize  # a token of every request, K and V
     step_spec = pl.BlockSpec((None, *step_block), lambda b, *_: (b, 0, 0, 0, 0))
     any_space = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = functools.partial(
+        _merge_kernel, axis=axis, depth=depth, tile=tile, window=window, tail=tail, chunks=chunks
+    )
     return pl.pallas_call(
-        functools.partial(_tiled_kernel, tile=tile, window=window, chunks=chunks),
+        kernel,
         out_shape=(jax.ShapeDtypeStruct(cache_k.shape, dtype),) * 2,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
@@ -361,11 +470,11 @@ def _store_tiled(cache_k, cache_v, step_k, step_v, table, *, reverse, interpret)
             in_specs=[step_spec, step_spec, any_space, any_space],
             out_specs=[any_space, any_space],
             scratch_shapes=[
-                pltpu.VMEM((2, *window_block), dtype),
-                pltpu.VMEM((2, *window_block), dtype),
-                pltpu.VMEM((rows, groups, steps_padded, dim), jnp.float32),
-                pltpu.SemaphoreType.DMA((tbl.NUM_WRITES, 2, len(chunks))),
-                pltpu.SemaphoreType.DMA((2, tbl.NUM_WRITES, 2, len(chunks))),
+                pltpu.VMEM((steps_padded, dim), jnp.float32),
+                pltpu.SemaphoreType.DMA((tbl.NUM_WRITES + 1, 2, max(len(chunks), 1))),
+                pltpu.SemaphoreType.DMA((depth, tbl.NUM_WRITES + 1, 2, max(len(chunks), 1))),
+                *buffers,
+                *buffers,
             ],
         ),
         input_output_aliases={3: 0, 4: 1},
@@ -404,9 +513,11 @@ def store_step_tpu(
       The updated (cache_k, cache_v).
 
     Raises:
-      NotImplementedError: a cache dtype other than float32 and bfloat16; compiled, a cache whose `C` is
-        not a multiple of `TOKEN_TILE` or whose `D` is not a multiple of 128 (XLA would copy the whole
-        layer around the kernel); staged windows too large for VMEM.
+      NotImplementedError: a cache dtype other than float32 and bfloat16; compiled, a cache that TPU does
+        not lay out as the kernel views it (XLA would copy the whole layer around the kernel): `D` a
+        multiple of 128 and `C` not a multiple of `TOKEN_TILE`, or `D` not a multiple of 128 and `C` not
+        padding to lane tiles less than `D` does (see `_tokens_in_lanes`); staged windows too large for
+        VMEM.
     """
     dtype = jnp.dtype(cache_k.dtype)
     if dtype not in SUPPORTED_DTYPES:
@@ -414,16 +525,33 @@ def store_step_tpu(
             f"cache_k has dtype {dtype}; the TPU store supports {[str(t) for t in SUPPORTED_DTYPES]}"
         )
     _, rows, groups, capacity, dim = cache_k.shape
-    if not interpret and (capacity % TOKEN_TILE or dim % LANES):
-        raise NotImplementedError(
-            f"cache_k has shape {tuple(cache_k.shape)}: TPU lays out a layer whose slot tokens C are not a "
-            f"multiple of {TOKEN_TILE} or whose head dim D is not a multiple of {LANES} other than "
-            "row-major, so XLA would copy the whole layer around a Mosaic kernel; pad C (and D) to the tile"
-        )
     num_requests, steps = table.shape[0], k.shape[1]
     if min(num_requests, steps, capacity) == 0 or rows * groups * dim == 0:
         return cache_k, cache_v  # nothing can be written
+    lanes = not keys_in_lanes(dim)
+    if not interpret and lanes and not _tokens_in_lanes(cache_k.shape):
+        raise NotImplementedError(
+            f"cache_k has shape {tuple(cache_k.shape)}: TPU lays out a layer whose head dim D is not a "
+            f"multiple of {LANES} with its slot tokens C in lanes only where C pads to whole lane tiles less "
+            "than D does (and no more than S, R, G do), so XLA would copy the whole layer around a Mosaic "
+            f"kernel; pad C (to a multiple of {LANES} at best)"
+        )
+    if not interpret and not lanes and capacity % TOKEN_TILE:
+        raise NotImplementedError(
+            f"cache_k has shape {tuple(cache_k.shape)}: TPU lays out a layer whose head dim D is a multiple "
+            f"of {LANES} and whose slot tokens C are not a multiple of {TOKEN_TILE} other than row-major, so "
+            f"XLA would copy the whole layer around a Mosaic kernel; pad C to a multiple of {TOKEN_TILE}"
+        )
     table = jnp.asarray(table)
     step_k, step_v = (_arranged(x, num_requests, dtype, reverse) for x in (k, v))
-    store = _store_direct if dtype.itemsize == 4 and dim <= LANES else _store_tiled
-    return store(cache_k, cache_v, step_k, step_v, table, reverse=reverse, interpret=interpret)
+    if lanes:  # the free view of TPU's layout: tokens in lanes (see tpu_blocks)
+        cache_k, cache_v = (jnp.swapaxes(x, 3, 4) for x in (cache_k, cache_v))
+        new = _store_merged(
+            cache_k, cache_v, step_k, step_v, table, lanes=True, reverse=reverse, interpret=interpret
+        )
+        return tuple(jnp.swapaxes(x, 3, 4) for x in new)
+    if dtype.itemsize == 4 and dim <= LANES:
+        return _store_direct(cache_k, cache_v, step_k, step_v, table, reverse=reverse, interpret=interpret)
+    return _store_merged(
+        cache_k, cache_v, step_k, step_v, table, lanes=False, reverse=reverse, interpret=interpret
+    )

@@ -8,10 +8,12 @@ for bit: every written entry, and every byte outside the write ranges unchanged.
 does not copy are NaN (past STEP_TOKENS) or finite but not written (past the span), so copying one shows.
 
 Cases sharing (R, G, D, T, C, reverse) are concatenated into one call (requests stacked, slots shifted),
-so each implementation compiles three programs per dtype. Modes: the XLA loop; the TPU kernel in TPU
-interpret mode with the race detector on (which simulates its DMAs and semaphores and raises on an
-out-of-bounds access) and in the HLO interpreter (`interpret=True`); the GPU kernel in the HLO
-interpreter. Then dispatch ("auto" follows the lowering platform), input errors, and what the real TPU
+so each implementation compiles five programs per dtype, among them every path of the TPU kernel: direct
+(float32, D 128), tiled (bfloat16 or D 256; tiles of one token at C 27) and lanes (D 64 with C 300: whole
+lane tiles and a partial one; D 80 with C 27, a slot shorter than a lane tile). Modes: the XLA loop;
+the TPU kernel in TPU interpret mode with the race detector on (which simulates its DMAs and semaphores
+and raises on an out-of-bounds access) and in the HLO interpreter (`interpret=True`); the GPU kernel in
+the HLO interpreter. Then dispatch ("auto" follows the lowering platform), input errors, and what the real TPU
 compiler (libtpu, no TPU needed) and the Triton/ptxas toolchain make of the kernels.
 """
 
@@ -26,7 +28,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.sink_window_attention import store, store_step
+from kernels_pallas.sink_window_attention import store, store_step, store_tpu
 from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.compile import offline_tpu
 from mstar_jax.resources.kv.bounded import attention as bounded_attention
@@ -121,9 +123,9 @@ def _concatenate(name: str, group: list[cases.KernelCase], *, capacity: int, dty
     )
 
 
-def _forward_group(dtype) -> list[cases.KernelCase]:
-    """R 1, G 2, D 32, T 8, C 27: decode and chunk rows, wraps, a window shorter than the step."""
-    c = {"dtype": dtype, "steps": 8, "min_slot_tokens": 27, "heads": 2, "kv_heads": 2}
+def _forward_group(dtype, head_dim: int) -> list[cases.KernelCase]:
+    """R 1, G 2, T 8, C 27: decode and chunk rows, wraps, a window shorter than the step."""
+    c = {"dtype": dtype, "steps": 8, "min_slot_tokens": 27, "heads": 2, "kv_heads": 2, "head_dim": head_dim}
     return [
         cases.make_case("decode", seed=1, batch=4, sink=3, window=24, step_tokens=1, **c),
         # sink 2, window 8 (rings of 8 inside the 27-token slot): n up to ~40, spans of 8 wrap.
@@ -145,12 +147,21 @@ def _forward_group(dtype) -> list[cases.KernelCase]:
 
 
 def _forward(dtype) -> StoreCase:
-    return _concatenate("forward", _forward_group(dtype), capacity=27, dtype=dtype, seed=11)
+    """D 128: the TPU kernel's direct path (float32) and tiled path in tiles of one token (bfloat16)."""
+    return _concatenate("forward", _forward_group(dtype, 128), capacity=27, dtype=dtype, seed=11)
+
+
+def _forward_d80(dtype) -> StoreCase:
+    """The same tables at D 80: the TPU kernel's lanes path over a slot shorter than a lane tile."""
+    return _concatenate("forward_d80", _forward_group(dtype, 80), capacity=27, dtype=dtype, seed=14)
 
 
 def _reversed(dtype) -> StoreCase:
-    """Reversed step order, R 2, G 1, D 32, T 5, C 16 (tile-aligned, the TPU kernel's 8-token tiles)."""
-    c = {"dtype": dtype, "steps": 5, "min_slot_tokens": 16, "rows_per_request": 2, "heads": 2, "kv_heads": 1}
+    """Reversed step order, R 2, G 1, D 128, T 5, C 16 (tile-aligned, the TPU kernel's 8-token tiles)."""
+    c = {
+        "dtype": dtype, "steps": 5, "min_slot_tokens": 16, "rows_per_request": 2, "heads": 2, "kv_heads": 1,
+        "head_dim": 128,
+    }  # fmt: skip
     group = [
         cases.make_case(
             "reverse_wraps", seed=6, batch=3, sink=2, window=7, source_len=0, written=[4, 11, 60], **c
@@ -165,8 +176,8 @@ def _reversed(dtype) -> StoreCase:
 
 
 def _wide_heads(dtype) -> StoreCase:
-    """D 160 (the TPU kernel's tiled path in float32 too; two token blocks of the GPU kernel), T 12."""
-    c = {"dtype": dtype, "steps": 12, "min_slot_tokens": 24, "head_dim": 160, "heads": 1, "kv_heads": 1}
+    """D 256 (the TPU kernel's tiled path in float32 too; two token blocks of the GPU kernel), T 12."""
+    c = {"dtype": dtype, "steps": 12, "min_slot_tokens": 24, "head_dim": 256, "heads": 1, "kv_heads": 1}
     group = [
         cases.make_case(
             "wide_wraps", seed=8, batch=3, sink=4, window=20, source_len=0, written=[0, 19, 70], **c
@@ -176,7 +187,34 @@ def _wide_heads(dtype) -> StoreCase:
     return _concatenate("wide_heads", group, capacity=24, dtype=dtype, seed=13)
 
 
-GEOMETRIES = (_forward, _reversed, _wide_heads)
+def _lanes_group(dtype) -> list[cases.KernelCase]:
+    """Reversed, R 2, G 1, D 64, T 12, sink 4 and a ring of 296: C 300, two lane tiles and 44 tokens."""
+    c = {
+        "dtype": dtype, "steps": 12, "rows_per_request": 2, "heads": 2, "kv_heads": 1, "head_dim": 64,
+        "sink": 4, "window": 296, "source_len": 0, "reverse": True,
+    }  # fmt: skip
+    # Stream position p >= 4 sits at slot offset 4 + (p - 4) % 296. Written n: 0 and 2, the sink's end and
+    # the ring's start share lane tile 0; 120 (10 of 12 tokens) and 716 (past two wraps, 7 real tokens)
+    # cross offset 128; 250 crosses 256 into the partial tile; 294 writes 294..299 and wraps to 4..9.
+    return [
+        cases.make_case(
+            "lanes_tiles", seed=15, batch=6, written=[0, 2, 120, 250, 294, 716], step_tokens=[12] * 5 + [7],
+            spans=[12, 12, 10, 12, 12, 7], **c,
+        ),
+        # A read-only row (span 0), a chunk ending at offset 255 (short of the partial tile), two padding
+        # rows.
+        cases.make_case(
+            "lanes_padding", seed=16, batch=2, written=[130, 244], spans=[0, 12], padding_rows=2, **c
+        ),
+    ]  # fmt: skip
+
+
+def _lanes(dtype) -> StoreCase:
+    """D 64, C 300: the TPU kernel's lanes path across whole lane tiles and the partial last one."""
+    return _concatenate("lanes", _lanes_group(dtype), capacity=300, dtype=dtype, seed=17)
+
+
+GEOMETRIES = (_forward, _forward_d80, _reversed, _wide_heads, _lanes)
 DTYPES = [pytest.param(np.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
 
 
@@ -194,8 +232,20 @@ def test_cases_cover_what_the_planner_makes():
     assert all(seen.values()), seen
     assert _forward(np.float32).cache_k.shape[3] == 27  # a slot capacity that is not a multiple of 8
     # Spans of 8 over a window of 5: each row writes only the 5 entries the ring keeps.
-    (short,) = (c for c in _forward_group(np.float32) if c.name == "window_shorter_than_step")
+    (short,) = (c for c in _forward_group(np.float32, 128) if c.name == "window_shorter_than_step")
     assert [int(sum(row[tbl.write_cols(w)[2]] for w in range(3))) for row in short.table] == [5, 5]
+    # The lanes geometry: ranges across the lane tiles' boundaries 128 and 256 (into the partial tile
+    # [256, 300)), one up to the slot's end, and the sink's end sharing tile 0 with the ring's start.
+    lanes = _lanes(np.float32)
+    assert lanes.cache_k.shape[3] == 300
+    ranges = [
+        [(int(row[tbl.write_cols(w)[1]]), int(row[tbl.write_cols(w)[2]])) for w in range(3)]
+        for row in lanes.table
+    ]
+    spans = [(start, n) for row in ranges for start, n in row if n]
+    assert {b for start, n in spans for b in (128, 256) if start < b < start + n} == {128, 256}
+    assert any(start + n == 300 for start, n in spans)
+    assert any(sink[1] and ring[1] and sink[0] + sink[1] == ring[0] for sink, ring, _ in ranges)
 
 
 # --- every implementation against the oracle ---------------------------------------------------------------
@@ -290,6 +340,25 @@ def test_race_detector_sees_two_requests_writing_one_slot():
     assert found
 
 
+@pytest.mark.parametrize("make", [_lanes, _wide_heads], ids=["lanes", "tiled"])
+def test_single_buffered_windows_match_the_oracle(monkeypatch, make):
+    # Windows past the VMEM budget are not double-buffered: each request waits for the previous one's
+    # write-back before reading into the same buffers. Called directly: "auto"'s jit would reuse a trace.
+    monkeypatch.setattr(store_tpu, "VMEM_BUDGET", 0)
+    case = make(np.float32)
+    try:
+        new_k, new_v = jax.device_get(
+            store_tpu.store_step_tpu(
+                case.cache_k, case.cache_v, case.k, case.v, case.table, reverse=case.reverse, interpret=RACES
+            )
+        )
+        races = _races_found()
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+    assert races is not True, f"{case.name}: TPU interpret mode detected a data race"
+    _check(case, new_k, new_v)
+
+
 def test_casts_the_step_to_the_cache_dtype():
     table = _one_row_table(written=0, span=2, window=2, reverse=False)
     cache = np.zeros((2, 1, 1, 8, 128), jnp.bfloat16)
@@ -328,9 +397,19 @@ def test_auto_lowers_the_kernel_of_the_lowering_platform(platform, kernel):
     assert ("stablehlo.while" in text) == (kernel is None)  # the XLA loop only where no kernel runs
 
 
+@pytest.mark.parametrize("dim", [64, 80, 192])
+def test_auto_takes_the_kernel_for_head_dims_off_the_lane_tile(dim):
+    # TPU lays such a cache out as [.., D, C] when C pads to lane tiles less than D: the lanes path.
+    text = _lowered_text("tpu", dim=dim, capacity=300)
+    assert "store_step_tpu" in text
+    assert "stablehlo.while" not in text
+
+
 def test_auto_takes_the_xla_loop_where_the_kernel_declines():
-    # TPU lays out a cache with C % 8 != 0 or D % 128 != 0 other than row-major; the kernel declines it.
-    for shape in ({"capacity": 27}, {"dim": 64}):
+    # TPU lays these out other than the kernel views them: C % 8 != 0 with D = 128 (not row-major), and
+    # D % 128 != 0 with C padding more than D to whole lane tiles (16 of 128 lanes against 64; 136 of 256
+    # against 96 of 128: D stays in lanes); the kernel declines them.
+    for shape in ({"capacity": 27}, {"dim": 64}, {"dim": 96, "capacity": 136}):
         text = _lowered_text("tpu", **shape)
         assert "store_step_tpu" not in text, shape
         assert "stablehlo.while" in text, shape
@@ -443,34 +522,77 @@ def _bytes_accessed(compiled) -> float:
     return (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
 
 
+# Each path of the TPU kernel: (dtype, D, C). The lanes path gets a C that is a multiple of neither 8 nor
+# 128 (two lane tiles and a partial one), which TPU lays out with the tokens in lanes for D = 64.
+TPU_PATHS = {
+    "f32_direct": (jnp.float32, 128, 48),
+    "bf16_tiled": (jnp.bfloat16, 128, 48),
+    "f32_lanes": (jnp.float32, 64, 300),
+    "bf16_lanes": (jnp.bfloat16, 64, 300),
+}
+
+
 @needs_libtpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32_direct", "bf16_tiled"])
-@pytest.mark.parametrize("generation", ["v5e", "v6e"])
-def test_tpu_kernel_compiles_and_stores_in_place(generation, dtype):
-    shape = {"slots": 65, "rows": 2, "groups": 2, "capacity": 48, "steps": 8, "batch": 8, "dtype": dtype}
-    compiled = _compile_tpu(generation, **shape)
+@pytest.mark.parametrize(
+    ("generation", "path"),
+    [("v5e", path) for path in TPU_PATHS]
+    + [("v6e", "f32_direct"), ("v6e", "bf16_tiled"), ("v5p", "f32_lanes"), ("v5p", "bf16_lanes")],
+)
+def test_tpu_kernel_compiles_and_stores_in_place(generation, path):
+    dtype, dim, capacity = TPU_PATHS[path]
+    shape = {"slots": 65, "rows": 2, "groups": 2, "capacity": capacity, "dim": dim, "steps": 8, "batch": 8}
+    compiled = _compile_tpu(generation, dtype=dtype, **shape)
     assert "store_step_tpu" in compiled.as_text()
     layer = int(np.prod(_specs(**shape)[0].shape)) * jnp.dtype(dtype).itemsize
-    assert offline_tpu.large_copies(compiled, layer // 4) == []
-    assert compiled.memory_analysis().alias_size_in_bytes == 2 * layer
+    assert offline_tpu.large_copies(compiled, layer // 8) == []
+    # Aliased whole (counted as laid out: the lanes path's C padded to whole lane tiles).
+    assert compiled.memory_analysis().alias_size_in_bytes >= 2 * layer
     assert compiled.memory_analysis().temp_size_in_bytes < layer // 4
 
 
 @needs_libtpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32_direct", "bf16_tiled"])
-def test_tpu_bytes_accessed_follow_the_tokens_written_not_the_slots(dtype):
-    def accessed(**shape):
-        return _bytes_accessed(_compile_tpu(capacity=48, steps=8, dtype=dtype, **shape))
+@pytest.mark.parametrize("path", list(TPU_PATHS))
+def test_tpu_bytes_accessed_follow_the_tokens_written_not_the_slots(path):
+    dtype, dim, capacity = TPU_PATHS[path]
 
-    # 16 slots or 256: the same bytes (XLA may prefetch the small step into VMEM for 16: a little more).
-    small, large = accessed(slots=16, batch=8), accessed(slots=256, batch=8)
+    def accessed(**shape):
+        return _bytes_accessed(_compile_tpu(capacity=capacity, dim=dim, steps=8, dtype=dtype, **shape))
+
+    # 17 slots or 257: the same bytes (XLA may prefetch the small step into VMEM for 17: a little more). Not
+    # 256: slots padding less than C = 300 to lane tiles would take the lanes (see the layout test below).
+    small, large = accessed(slots=17, batch=8), accessed(slots=257, batch=8)
     assert large <= 1.1 * small, (small, large)
     # 8 requests or 64: eight times the tokens written, about eight times the bytes.
     eight, many = accessed(slots=65, batch=8), accessed(slots=65, batch=64)
     assert 6 <= many / eight <= 10, (eight, many)
-    # And within a small multiple of the bytes written (tiles of 8 tokens for bfloat16).
-    written = 2 * 64 * 2 * 8 * 128 * jnp.dtype(dtype).itemsize
-    assert many / written <= (8 if dtype == jnp.float32 else 24), many / written
+    # And within a multiple of the bytes written set by the unit: a token (direct), tiles of 8 tokens
+    # (tiled), lane tiles of 128 tokens (lanes: at most the slot's 300 tokens read and written back per
+    # request's 8).
+    written = 2 * 64 * 2 * 8 * dim * jnp.dtype(dtype).itemsize
+    assert many / written <= {"direct": 8, "tiled": 24, "lanes": 100}[path.split("_")[1]], many / written
+
+
+@needs_libtpu
+@pytest.mark.parametrize(
+    ("shape", "tokens_in_lanes"),
+    [
+        ((65, 2, 2, 300, 64), True),
+        ((65, 1, 8, 3004, 64), True),
+        ((9, 1, 1, 120, 80), True),  # C < 128 padding less than D
+        ((17, 1, 2, 16, 64), False),  # C pads 8x, D 2x
+        ((65, 1, 8, 136, 96), False),  # C pads 1.9x, D 1.3x
+        ((1025, 1, 2, 300, 64), False),  # S pads less than C: the slots take the lanes
+        ((17, 1, 2, 256, 128), False),
+    ],
+)
+def test_tokens_in_lanes_predicts_the_tpu_layout(shape, tokens_in_lanes):
+    # The kernel's view of the cache (and whether it declines) rests on this prediction of XLA's choice.
+    assert store_tpu._tokens_in_lanes(shape) == tokens_in_lanes
+    compiled = offline_tpu.compile_for_tpu(
+        lambda x: x * 2, jax.ShapeDtypeStruct(shape, jnp.bfloat16), generation="v5e"
+    )
+    layout = compiled.input_formats[0][0].layout.major_to_minor
+    assert (layout == (0, 1, 2, 4, 3)) == tokens_in_lanes, layout
 
 
 # --- the Triton kernel built for sm_90a (no GPU needed) -----------------------------------------------------
