@@ -327,7 +327,7 @@ def resource_costs(spec: NodeResourceSpec) -> ResourceCosts:
         max_retained=config.max_retained,
         slot_bytes=config.slot_bytes,
         all_slots_bytes=config.slot_bytes * config.max_slots,
-        source_bytes=config.num_layers * store_capacity(config.max_source_len) * per_entry,
+        source_bytes=config.num_layers * store_capacity(config.max_source_len, config.head_dim) * per_entry,
     )
 
 

@@ -64,7 +64,7 @@ def test_check_prints_every_resource_with_the_configs_numbers(path, capsys):
     # x itemsize.
     bank = sum(
         c.num_layers
-        * store_capacity(c.max_source_len)
+        * store_capacity(c.max_source_len, c.head_dim)
         * c.rows_per_request
         * c.num_heads
         * 2

@@ -52,7 +52,7 @@ written token).
 Compiled, the cache must be laid out as the kernel views it, or XLA copies the whole layer around any
 Mosaic call (this one, and the attention kernel). TPU lays out `[.., C, D]` row-major when `D % 128 == 0`
 and `C % 8 == 0`, and as the row-major `[.., D, C]` when `D % 128 != 0` and C pads to whole lane tiles less
-than D does (and no more than S, R, G do: `_tokens_in_lanes`; e.g. D = 64 with C >= 128, or 64 < C < 128).
+than D does (and no more than S, R, G do: `tokens_in_lanes`; e.g. D = 64 with C >= 128, or 64 < C < 128).
 Elsewhere the kernel declines (NotImplementedError; "auto" then takes the XLA loop): pad the slot.
 Interpreted, any shape runs (tiles of one token where the tiled path gets `C % 8 != 0`).
 
@@ -71,7 +71,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.sink_window_attention import table as tbl
-from kernels_pallas.sink_window_attention.tpu_blocks import LANES, VMEM_BUDGET, keys_in_lanes
+from kernels_pallas.sink_window_attention.tpu_blocks import (
+    LANES,
+    VMEM_BUDGET,
+    keys_in_lanes,
+    tokens_in_lanes,
+)
 
 __all__ = ["SUPPORTED_DTYPES", "TOKEN_TILE", "store_step_tpu"]
 
@@ -362,22 +367,6 @@ def _vmem_bytes(shape: tuple[int, ...], dtype) -> int:
     return size
 
 
-def _tokens_in_lanes(shape: tuple[int, ...]) -> bool:
-    """Whether TPU's default layout of an `[S, R, G, C, D]` cache is the row-major `[S, R, G, D, C]`.
-
-    TPU makes minor (lanes) the dim that pads least to whole 128-lane tiles, a tie going to the more minor
-    dim: C, where it pads less than D (so never when D % 128 == 0) and no more than S, R and G. Measured
-    with libtpu on v4, v5e, v5p and v6e (D in {32, 64, 80, 192}, C from 16 to 3004, S up to 1025); a slot
-    count that pads less than a ragged C takes the lanes (S = 1025, C = 300).
-    """
-    *major, capacity, dim = shape
-
-    def padding(n: int) -> float:
-        return -(-n // LANES) * LANES / max(n, 1)
-
-    return padding(capacity) < padding(dim) and all(padding(capacity) <= padding(n) for n in major)
-
-
 def _store_direct(cache_k, cache_v, step_k, step_v, table, *, reverse, interpret):
     """The one-token-unit path: each range's tokens DMA'd from the arranged step into the slot."""
     num_slots, rows, groups, capacity, dim = cache_k.shape
@@ -516,7 +505,7 @@ def store_step_tpu(
       NotImplementedError: a cache dtype other than float32 and bfloat16; compiled, a cache that TPU does
         not lay out as the kernel views it (XLA would copy the whole layer around the kernel): `D` a
         multiple of 128 and `C` not a multiple of `TOKEN_TILE`, or `D` not a multiple of 128 and `C` not
-        padding to lane tiles less than `D` does (see `_tokens_in_lanes`); staged windows too large for
+        padding to lane tiles less than `D` does (see `tokens_in_lanes`); staged windows too large for
         VMEM.
     """
     dtype = jnp.dtype(cache_k.dtype)
@@ -529,7 +518,7 @@ def store_step_tpu(
     if min(num_requests, steps, capacity) == 0 or rows * groups * dim == 0:
         return cache_k, cache_v  # nothing can be written
     lanes = not keys_in_lanes(dim)
-    if not interpret and lanes and not _tokens_in_lanes(cache_k.shape):
+    if not interpret and lanes and not tokens_in_lanes(cache_k.shape):
         raise NotImplementedError(
             f"cache_k has shape {tuple(cache_k.shape)}: TPU lays out a layer whose head dim D is not a "
             f"multiple of {LANES} with its slot tokens C in lanes only where C pads to whole lane tiles less "

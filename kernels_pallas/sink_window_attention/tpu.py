@@ -34,7 +34,7 @@ from kernels_pallas.sink_window_attention.tpu_blocks import (
     SUPPORTED_DTYPES,
     BlockSizes,
     choose_tiles,
-    keys_in_lanes,
+    tokens_in_lanes,
 )
 from kernels_pallas.sink_window_attention.tpu_kernel import sink_window_kernel
 from kernels_pallas.sink_window_attention.tpu_plan import read_ranges, store_plan
@@ -43,20 +43,26 @@ from kernels_pallas.sink_window_attention.validate import validate_inputs
 __all__ = ["BlockSizes", "sink_window_attention_tpu"]
 
 
-def _store_operand(store: jax.Array) -> jax.Array:
-    """[S, R, G, C, D] -> [S * R, G, C, D], or [S * R, G, D, C] when the head dim is not in lanes.
+def _blockable(store: jax.Array) -> jax.Array:
+    """The store, or (empty) one never-read tile, or (shorter than a sublane tile) padded to one tile.
 
-    Both are views of the store as TPU lays it out by default, so XLA inserts no copy. An empty store
-    becomes one never-read entry; a store of fewer entries than a sublane tile is padded to one (it is
-    tiny, and Mosaic's dots take no blocks of a single row).
+    Such stores are tiny, and Mosaic's dots take no blocks of a single row.
     """
     num, rows, heads, length, dim = store.shape
     if num == 0:
-        store = jnp.zeros((1, rows, heads, SUBLANES, dim), store.dtype)
-    elif length < SUBLANES:
-        store = jnp.pad(store, ((0, 0),) * 3 + ((0, SUBLANES - length), (0, 0)))
+        return jnp.zeros((1, rows, heads, SUBLANES, dim), store.dtype)
+    if length < SUBLANES:
+        return jnp.pad(store, ((0, 0),) * 3 + ((0, SUBLANES - length), (0, 0)))
+    return store
+
+
+def _store_operand(store: jax.Array, transposed: bool) -> jax.Array:
+    """[S, R, G, C, D] -> [S * R, G, C, D], or [S * R, G, D, C] when `transposed` (tokens in lanes).
+
+    Chosen by `tokens_in_lanes`, either is a view of the store as TPU lays it out, so XLA inserts no copy.
+    """
     store = store.reshape(-1, *store.shape[2:])
-    return store if keys_in_lanes(dim) else jnp.swapaxes(store, 2, 3)
+    return jnp.swapaxes(store, 2, 3) if transposed else store
 
 
 def sink_window_attention_tpu(
@@ -122,11 +128,14 @@ def sink_window_attention_tpu(
     rows_per_request = cache_k.shape[1]
     group = heads // kv_heads
     query_rows = steps * group
-    num_sources, num_slots = max(source_k.shape[0], 1), max(cache_k.shape[0], 1)
-    source_len, slot_len = max(source_k.shape[3], SUBLANES), max(cache_k.shape[3], SUBLANES)
+    source_k, source_v, cache_k, cache_v = map(_blockable, (source_k, source_v, cache_k, cache_v))
+    num_sources, source_len = source_k.shape[0], source_k.shape[3]
+    num_slots, slot_len = cache_k.shape[0], cache_k.shape[3]
+    transposed = (tokens_in_lanes(source_k.shape), tokens_in_lanes(cache_k.shape))
     tiles = choose_tiles(
         max_retained=max_retained, steps=steps, group=group, kv_heads=kv_heads, head_dim=dim,
-        itemsize=dtype.itemsize, source_len=source_len, slot_len=slot_len, block_sizes=block_sizes,
+        itemsize=dtype.itemsize, source_len=source_len, slot_len=slot_len, transposed=transposed,
+        block_sizes=block_sizes,
     )  # fmt: skip
     block_q, block_source, block_slot = tiles.block_q, tiles.block_source, tiles.block_slot
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
@@ -146,39 +155,40 @@ def sink_window_attention_tpu(
             table, tbl.SLOT_READS, block_slot, pl.cdiv(slot_len, block_slot), slot_steps, slot_ids,
             rows_per_request,
         )  # fmt: skip
-        source_k, source_v, cache_k, cache_v = map(_store_operand, (source_k, source_v, cache_k, cache_v))
+        source_k, source_v = (_store_operand(x, transposed[0]) for x in (source_k, source_v))
+        cache_k, cache_v = (_store_operand(x, transposed[1]) for x in (cache_k, cache_v))
 
         # Fold the H/G query heads of each KV head with the tokens: [N, G, T * H/G, D], token-major.
         q_folded = q.reshape(n_rows, steps, kv_heads, group, dim).transpose(0, 2, 1, 3, 4)
         q_folded = q_folded.reshape(n_rows, kv_heads, query_rows, dim)
         k_heads, v_heads = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [N, G, T, D]
 
-        def store_index(blocks_at, entries_at, num_steps, first_step):
+        def store_index(blocks_at, entries_at, num_steps, first_step, tokens_in_lanes):
             def index(n, qb, step, *prefetch):
                 block = prefetch[blocks_at][
                     lax.div(n, jnp.int32(rows_per_request)) * num_steps
                     + jnp.clip(step - first_step, 0, num_steps - 1)
                 ]
                 entry = prefetch[entries_at][n]
-                return (entry, 0, block, 0) if keys_in_lanes(dim) else (entry, 0, 0, block)
+                return (entry, 0, 0, block) if tokens_in_lanes else (entry, 0, block, 0)
 
             return index
 
-        def store_spec(block, index):
-            shape = (block, dim) if keys_in_lanes(dim) else (dim, block)
+        def store_spec(block, index, tokens_in_lanes):
+            shape = (dim, block) if tokens_in_lanes else (block, dim)
             return pl.BlockSpec((None, kv_heads, *shape), index)
 
-        source_index = store_index(2, 3, source_steps, 0)
-        slot_index = store_index(5, 6, slot_steps, source_steps)
+        source_index = store_index(2, 3, source_steps, 0, transposed[0])
+        slot_index = store_index(5, 6, slot_steps, source_steps, transposed[1])
         # Block shapes: every KV head (G is the full dim), then the key and head dims; key blocks are
         # multiples of the tile (8 rows or 128 lanes) or the full dim, and D is always the full dim.
         per_row = lambda n, qb, step, *_: (n, 0, 0, 0)  # noqa: E731
         in_specs = [
             pl.BlockSpec((None, kv_heads, block_q, dim), lambda n, qb, step, *_: (n, 0, qb, 0)),
-            store_spec(block_source, source_index),
-            store_spec(block_source, source_index),
-            store_spec(block_slot, slot_index),
-            store_spec(block_slot, slot_index),
+            store_spec(block_source, source_index, transposed[0]),
+            store_spec(block_source, source_index, transposed[0]),
+            store_spec(block_slot, slot_index, transposed[1]),
+            store_spec(block_slot, slot_index, transposed[1]),
             pl.BlockSpec((None, kv_heads, steps, dim), per_row),
             pl.BlockSpec((None, kv_heads, steps, dim), per_row),
         ]
@@ -187,7 +197,7 @@ def sink_window_attention_tpu(
         kernel = functools.partial(
             sink_window_kernel, rows_per_request=rows_per_request, group=group, block_q=block_q,
             block_source=block_source, block_slot=block_slot, source_len=source_len, slot_len=slot_len,
-            source_steps=source_steps, slot_steps=slot_steps, keys_in_lanes=keys_in_lanes(dim),
+            source_steps=source_steps, slot_steps=slot_steps, transposed=transposed,
             query_window=query_window, scale=scale,
         )  # fmt: skip
         keys_per_row = max_retained + steps

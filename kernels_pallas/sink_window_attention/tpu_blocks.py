@@ -5,12 +5,13 @@ VMEM holds 2-D tiles of 8 sublanes x 128 lanes of 32 bits: a block's last dim is
 rows per sublane). A `[G, 1024, 64]` block therefore costs as much as `[G, 1024, 128]`, which is why
 counting a 64-wide head dim as 64 lanes overflowed the scoped VMEM at head_dim 64 on v4, v5e and v5p.
 
-Store orientation. TPU's default layout for a `[.., C, D]` cache keeps `D` in lanes only when `D` is a
-multiple of 128; otherwise it puts `C` in lanes and `D` in sublanes (measured with libtpu on v4, v5e, v5p
-and v6e for D in {32, 64, 80}; C, G and R do not change it). A kernel operand must be row-major, so for
-such head dims the kernel reads the stores as `[.., D, C]` (a free view of that layout) rather than make
-XLA transpose the whole layer before every call. Slot capacities are padded to the sublane tile by the
-cache for the same reason (`[.., C, D]` with `C % 8 != 0` is laid out with `G` and `C` swapped).
+Store orientation. TPU lays out an array with the dim that pads least to whole 128-lane tiles in lanes
+(`tokens_in_lanes`): a `[.., C, D]` store keeps `D` in lanes when `D` is a multiple of 128, and mostly puts
+`C` in lanes and `D` in sublanes otherwise (measured with libtpu on v4, v5e, v5p and v6e). A kernel operand
+must be row-major, so where the tokens are in lanes the kernel reads the store as `[.., D, C]` (a free view
+of that layout) rather than make XLA transpose the whole layer before every call. The cache pads its
+slots so that one of the two always holds (`mstar_jax...config.store_capacity`; `[.., C, D]` with
+`C % 8 != 0` is also laid out with `G` and `C` swapped).
 """
 
 from __future__ import annotations
@@ -32,8 +33,24 @@ _VMEM_HEADROOM = 4 * 2**20
 
 
 def keys_in_lanes(head_dim: int) -> bool:
-    """Whether TPU's default cache layout keeps the head dim in lanes (`D % 128 == 0`), see module doc."""
+    """Whether the head dim fills whole lane tiles (`D % 128 == 0`): then TPU always keeps it in lanes."""
     return head_dim % LANES == 0
+
+
+def tokens_in_lanes(shape: tuple[int, ...]) -> bool:
+    """Whether TPU's default layout of a `[S, R, G, C, D]` store is the row-major `[S, R, G, D, C]`.
+
+    TPU makes minor (lanes) the dim that pads least to whole 128-lane tiles, a tie going to the more minor
+    dim: C, where it pads less than D (so never when D % 128 == 0) and no more than S, R and G. Measured
+    with libtpu on v4, v5e, v5p and v6e (D in {32, 64, 80, 192}, C from 16 to 3004, S up to 1025); a slot
+    count that pads less than a ragged C takes the lanes (S = 1025, C = 300).
+    """
+    *major, capacity, dim = shape
+
+    def padding(n: int) -> float:
+        return -(-n // LANES) * LANES / max(n, 1)
+
+    return padding(capacity) < padding(dim) and all(padding(capacity) <= padding(n) for n in major)
 
 
 def sublane_tile(itemsize: int) -> int:
@@ -61,24 +78,26 @@ def vmem_bytes(
     steps: int,
     head_dim: int,
     itemsize: int,
+    transposed: tuple[bool, bool] = (False, False),
 ) -> int:
-    """VMEM of one grid step: double-buffered blocks, f32 scratch and the score temporaries, as tiled."""
+    """VMEM of one grid step: double-buffered blocks, f32 scratch and the score temporaries, as tiled.
+
+    `transposed` says, for the source bank and the slots, whether the store is read as `[.., D, C]`.
+    """
 
     def heads(rows: int, cols: int, size: int = itemsize) -> int:
         return kv_heads * tile_bytes(rows, cols, size)
 
-    def store(block: int) -> int:
-        return heads(block, head_dim) if keys_in_lanes(head_dim) else heads(head_dim, block)
+    def store(block: int, tokens_in_lanes: bool) -> int:
+        return heads(head_dim, block) if tokens_in_lanes else heads(block, head_dim)
+
+    source, slot = store(block_source, transposed[0]), store(block_slot, transposed[1])
 
     widest = max(block_source, block_slot, steps)
-    buffers = (
-        2 * 2 * (store(block_source) + store(block_slot) + heads(steps, head_dim) + heads(block_q, head_dim))
-    )
+    buffers = 2 * 2 * (source + slot + heads(steps, head_dim) + heads(block_q, head_dim))
     scratch = 2 * heads(block_q, 1, 4) + heads(block_q, head_dim, 4)
     # scores, probabilities and mask in f32, probabilities cast for the value dot, values with masked zeros
-    temporaries = (
-        3 * heads(block_q, widest, 4) + heads(block_q, widest) + store(max(block_source, block_slot))
-    )
+    temporaries = 3 * heads(block_q, widest, 4) + heads(block_q, widest) + max(source, slot)
     return buffers + scratch + temporaries
 
 
@@ -122,29 +141,31 @@ class BlockSizes:
         steps: int = 1,
         source_len: int | None = None,
         slot_len: int | None = None,
+        transposed: tuple[bool, bool] = (False, False),
         vmem_budget: int = VMEM_BUDGET,
     ) -> BlockSizes:
         """Blocks for `max_retained` keys and `query_rows = T * H/G` folded queries per KV head.
 
         Decode is HBM-bound and each grid step has a fixed cost, so the key block is as large as
         `max_retained` needs (a power of two, 128 to 4096) while `vmem_bytes` stays within `vmem_budget`;
-        for very wide K/V rows it shrinks below 128 (down to 16) where the head dim is in lanes. A store
-        shorter than the block is taken whole, so `source_len` and `slot_len` (L and C; None counts a full
-        block) let a short source bank leave its VMEM to longer slot blocks. The query block caps the f32
-        accumulator at 512 rows of `D` floats summed over the G KV heads.
+        for very wide K/V rows it shrinks below 128 (down to 16) unless a store is read transposed (keys in
+        lanes; `transposed` as for `vmem_bytes`). A store shorter than the block is taken whole, so
+        `source_len` and `slot_len` (L and C; None counts a full block) let a short source bank leave its
+        VMEM to longer slot blocks. The query block caps the f32 accumulator at 512 rows of `D` floats
+        summed over the G KV heads.
         """
         rows_cap = max(16, 512 // max(kv_heads, 1) // 16 * 16)
         block_q = None if query_rows <= rows_cap else rows_cap
         q_rows = query_rows if block_q is None else block_q
         block_kv = min(MAX_BLOCK_KV, max(LANES, pl.next_power_of_2(max(max_retained, 1))))
-        smallest = 16 if keys_in_lanes(head_dim) else LANES
+        smallest = LANES if any(transposed) else 16
 
         def vmem(block: int) -> int:
             source = block if source_len is None else max(1, min(block, source_len))
             slot = block if slot_len is None else max(1, min(block, slot_len))
             return vmem_bytes(
                 kv_heads=kv_heads, block_q=q_rows, block_source=source, block_slot=slot, steps=steps,
-                head_dim=head_dim, itemsize=itemsize,
+                head_dim=head_dim, itemsize=itemsize, transposed=transposed,
             )  # fmt: skip
 
         while block_kv > smallest and vmem(block_kv) > vmem_budget:
@@ -181,25 +202,30 @@ def choose_tiles(
     itemsize: int,
     source_len: int,
     slot_len: int,
+    transposed: tuple[bool, bool],
     block_sizes: BlockSizes | None = None,
 ) -> Tiles:
     """The tiles of a call: `block_sizes` (or `BlockSizes.default`) fitted to the stores' lengths.
 
-    Keys lie in sublanes (blocks of 8 rows) or, for stores read transposed, in lanes, where the block is
-    rounded up to 128; a store shorter than the block is one block equal to the full dim, legal on TPU at
-    any length.
+    Keys lie in sublanes (blocks of 8 rows) or, for a store read transposed (`transposed`: source bank,
+    slots), in lanes, where its block is rounded up to 128; a store shorter than the block is one block
+    equal to the full dim, legal on TPU at any length.
     """
     query_rows = steps * group
     blocks = block_sizes or BlockSizes.default(
         max_retained=max_retained, query_rows=query_rows, kv_heads=kv_heads, head_dim=head_dim,
-        itemsize=itemsize, steps=steps, source_len=source_len, slot_len=slot_len,
+        itemsize=itemsize, steps=steps, source_len=source_len, slot_len=slot_len, transposed=transposed,
     )  # fmt: skip
     block_q = query_rows if blocks.block_q is None else min(blocks.block_q, query_rows)
-    block_kv = blocks.block_kv if keys_in_lanes(head_dim) else pl.cdiv(blocks.block_kv, LANES) * LANES
-    block_source, block_slot = min(block_kv, source_len), min(block_kv, slot_len)
+
+    def block(store_len: int, tokens_in_lanes: bool) -> int:
+        keys = pl.cdiv(blocks.block_kv, LANES) * LANES if tokens_in_lanes else blocks.block_kv
+        return min(keys, store_len)
+
+    block_source, block_slot = block(source_len, transposed[0]), block(slot_len, transposed[1])
     vmem = vmem_bytes(
         kv_heads=kv_heads, block_q=block_q, block_source=block_source, block_slot=block_slot, steps=steps,
-        head_dim=head_dim, itemsize=itemsize,
+        head_dim=head_dim, itemsize=itemsize, transposed=transposed,
     )  # fmt: skip
     return Tiles(
         block_q=block_q,

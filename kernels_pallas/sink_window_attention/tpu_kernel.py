@@ -14,9 +14,10 @@ query row. Keys are masked per entry by the read ranges they fall in (the same f
 also gives their stream positions for `query_window`; values of masked keys are zeroed so NaN or stale
 bytes (evicted entries, the padding of a partial block) never reach the output.
 
-Store blocks come in the stores' orientation (see `tpu_blocks`): `[G, block, D]` when the head dim is in
-lanes, `[G, D, block]` otherwise. Either way a key's mask and position lie along the block's key axis,
-and the dots contract the head dim wherever it is, so no block is ever transposed in VMEM.
+Store blocks come in each store's orientation (see `tpu_blocks`): `[G, block, D]`, or `[G, D, block]`
+where TPU keeps the store's tokens in lanes (`transposed`). Either way a key's mask and position lie along
+the block's key axis, and the dots contract the head dim wherever it is, so no block is ever transposed
+in VMEM.
 """
 
 import jax.numpy as jnp
@@ -42,9 +43,9 @@ def sink_window_kernel(
     slot_counts_ref,  # i32[B]
     # inputs
     q_ref,  # [G, bq, D]
-    source_k_ref,  # [G, block_source, D], or [G, D, block_source] when keys_in_lanes
+    source_k_ref,  # [G, block_source, D], or [G, D, block_source] when transposed[0]
     source_v_ref,  # as source_k_ref
-    cache_k_ref,  # [G, block_slot, D], or [G, D, block_slot] when keys_in_lanes
+    cache_k_ref,  # [G, block_slot, D], or [G, D, block_slot] when transposed[1]
     cache_v_ref,  # as cache_k_ref
     k_ref,  # [G, T, D]
     v_ref,  # [G, T, D]
@@ -64,7 +65,7 @@ def sink_window_kernel(
     slot_len: int,
     source_steps: int,
     slot_steps: int,
-    keys_in_lanes: bool,
+    transposed: tuple[bool, bool],
     query_window: int | None,
     scale: float,
 ):
@@ -135,14 +136,16 @@ def sink_window_kernel(
         m_scratch[...], l_scratch[...], acc_scratch[...] = m_next, total, acc
         return total, acc
 
-    def attend_store(k_block_ref, v_block_ref, blocks_ref, steps, phase_step, block, store_len, reads):
+    def attend_store(
+        k_block_ref, v_block_ref, blocks_ref, steps, phase_step, block, store_len, reads, keys_minor
+    ):
         block_start = blocks_ref[request * steps + phase_step] * block
         # Row form masks scores; the values' form is built from its own iota (no relayout in VMEM).
         offset = block_start + lax.broadcasted_iota(jnp.int32, (1, 1, block), 2)
-        if keys_in_lanes:  # values [G, block, D]: their mask is a column
-            value_offset = block_start + lax.broadcasted_iota(jnp.int32, (1, block, 1), 1)
-        else:  # values [G, D, block]: a row, as for the scores
+        if keys_minor:  # values [G, D, block]: their mask is a row, as for the scores
             value_offset = offset
+        else:  # values [G, block, D]: a column
+            value_offset = block_start + lax.broadcasted_iota(jnp.int32, (1, block, 1), 1)
         key_ok = jnp.zeros((1, 1, block), bool)
         value_ok = jnp.zeros(value_offset.shape, bool)
         key_pos = jnp.zeros((1, 1, block), jnp.int32)
@@ -158,13 +161,13 @@ def sink_window_kernel(
                 j = offset + ranges_ref[at + 2]  # the retained index; positions as in table.py
                 pos = tbl.retained_position(j, sink_kept, window_start, xp=jnp)
                 key_pos = jnp.where(inside, pos, key_pos)
-        attend(k_block_ref[...], v_block_ref[...], key_ok, key_pos, value_ok, keys_minor=not keys_in_lanes)
+        attend(k_block_ref[...], v_block_ref[...], key_ok, key_pos, value_ok, keys_minor=keys_minor)
 
     @pl.when(step < source_counts_ref[request])
     def _source():
         attend_store(
             source_k_ref, source_v_ref, source_blocks_ref, source_steps, step, block_source, source_len,
-            tbl.SOURCE_READS,
+            tbl.SOURCE_READS, transposed[0],
         )  # fmt: skip
 
     slot_step = step - source_steps
@@ -173,7 +176,7 @@ def sink_window_kernel(
     def _slot():
         attend_store(
             cache_k_ref, cache_v_ref, slot_blocks_ref, slot_steps, slot_step, block_slot, slot_len,
-            tbl.SLOT_READS,
+            tbl.SLOT_READS, transposed[1],
         )  # fmt: skip
 
     @pl.when(step == source_steps + slot_steps)

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.sink_window_attention import store, store_step, store_tpu
+from kernels_pallas.sink_window_attention import store, store_step, store_tpu, tpu_blocks
 from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.compile import offline_tpu
 from mstar_jax.resources.kv.bounded import attention as bounded_attention
@@ -324,20 +324,26 @@ def test_matches_the_oracle(mode, dtype):
 def test_race_detector_sees_two_requests_writing_one_slot():
     # Two requests naming slot 1 both write offsets 0..2 (no planner would): the detector must flag it,
     # or its silence in test_matches_the_oracle proves nothing.
+    # The simulated cores run as threads, and the detector sees the race in most interleavings, not all
+    # (it missed once in four runs of the file): it must see it in one of a few runs.
     row = _one_row_table(written=0, span=3, window=4, reverse=False)
     table = np.concatenate([row, row])
     cache = np.zeros((3, 1, 1, 8, 128), np.float32)
     step = np.ones((2, 3, 1, 128), np.float32)
-    jax.block_until_ready(
-        store_step(
-            cache, cache, step, step, table, reverse=False, implementation="pallas_tpu", interpret=RACES
+    seen = []
+    for _ in range(4):
+        jax.block_until_ready(
+            store_step(
+                cache, cache, step, step, table, reverse=False, implementation="pallas_tpu", interpret=RACES
+            )
         )
-    )
-    found = _races_found()
-    pltpu.reset_tpu_interpret_mode_state()
-    if found is None:
-        pytest.skip("this JAX hides TPU interpret mode's race detector")
-    assert found
+        seen.append(_races_found())
+        pltpu.reset_tpu_interpret_mode_state()
+        if seen[-1] is None:
+            pytest.skip("this JAX hides TPU interpret mode's race detector")
+        if seen[-1]:
+            break
+    assert any(seen), seen
 
 
 @pytest.mark.parametrize("make", [_lanes, _wide_heads], ids=["lanes", "tiled"])
@@ -587,7 +593,7 @@ def test_tpu_bytes_accessed_follow_the_tokens_written_not_the_slots(path):
 )
 def test_tokens_in_lanes_predicts_the_tpu_layout(shape, tokens_in_lanes):
     # The kernel's view of the cache (and whether it declines) rests on this prediction of XLA's choice.
-    assert store_tpu._tokens_in_lanes(shape) == tokens_in_lanes
+    assert tpu_blocks.tokens_in_lanes(shape) == tokens_in_lanes
     compiled = offline_tpu.compile_for_tpu(
         lambda x: x * 2, jax.ShapeDtypeStruct(shape, jnp.bfloat16), generation="v5e"
     )

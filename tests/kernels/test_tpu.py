@@ -280,11 +280,14 @@ def test_vmem_counts_tiles_as_mosaic_pads_them():
     assert tpu_blocks.tile_bytes(1, 128, 4) == 8 * 128 * 4
     # Stores read transposed ([G, D, block]) put keys in lanes, so a 64-wide head dim wastes nothing.
     assert tpu_blocks.tile_bytes(64, 1024, 2) == 64 * 1024 * 2
-    assert [tpu_blocks.keys_in_lanes(d) for d in (64, 80, 128, 256)] == [False, False, True, True]
+    # TPU puts in lanes the dim that pads least to 128 (verified against libtpu in test_store.py).
+    shapes = [(65, 1, 8, 3008, 64), (65, 1, 8, 3008, 128), (17, 1, 2, 16, 64), (1025, 1, 2, 300, 64)]
+    assert [tpu_blocks.tokens_in_lanes(shape) for shape in shapes] == [True, False, False, False]
 
 
-def _vmem(block: int, *, source: int | None = None, slot: int | None = None, **shape) -> int:
+def _vmem(block: int, *, source: int | None = None, slot: int | None = None, transposed, **shape) -> int:
     return tpu_blocks.vmem_bytes(
+        transposed=transposed,
         kv_heads=shape["kv_heads"], block_q=shape["query_rows"], steps=shape["steps"],
         head_dim=shape["head_dim"], itemsize=shape["itemsize"],
         block_source=block if source is None else min(block, source),
@@ -297,7 +300,7 @@ def _vmem(block: int, *, source: int | None = None, slot: int | None = None, **s
     [
         (128, {"source_len": 256, "slot_len": 3008}, 1024),
         (128, {}, 512),
-        (64, {"source_len": 256, "slot_len": 3008}, 2048),
+        (64, {"source_len": 256, "slot_len": 3008, "transposed": (True, True)}, 2048),
     ],
     ids=["d128", "d128_full_blocks", "d64_transposed"],
 )
@@ -308,6 +311,7 @@ def test_default_block_sizes_grow_for_decode_within_vmem(head_dim, stores, block
     blocks = BlockSizes.default(max_retained=3254, **stores, **shape)
     assert blocks.block_kv == block_kv
     lengths = {"source": stores.get("source_len"), "slot": stores.get("slot_len")}
+    lengths["transposed"] = stores.get("transposed", (False, False))
     assert _vmem(block_kv, **lengths, **shape) <= tpu_blocks.VMEM_BUDGET
     assert (
         block_kv == tpu_blocks.MAX_BLOCK_KV
@@ -320,7 +324,8 @@ def test_default_block_sizes_shrink_for_wide_rows():
     # keys are lanes, so the block stops at 128.
     wide = {"query_rows": 2, "kv_heads": 64, "itemsize": 4, "steps": 1}
     assert BlockSizes.default(max_retained=3254, head_dim=256, **wide).block_kv == 16
-    assert BlockSizes.default(max_retained=3254, head_dim=64, **wide).block_kv == 128
+    transposed = {"head_dim": 64, "transposed": (True, True)}
+    assert BlockSizes.default(max_retained=3254, **transposed, **wide).block_kv == 128
 
 
 def test_rejects_what_it_cannot_do():

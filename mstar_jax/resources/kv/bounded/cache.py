@@ -79,7 +79,7 @@ class SourceBank:
 
     @staticmethod
     def source_shape(config: BoundedKVConfig, num_sources: int) -> tuple[int, ...]:
-        length = store_capacity(config.max_source_len)
+        length = store_capacity(config.max_source_len, config.head_dim)
         return (num_sources, config.rows_per_request, config.num_heads, length, config.head_dim)
 
     @classmethod

@@ -32,8 +32,9 @@ __all__ = [
     "store_capacity",
 ]
 
-# Store lengths are allocated in multiples of the TPU sublane tile (see `store_capacity`).
+# Store lengths are allocated in whole TPU tiles: sublanes, or lanes (see `store_capacity`).
 STORE_TILE = 8
+LANE_TILE = 128
 
 
 class SinkWindow(NamedTuple):
@@ -205,8 +206,8 @@ class BoundedKVConfig:
 
     @property
     def slot_capacity(self) -> int:
-        """Entries one slot allocates per layer and row: `slot_tokens` padded to the store tile (8)."""
-        return store_capacity(self.slot_tokens)
+        """Entries one slot allocates per layer and row: `slot_tokens` in whole tiles (`store_capacity`)."""
+        return store_capacity(self.slot_tokens, self.head_dim)
 
     @property
     def slot_bytes(self) -> int:
@@ -215,14 +216,20 @@ class BoundedKVConfig:
         return self.num_layers * self.slot_capacity * per_entry
 
 
-def store_capacity(length: int) -> int:
-    """Entries a store (a slot, a source) allocates for `length`: a multiple of `STORE_TILE`, at least one.
+def store_capacity(length: int, head_dim: int) -> int:
+    """Entries a store (a slot, a source) allocates for `length` entries of `head_dim`-wide keys.
 
-    TPU lays out a `[.., C, D]` array whose `C % 8 != 0` with its KV-head and token axes swapped, which the
-    attention kernel cannot read in place, so XLA would copy the whole layer before every call (measured
-    with libtpu on v4, v5e, v5p and v6e). Entries past `length` are never planned, so never read or written.
+    TPU lays out an array with the dim that pads least to whole 128-lane tiles in lanes. The attention and
+    store kernels can read a `[.., C, D]` store in place with `D` in lanes (which also needs `C % 8 == 0`:
+    otherwise the KV-head and token axes are swapped) or with `C` in lanes; any other layout makes XLA copy
+    the whole layer before every call (measured with libtpu on v4, v5e, v5p and v6e). So a store takes
+    whole tiles of `STORE_TILE` entries, and, where `D % 128 != 0` and it spans more than one lane tile,
+    whole tiles of 128 (at most 1/8 more for 1,024 entries and up), so that no slot count can pad less
+    than the tokens do and take the lanes. Entries past `length` are never planned, so never read or
+    written.
     """
-    return max(-(-length // STORE_TILE) * STORE_TILE, STORE_TILE)
+    tile = LANE_TILE if head_dim % LANE_TILE and length > LANE_TILE else STORE_TILE
+    return max(-(-length // tile) * tile, STORE_TILE)
 
 
 register_static_pytree(BoundedKVConfig)

@@ -332,8 +332,10 @@ def test_capacities_equal_a_brute_force_stream_simulation(seed):
         assert cfg.max_retained == expected["max_retained"]
         slot_tokens = expected["sink_capacity"] + expected["window_capacity"]
         assert cfg.slot_tokens == slot_tokens
-        # Allocated in whole store tiles of 8 entries, at least one.
-        capacity = max(8, -(-slot_tokens // 8) * 8)
+        # Allocated in whole tiles: 8 entries, or 128 where D is no multiple of 128 and the slot spans
+        # more than one lane tile; at least 8.
+        tile = 128 if sizes["head_dim"] % 128 and slot_tokens > 128 else 8
+        capacity = max(8, -(-slot_tokens // tile) * tile)
         assert cfg.slot_capacity == capacity
         # K and V, for every layer, row, head and head dim element.
         per_token = sizes["rows_per_request"] * sizes["num_heads"] * 2 * sizes["head_dim"] * ITEMSIZE[dtype]
@@ -365,8 +367,11 @@ def test_capacities_hand_computed(retention, lo, hi, sink_capacity, window_capac
         max_retained,
     )
     assert cfg.slot_tokens == sink_capacity + window_capacity
-    # 2 layers x slot tokens in tiles of 8 x 1 row x 2 heads x (K and V) x 4 dims x 4 bytes.
-    capacity = max(8, -(-(sink_capacity + window_capacity) // 8) * 8)
+    # 2 layers x slot tokens (in tiles of 8, or of 128 past 128 tokens: D = 4) x 1 row x 2 heads
+    # x (K and V) x 4 dims x 4 bytes.
+    tokens = sink_capacity + window_capacity
+    tile = 128 if tokens > 128 else 8
+    capacity = max(8, -(-tokens // tile) * tile)
     assert cfg.slot_bytes == 2 * capacity * 1 * 2 * 2 * 4 * 4
 
 

@@ -404,7 +404,7 @@ def test_register_source_stores_each_layer_padded(manager):
             (bank.k[layer], k, bank_before.k[layer]),
             (bank.v[layer], v, bank_before.v[layer]),
         ):
-            assert new.shape == (3, R, G, store_capacity(CFG.max_source_len), D)
+            assert new.shape == (3, R, G, store_capacity(CFG.max_source_len, CFG.head_dim), D)
             np.testing.assert_array_equal(new[2, :, :, :2], x[layer])
             assert not new[2, :, :, 2:].any()  # padded past the source's length
             np.testing.assert_array_equal(new[:2], old[:2])  # other sources untouched
