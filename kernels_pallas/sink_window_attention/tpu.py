@@ -56,13 +56,16 @@ def _blockable(store: jax.Array) -> jax.Array:
     return store
 
 
-def _store_operand(store: jax.Array, transposed: bool) -> jax.Array:
-    """[S, R, G, C, D] -> [S * R, G, C, D], or [S * R, G, D, C] when `transposed` (tokens in lanes).
+def _store_operand(store: jax.Array, transposed: bool, interpret) -> jax.Array:
+    """[S, R, G, C, D] -> [S * R, G, C, D], or [S * R, G, D, C] when `transposed` (tokens in lanes), in HBM.
 
     Chosen by `tokens_in_lanes`, either is a view of the store as TPU lays it out, so XLA inserts no copy.
+    The store is pinned to HBM: where a layer fits in VMEM (128 MiB on v5e and v6e), XLA's memory-space
+    assignment would otherwise move the whole layer into VMEM and back around the kernels every step.
     """
     store = store.reshape(-1, *store.shape[2:])
-    return jnp.swapaxes(store, 2, 3) if transposed else store
+    store = jnp.swapaxes(store, 2, 3) if transposed else store
+    return store if interpret else pltpu.with_memory_space_constraint(store, pltpu.HBM)
 
 
 def sink_window_attention_tpu(
@@ -155,8 +158,8 @@ def sink_window_attention_tpu(
             table, tbl.SLOT_READS, block_slot, pl.cdiv(slot_len, block_slot), slot_steps, slot_ids,
             rows_per_request,
         )  # fmt: skip
-        source_k, source_v = (_store_operand(x, transposed[0]) for x in (source_k, source_v))
-        cache_k, cache_v = (_store_operand(x, transposed[1]) for x in (cache_k, cache_v))
+        source_k, source_v = (_store_operand(x, transposed[0], interpret) for x in (source_k, source_v))
+        cache_k, cache_v = (_store_operand(x, transposed[1], interpret) for x in (cache_k, cache_v))
 
         # Fold the H/G query heads of each KV head with the tokens: [N, G, T * H/G, D], token-major.
         q_folded = q.reshape(n_rows, steps, kv_heads, group, dim).transpose(0, 2, 1, 3, 4)

@@ -121,6 +121,20 @@ CASES = (
     AttentionCase(
         name="decode_d128", batch=64, steps=1, heads=16, kv_heads=8, head_dim=128, window=3000, source_len=250
     ),
+    # A 24-frame voice: its bank keeps D = 64 in lanes while the slots (1,004 tokens, allocated 1,024)
+    # keep tokens in lanes, so the kernel reads its two stores in different orientations. 256 slots keep
+    # the layer out of reach of XLA's memory-space assignment (see test_tpu_offline's known gap).
+    AttentionCase(
+        name="decode_d64_short_voice",
+        batch=32,
+        steps=1,
+        heads=8,
+        kv_heads=4,
+        head_dim=64,
+        window=1000,
+        source_len=24,
+        slots=256,
+    ),
     # Batch 128 over one KV head (MQA, group 8), a ring of 1,001.
     AttentionCase(
         name="decode_mqa",

@@ -213,6 +213,24 @@ class _KernelSuite:
                 rerun = self.run(batch.case, block_sizes=block_sizes, scale=scale)
                 np.testing.assert_array_equal(out, rerun)
 
+    @pytest.mark.parametrize("stores", ["slots", "both"])
+    def test_stores_read_transposed(self, stores):
+        # Stores TPU lays out tokens-minor are read as [.., D, C] (`tpu_blocks.tokens_in_lanes`): slots of
+        # 300 tokens (NaN past what the cases hold: blocks of 128 lanes, the last one partial) with 32-wide
+        # heads, so the tokens pad least; "slots" keeps the short source bank heads-minor (the stores
+        # differ), "both" pads it too.
+        def widened(case: cases.KernelCase) -> cases.KernelCase:
+            stores_of = ["cache_k", "cache_v"] + (["source_k", "source_v"] if stores == "both" else [])
+            return dataclasses.replace(case, **{f: _pad(getattr(case, f), 3, 300) for f in stores_of})
+
+        picked = [c for c in cases.standard_cases(np.float32) if c.q.shape[3] == 32][:4]
+        assert picked
+        for batch in _batches([widened(c) for c in picked]):
+            case = batch.case
+            assert tpu_blocks.tokens_in_lanes(case.cache_k.shape)
+            assert tpu_blocks.tokens_in_lanes(case.source_k.shape) == (stores == "both")
+            _check_batch(batch, self.run(case, block_sizes=self.BLOCKS), scale=None)
+
 
 @pytest.mark.skipif(not ON_TPU, reason="compiled Mosaic needs a TPU")
 class TestCompiled(_KernelSuite):
