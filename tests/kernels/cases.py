@@ -21,7 +21,7 @@ from kernels_pallas.sink_window_attention import reference
 from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.resources.kv.bounded import layout
 
-__all__ = ["KernelCase", "make_case", "standard_cases"]
+__all__ = ["KernelCase", "make_case", "races_found", "standard_cases"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq would compare arrays
@@ -297,3 +297,13 @@ def fast_compile_options() -> dict | None:
             continue
         return options
     return None
+
+
+def races_found() -> bool | None:
+    """Whether TPU interpret mode's race detector flagged the last kernel; None where JAX hides it."""
+    try:
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    except ImportError:
+        return None
+    races = getattr(interpret_pallas_call, "races", None)
+    return None if races is None else bool(races.races_found)

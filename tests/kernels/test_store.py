@@ -251,16 +251,6 @@ def test_cases_cover_what_the_planner_makes():
 # --- every implementation against the oracle ---------------------------------------------------------------
 
 
-def _races_found() -> bool | None:
-    """Whether TPU interpret mode's race detector flagged the last kernel; None where JAX hides it."""
-    try:
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-    except ImportError:
-        return None
-    races = getattr(interpret_pallas_call, "races", None)
-    return None if races is None else bool(races.races_found)
-
-
 @functools.partial(
     jax.jit,
     static_argnames=("reverse", "implementation", "interpret"),
@@ -313,7 +303,7 @@ def test_matches_the_oracle(mode, dtype):
                 reverse=case.reverse, implementation=implementation, interpret=interpret,
             )  # fmt: skip
             new_k, new_v = jax.device_get((new_k, new_v))
-            races = _races_found() if isinstance(interpret, pltpu.InterpretParams) else None
+            races = cases.races_found() if isinstance(interpret, pltpu.InterpretParams) else None
         finally:
             if isinstance(interpret, pltpu.InterpretParams):
                 pltpu.reset_tpu_interpret_mode_state()  # also forgets the races found
@@ -337,7 +327,7 @@ def test_race_detector_sees_two_requests_writing_one_slot():
                 cache, cache, step, step, table, reverse=False, implementation="pallas_tpu", interpret=RACES
             )
         )
-        seen.append(_races_found())
+        seen.append(cases.races_found())
         pltpu.reset_tpu_interpret_mode_state()
         if seen[-1] is None:
             pytest.skip("this JAX hides TPU interpret mode's race detector")
@@ -358,7 +348,7 @@ def test_single_buffered_windows_match_the_oracle(monkeypatch, make):
                 case.cache_k, case.cache_v, case.k, case.v, case.table, reverse=case.reverse, interpret=RACES
             )
         )
-        races = _races_found()
+        races = cases.races_found()
     finally:
         pltpu.reset_tpu_interpret_mode_state()
     assert races is not True, f"{case.name}: TPU interpret mode detected a data race"

@@ -44,16 +44,6 @@ def _attend(*arrays, max_retained, query_window, scale, block_sizes, interpret):
     )  # fmt: skip
 
 
-def _races_found() -> bool | None:
-    """Whether TPU interpret mode's race detector flagged the last kernel; None where JAX hides it."""
-    try:
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-    except ImportError:
-        return None
-    races = getattr(interpret_pallas_call, "races", None)
-    return None if races is None else bool(races.races_found)
-
-
 def _arrays(case: cases.KernelCase) -> tuple[np.ndarray, ...]:
     return case.q, case.k, case.v, case.cache_k, case.cache_v, case.source_k, case.source_v, case.table
 
@@ -195,7 +185,7 @@ class _KernelSuite:
                 pltpu.reset_tpu_interpret_mode_state()  # else the next interpreted kernel inherits the mess
             raise
         if isinstance(self.INTERPRET, pltpu.InterpretParams) and self.INTERPRET.detect_races:
-            assert _races_found() is not True, f"{case.name}: TPU interpret mode detected a data race"
+            assert cases.races_found() is not True, f"{case.name}: TPU interpret mode detected a data race"
         assert out.shape == case.q.shape
         assert out.dtype == case.q.dtype
         return np.asarray(out, np.float64)
