@@ -49,11 +49,12 @@ class TpuRow:
 def _vmem_request(case: accelerator_cases.AttentionCase, dtype) -> int:
     """The `vmem_limit_bytes` the kernel asks for with its default tiles (the wrapper's own choice)."""
     _, specs = case.attention(dtype, "pallas_tpu")
-    store_len = lambda spec: max(spec.shape[3], tpu_blocks.SUBLANES)  # noqa: E731  as the wrapper pads
+    source, slot = specs[5].shape, specs[3].shape  # as allocated: at least a sublane tile, never empty
     tiles = tpu_blocks.choose_tiles(
         max_retained=case.config(dtype).max_retained, steps=case.steps, group=case.heads // case.kv_heads,
         kv_heads=case.kv_heads, head_dim=case.head_dim, itemsize=jnp.dtype(dtype).itemsize,
-        source_len=store_len(specs[5]), slot_len=store_len(specs[3]),
+        source_len=source[3], slot_len=slot[3],
+        transposed=(tpu_blocks.tokens_in_lanes(source), tpu_blocks.tokens_in_lanes(slot)),
     )  # fmt: skip
     return tiles.vmem_limit_bytes
 
