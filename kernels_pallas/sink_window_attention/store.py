@@ -10,7 +10,8 @@ and leaves every other cache entry untouched. Implementations:
   "xla"         `store_step_xla`: a `fori_loop` of 3·B read-modify-writes of one block each (always there;
                 O(bytes written) per iteration, but the iterations run one after another).
   "pallas_tpu"  `store_tpu.store_step_tpu`: a Mosaic kernel of DMAs into the aliased cache (straight from
-                the step for 32-bit rows of at most 128 lanes, else read-merge-write of 8-token tiles).
+                the step for 32-bit rows of at most 128 lanes, else read-merge-write of 8-token tiles, or
+                of 128-token lane tiles where TPU keeps a cache's tokens in lanes).
   "pallas_gpu"  `store_gpu.store_step_gpu`: a Triton kernel of masked stores, the cache aliased.
   "auto"        the Pallas kernel of the platform the program is LOWERED for (TPU or CUDA), the XLA loop
                 elsewhere and wherever the kernel declines (NotImplementedError): the choice is made with
