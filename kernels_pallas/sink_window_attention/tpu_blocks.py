@@ -9,9 +9,9 @@ Store orientation. TPU lays out an array with the dim that pads least to whole 1
 (`tokens_in_lanes`): a `[.., C, D]` store keeps `D` in lanes when `D` is a multiple of 128, and mostly puts
 `C` in lanes and `D` in sublanes otherwise (measured with libtpu on v4, v5e, v5p and v6e). A kernel operand
 must be row-major, so where the tokens are in lanes the kernel reads the store as `[.., D, C]` (a free view
-of that layout) rather than make XLA transpose the whole layer before every call. The cache pads its
-slots so that one of the two always holds (`mstar_jax...config.store_capacity`; `[.., C, D]` with
-`C % 8 != 0` is also laid out with `G` and `C` swapped).
+of that layout) rather than make XLA transpose the whole layer before every call. The bounded cache pads
+its slots so that one of the two always holds (`store_capacity` in `mstar_jax.resources.kv.bounded.config`;
+`[.., C, D]` with `C % 8 != 0` is also laid out with `G` and `C` swapped).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from jax.experimental import pallas as pl
 SUBLANES = 8
 LANES = 128
 MAX_BLOCK_KV = 4096
-# One grid step's VMEM, estimated by `vmem_bytes`, may use this much. The scoped VMEM limit the compiler
-# applies by default is 16 MiB on v4 and v5e (its E1001 errors say so); the call always states its own
-# `vmem_limit_bytes`, the estimate plus headroom, so a chip with a smaller default never refuses it.
+# One grid step's VMEM, estimated by `vmem_bytes`, may use this much on every generation: v4 has 16 MiB of
+# VMEM in all (libtpu refuses a 2,048-key decode block there, needing 19.6 MiB), and the default scoped
+# limit is 16 MiB on v4 and v5e. The call states its own `vmem_limit_bytes`, the estimate plus headroom;
+# the estimate over-counts (24.3 MiB where libtpu needs 19.6), which keeps the blocks it picks legal on v4.
 VMEM_BUDGET = 16 * 2**20
 # Headroom over the estimate for Mosaic's internal scratch and the index arithmetic's registers spilled.
 _VMEM_HEADROOM = 4 * 2**20
