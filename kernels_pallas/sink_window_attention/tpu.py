@@ -65,7 +65,9 @@ def _store_operand(store: jax.Array, transposed: bool, interpret) -> jax.Array:
     """
     store = store.reshape(-1, *store.shape[2:])
     store = jnp.swapaxes(store, 2, 3) if transposed else store
-    return store if interpret else pltpu.with_memory_space_constraint(store, pltpu.HBM)
+    # Interpret mode refuses the pin (a Pallas TPU primitive); a JAX without it leaves the choice to XLA.
+    pin = getattr(pltpu, "with_memory_space_constraint", None)
+    return store if interpret or pin is None else pin(store, pltpu.HBM)
 
 
 def sink_window_attention_tpu(
