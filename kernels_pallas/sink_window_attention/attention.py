@@ -5,12 +5,11 @@ Shape legend: see `kernels_pallas.sink_window_attention.table`.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Literal, get_args
 
 import jax
-from jax import lax
 
+from kernels_pallas.sink_window_attention.dispatch import by_lowering_platform, jitted_kernel
 from kernels_pallas.sink_window_attention.validate import validate_inputs
 from kernels_pallas.sink_window_attention.xla import sink_window_attention_xla
 
@@ -21,19 +20,14 @@ Implementation = Literal["auto", "xla", "pallas_tpu", "pallas_gpu"]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 
 
-@functools.cache
-def _pallas_implementation(name: str):
-    """The Pallas kernel `name`, jitted so that a model's layers of one shape trace it once.
+_KERNELS = {
+    "pallas_tpu": ("tpu", "sink_window_attention_tpu"),
+    "pallas_gpu": ("gpu", "sink_window_attention_gpu"),
+}
 
-    "auto" traces the TPU and the GPU kernel for every call (only the lowering platform's is lowered):
-    without the inner `jit` that is two kernel traces per layer and step function.
-    """
-    # Imported on use so that the package imports without the Pallas kernels (and their lowering stacks).
-    if name == "pallas_tpu":
-        from kernels_pallas.sink_window_attention.tpu import sink_window_attention_tpu as kernel
-    else:
-        from kernels_pallas.sink_window_attention.gpu import sink_window_attention_gpu as kernel
-    return jax.jit(kernel, static_argnames=("max_retained", "query_window", "scale", "interpret"))
+
+def _pallas_implementation(name: str):
+    return jitted_kernel(*_KERNELS[name], ("max_retained", "query_window", "scale", "interpret"))
 
 
 def sink_window_attention(
@@ -98,17 +92,12 @@ def sink_window_attention(
     if implementation != "auto":
         return _pallas_implementation(implementation)(*arrays, **settings, interpret=interpret)
 
-    def kernel_or_xla(name, *arrays):
-        try:
-            return _pallas_implementation(name)(*arrays, **settings, interpret=interpret)
-        except NotImplementedError:
-            return sink_window_attention_xla(*arrays, **settings)
+    def kernel(name):
+        return lambda *arrays: _pallas_implementation(name)(*arrays, **settings, interpret=interpret)
 
-    # The platform the program is lowered for picks the branch (only that one is lowered), so a program
-    # exported or compiled ahead of time from a CPU host for TPU or GPU carries the Pallas kernel.
-    return lax.platform_dependent(
+    return by_lowering_platform(
         *arrays,
-        tpu=functools.partial(kernel_or_xla, "pallas_tpu"),
-        cuda=functools.partial(kernel_or_xla, "pallas_gpu"),
+        tpu=kernel("pallas_tpu"),
+        cuda=kernel("pallas_gpu"),
         default=lambda *arrays: sink_window_attention_xla(*arrays, **settings),
     )

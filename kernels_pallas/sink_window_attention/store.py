@@ -22,7 +22,6 @@ The Pallas kernels are imported on use, so importing this package loads neither 
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import jax
@@ -31,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from kernels_pallas.sink_window_attention import table as tbl
+from kernels_pallas.sink_window_attention.dispatch import by_lowering_platform, jitted_kernel
 
 if TYPE_CHECKING:
     from jax.experimental.pallas import tpu as pltpu
@@ -161,19 +161,12 @@ def store_step_xla(
     return lax.fori_loop(0, num_requests * tbl.NUM_WRITES, store_range, (cache_k, cache_v, after))
 
 
-@functools.cache
-def _pallas_implementation(name: str):
-    """The Pallas store kernel `name`, jitted so that a model's layers of one shape trace it once.
+# (module, function) of each Pallas implementation, imported on use (see `dispatch.jitted_kernel`).
+_KERNELS = {"pallas_tpu": ("store_tpu", "store_step_tpu"), "pallas_gpu": ("store_gpu", "store_step_gpu")}
 
-    "auto" traces the TPU and the GPU kernel for every call (only the lowering platform's is lowered):
-    without the inner `jit` that is two kernel traces per layer and step function.
-    """
-    # Imported on use so that the package imports without the Pallas kernels (and their lowering stacks).
-    if name == "pallas_tpu":
-        from kernels_pallas.sink_window_attention.store_tpu import store_step_tpu as kernel
-    else:
-        from kernels_pallas.sink_window_attention.store_gpu import store_step_gpu as kernel
-    return jax.jit(kernel, static_argnames=("reverse", "interpret"))
+
+def _pallas_implementation(name: str):
+    return jitted_kernel(*_KERNELS[name], ("reverse", "interpret"))
 
 
 def store_step_after(
@@ -205,17 +198,10 @@ def store_step_after(
     def xla(ck, cv, k, v, table, after):
         return store_step_xla(ck, cv, k, v, table, reverse=reverse, after=after)
 
-    def pallas(name: str, *, fallback: bool):
+    def pallas(name: str):
         def run(ck, cv, k, v, table, after):
-            try:
-                return (
-                    *_pallas_implementation(name)(ck, cv, k, v, table, reverse=reverse, interpret=interpret),
-                    after,
-                )
-            except NotImplementedError:
-                if not fallback:
-                    raise
-                return xla(ck, cv, k, v, table, after)
+            kernel = _pallas_implementation(name)
+            return (*kernel(ck, cv, k, v, table, reverse=reverse, interpret=interpret), after)
 
         return run
 
@@ -223,14 +209,8 @@ def store_step_after(
     if implementation == "xla":
         return xla(*arrays)
     if implementation != "auto":
-        return pallas(implementation, fallback=False)(*arrays)
-    # Every branch is traced; only the lowering platform's is lowered (CPU gets the XLA loop).
-    return lax.platform_dependent(
-        *arrays,
-        tpu=pallas("pallas_tpu", fallback=True),
-        cuda=pallas("pallas_gpu", fallback=True),
-        default=xla,
-    )
+        return pallas(implementation)(*arrays)
+    return by_lowering_platform(*arrays, tpu=pallas("pallas_tpu"), cuda=pallas("pallas_gpu"), default=xla)
 
 
 def store_step(
