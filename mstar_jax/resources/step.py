@@ -31,7 +31,9 @@ __all__ = [
     "Segment",
     "SlotLease",
     "StepContext",
+    "StepNotAdmittedError",
     "SubmoduleStep",
+    "UnknownRequestError",
 ]
 
 
@@ -70,6 +72,18 @@ class AdmitRuntimeError(AdmitFailedReason):
     Terminal, unlike the two above: no eviction and no reload makes it go away, so the caller's
     answer is to fail the request, not to retry it.
     """
+
+
+class StepNotAdmittedError(ValueError):
+    """`plan` or `commit` of a step no successful `admit` accepted (or one that differs from it).
+
+    Refused because such a commit would advance a request over entries it never wrote, and its next
+    step would read what a slot's previous owner left there.
+    """
+
+
+class UnknownRequestError(ValueError):
+    """A call names a request that was never ingested or submitted (or has already left)."""
 
 
 class AdmitOutcome(NamedTuple):

@@ -30,6 +30,8 @@ from mstar_jax.resources.step import (
     ResourceStep,
     Segment,
     StepContext,
+    StepNotAdmittedError,
+    UnknownRequestError,
 )
 
 __all__ = ["DEFAULT_NUM_SOURCES", "BoundedKVManager"]
@@ -39,7 +41,11 @@ DEFAULT_NUM_SOURCES = 8
 
 @dataclasses.dataclass
 class _Request:
-    """One request's host record. `slot` is None until its first admitted step (and while offloaded)."""
+    """One request's host record. `slot` is None until its first admitted step (and while offloaded).
+
+    `admitted` is the (position, span) of its admitted step not yet committed or aborted: the only
+    step `plan` and `commit` accept for it.
+    """
 
     slot: int | None = None
     written: int = 0
@@ -47,6 +53,7 @@ class _Request:
     source_len: int | None = None
     policy: SinkWindow | None = None
     host_copy: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # (k, v) per layer, when offloaded
+    admitted: tuple[StreamPosition, int] | None = None
 
 
 def _refuse(reason) -> AdmitOutcome:
@@ -202,11 +209,13 @@ class BoundedKVManager(Resource):
             self.remove_request(request_id)
         elif request_id in self._requests:
             self._requests[request_id].written = 0
+            self._requests[request_id].admitted = None
 
     # Step lifecycle.
-    def _is_padding(self, request_id: str, ctx: StepContext) -> bool:
-        # Capture declares steps over rows no request owns; they plan as padding like bucket filler.
-        return ctx.is_padding_row(request_id) or (ctx.capture and request_id not in self._requests)
+    @staticmethod
+    def _is_padding(request_id: str, ctx: StepContext) -> bool:
+        # A capture step only traces shapes: it claims nothing, so every row plans as bucket filler.
+        return ctx.capture or ctx.is_padding_row(request_id)
 
     def _check_segment(
         self, seg: Segment, pos: StreamPosition | None, step_tokens: int, ctx: StepContext
@@ -221,12 +230,18 @@ class BoundedKVManager(Resource):
             return RequestOffloading(f"bounded KV: {rid!r} is offloaded to host memory", seg.label, rid)
         if pos is None:
             return AdmitRuntimeError(f"bounded KV step declares no position for {rid!r}")
+        for field, value in zip(StreamPosition._fields, pos, strict=True):
+            if not _is_int(value) or value < 0:
+                return AdmitRuntimeError(f"{rid!r} declares {field}={value!r}; it must be an int >= 0")
+        for field, value in (("span", seg.span), ("step tokens", step_tokens)):
+            if not _is_int(value):
+                return AdmitRuntimeError(f"{rid!r} declares {field}={value!r}; it must be an int")
         if not cfg.min_source_len <= pos.source_len <= cfg.max_source_len:
             return AdmitRuntimeError(
                 f"{rid!r} has a {pos.source_len}-token source; the slots hold sources of "
                 f"[{cfg.min_source_len}, {cfg.max_source_len}] tokens"
             )
-        if isinstance(pos.source, bool) or not 0 <= pos.source < self.bank.num_sources:
+        if not 0 <= pos.source < self.bank.num_sources:
             return AdmitRuntimeError(
                 f"{rid!r} declares source={pos.source!r}; sources are indexed [0, {self.bank.num_sources})"
             )
@@ -267,28 +282,30 @@ class BoundedKVManager(Resource):
         return None
 
     def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
-        """Check every segment, then claim slots for first-time requests, all or nothing."""
+        """Check every segment, then claim slots for first-time requests, all or nothing.
+
+        Every check runs before anything is claimed, so a refusal (or a bad step type) changes nothing.
+        """
+        step = _as_bounded_step(step)
         if ctx.capture:
             return ADMIT_OK
-        step = _as_bounded_step(step)
         need_slot: list[str] = []
-        seen: set[str] = set()
+        admitted: dict[str, tuple[StreamPosition, int]] = {}
         for seg in step.segments or ():
             if self._is_padding(seg.request_id, ctx):
                 continue
-            if seg.request_id in seen:  # two rows would share one slot and one write range
+            if seg.request_id in admitted:  # two rows would share one slot and one write range
                 return _refuse(
                     AdmitRuntimeError(
                         f"bounded KV step declares {seg.request_id!r} twice; "
                         "a request adds one segment per step"
                     )
                 )
-            seen.add(seg.request_id)
-            reason = self._check_segment(
-                seg, step.positions.get(seg.request_id), _step_tokens(step, seg), ctx
-            )
+            pos = step.positions.get(seg.request_id)
+            reason = self._check_segment(seg, pos, _step_tokens(step, seg), ctx)
             if reason is not None:
                 return _refuse(reason)
+            admitted[seg.request_id] = (pos, seg.span)
             if self._requests[seg.request_id].slot is None:
                 need_slot.append(seg.request_id)
         if len(need_slot) > len(self._free):
@@ -303,22 +320,59 @@ class BoundedKVManager(Resource):
                     request_id=rid,
                 )
             )
+        policies = {rid: self.config.retention_for(int(step.positions[rid].source_len)) for rid in need_slot}
+        # Nothing below can fail: every claim is made, or (above) none is.
         for rid in need_slot:
             request, pos = self._requests[rid], step.positions[rid]
             request.slot = self._free.pop()
-            request.source, request.source_len = pos.source, pos.source_len
-            request.policy = self.config.retention_for(pos.source_len)
+            request.source, request.source_len = int(pos.source), int(pos.source_len)
+            request.policy = policies[rid]
             if pos.source_len > 0:  # a request with no source prefix holds no claim on the bank
-                self._readers[pos.source] += 1
+                self._readers[request.source] += 1
+        for rid, (pos, span) in admitted.items():
+            self._requests[rid].admitted = (StreamPosition(*map(int, pos)), int(span))
         self._claimed_in_step = need_slot
         return ADMIT_OK
+
+    def _real_segments(self, step: BoundedKVStep, ctx: StepContext, call: str) -> list[Segment]:
+        """The step's real segments; raises unless each request was ingested and holds a slot."""
+        real = [seg for seg in step.segments or () if not self._is_padding(seg.request_id, ctx)]
+        for seg in real:
+            request = self._requests.get(seg.request_id)
+            if request is None:
+                raise UnknownRequestError(
+                    f"bounded KV {call}: request {seg.request_id!r} was never ingested (or was removed)"
+                )
+            if request.slot is None or seg.request_id not in step.positions:
+                raise StepNotAdmittedError(
+                    f"bounded KV {call}: {seg.request_id!r} holds no slot or declares no position; "
+                    f"{call} only a step admit accepted"
+                )
+        return real
+
+    def _admitted_segments(self, step: BoundedKVStep, ctx: StepContext) -> list[Segment]:
+        """The step's real segments, each matching its request's pending admission; raises otherwise."""
+        real = self._real_segments(step, ctx, "commit")
+        for seg in real:
+            request, pos = self._requests[seg.request_id], step.positions[seg.request_id]
+            if request.admitted is None or (tuple(pos), seg.span) != (
+                tuple(request.admitted[0]),
+                request.admitted[1],
+            ):
+                admitted = "no step" if request.admitted is None else _describe(*request.admitted)
+                raise StepNotAdmittedError(
+                    f"bounded KV commit: {seg.request_id!r} declares {_describe(pos, seg.span)}, but "
+                    f"admit accepted {admitted} (or it was committed or aborted since); commit only the "
+                    "step admit accepted"
+                )
+        return real
 
     def plan(self, step: ResourceStep, ctx: StepContext) -> BoundedKVPlan:
         """The plan table for `step`'s segments (padding rows get empty layouts), padded to the bucket."""
         step = _as_bounded_step(step)
         segments = step.segments or ()
+        real = self._real_segments(step, ctx, "plan")
         real_index = [i for i, seg in enumerate(segments) if not self._is_padding(seg.request_id, ctx)]
-        real = [segments[i] for i in real_index]
         rows = len(segments)
         lease = ctx.slot_lease
         if lease is not None and lease.bucket is not None:
@@ -347,19 +401,28 @@ class BoundedKVManager(Resource):
         return BoundedKVPlan(table)
 
     def commit(self, step: ResourceStep, ctx: StepContext) -> None:
-        """Record that the step ran: each request's `written` becomes its declared position plus span."""
+        """Record that the step ran: each request's `written` becomes its declared position plus span.
+
+        Raises:
+          StepNotAdmittedError: a row does not match its request's admitted step; nothing is committed.
+          UnknownRequestError: a row names a request that was never ingested.
+        """
+        step = _as_bounded_step(step)
         if ctx.capture:
             return
-        step = _as_bounded_step(step)
-        for seg in step.segments or ():
-            request = self._requests.get(seg.request_id)
-            pos = step.positions.get(seg.request_id)
-            if request is not None and pos is not None and not self._is_padding(seg.request_id, ctx):
-                request.written = pos.written + seg.span
+        for seg in self._admitted_segments(step, ctx):
+            request = self._requests[seg.request_id]
+            position, span = request.admitted
+            request.written = position.written + span
+            request.admitted = None
         self._claimed_in_step = []
 
     def abort_step(self, step: ResourceStep, ctx: StepContext) -> None:
-        """Return the slots this step's admit claimed for requests that have written nothing."""
+        """Forget the step's admission; return the slots it claimed for requests that have written nothing."""
+        for seg in step.segments or ():
+            request = self._requests.get(seg.request_id)
+            if request is not None:
+                request.admitted = None
         for rid in self._claimed_in_step:
             request = self._requests.get(rid)
             if request is not None and request.slot is not None and request.written == 0:
@@ -408,6 +471,14 @@ def _as_bounded_step(step: ResourceStep) -> BoundedKVStep:
     if not isinstance(step, BoundedKVStep):
         raise TypeError(f"the bounded KV cache takes a BoundedKVStep, got {type(step).__name__}")
     return step
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _describe(pos: StreamPosition, span: int) -> str:
+    return f"(source={pos.source}, source_len={pos.source_len}, written={pos.written}, span={span})"
 
 
 def _step_tokens(step: BoundedKVStep, seg: Segment) -> int:

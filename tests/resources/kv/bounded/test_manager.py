@@ -37,6 +37,8 @@ from mstar_jax.resources.step import (
     Segment,
     SlotLease,
     StepContext,
+    StepNotAdmittedError,
+    UnknownRequestError,
 )
 
 # Sources of 1..4 tokens; the sink is the source plus one written token, the ring holds 3:
@@ -269,6 +271,25 @@ RUNTIME_ERRORS = {
         None, ("a", Pos(3, 0, 0), 1), {"a": 3},
         "'a' brings 3 tokens; bucket decode[bs=3,tokens=2] holds 2 per row",
     ),
+    # Fields of the wrong type are refused before any claim (a float source_len once claimed a slot,
+    # then raised while looking up its retention: the slot leaked and the source's readers miscounted).
+    "float_source_len": (
+        None, ("a", Pos(3.0, 0, 0), 1), None, "'a' declares source_len=3.0; it must be an int",
+    ),
+    "float_written": (
+        None, ("a", Pos(3, 0.0, 0), 1), None, "'a' declares written=0.0; it must be an int >= 0",
+    ),
+    "bool_source": (
+        None, ("a", Pos(3, 0, True), 1), None, "'a' declares source=True; it must be an int >= 0",
+    ),
+    "negative_source": (
+        None, ("a", Pos(3, 0, -1), 1), None, "'a' declares source=-1; it must be an int >= 0",
+    ),
+    "string_written": (None, ("a", Pos(3, "0", 0), 1), None, "'a' declares written='0'; it must be an int"),
+    "float_span": (None, ("a", Pos(3, 0, 0), 1.0), None, "'a' declares span=1.0; it must be an int"),
+    "float_step_tokens": (
+        None, ("a", Pos(3, 0, 0), 1), {"a": 1.5}, "'a' declares step tokens=1.5; it must be an int",
+    ),
 }  # fmt: skip
 
 
@@ -286,6 +307,18 @@ def test_terminal_admission_errors_claim_nothing(manager, case):
     assert re.fullmatch(re.escape(message) + ".*", outcome.reason.message), outcome.reason.message
     assert state(manager) == before
     assert manager.slot_of("b") is None
+
+
+def test_a_capture_step_over_ingested_requests_plans_every_row_empty(manager):
+    ingest(manager, "a", "b")
+    _commit_first_step(manager, "a")
+    step, ctx = declare([("a", Pos(3, 1, 0), 1), ("b", Pos(4, 0, 1), 1)], padding=1, capture=True)
+    before = state(manager)
+    assert manager.admit(step, ctx) is ADMIT_OK
+    table = manager.plan(step, ctx).table
+    np.testing.assert_array_equal(table, layout.padding_rows(BUCKET.bs, manager.padding_slot))
+    manager.commit(step, ctx)
+    assert state(manager) == before
 
 
 def test_capture_admits_without_claiming(manager):
@@ -344,9 +377,85 @@ def test_commit_advances_written_by_the_span(manager):
         manager.commit(step, ctx)
         written += span
         assert manager.written("a") == written
-        manager.commit(step, ctx)  # committing the same step again changes nothing
-        assert manager.written("a") == written
+        before = state(manager)
+        with pytest.raises(StepNotAdmittedError, match="admit accepted no step"):
+            manager.commit(step, ctx)  # a step commits once: a second commit would skip a position
+        assert state(manager) == before
     assert manager.slot_of("a") == 0
+
+
+def test_a_commit_without_its_admit_is_refused_so_no_request_reads_a_previous_occupant(manager):
+    """A fresh request in a slot a finished request used, committed without an admit, would start at
+    `written=5` and read the previous occupant's five entries as its own."""
+    ingest(manager, "old", "new")
+    old, ctx = declare([("old", Pos(3, 0, 0), 2)], tokens={"old": 2})
+    admit_ok(manager, old, ctx)
+    manager.commit(old, ctx)
+    manager.remove_request("old")  # slot 0 is free, its entries still on the device
+    before = state(manager)
+    unadmitted, ctx = declare([("new", Pos(3, 0, 0), 2)], tokens={"new": 2})
+    with pytest.raises(StepNotAdmittedError, match=r"'new' holds no slot"):
+        manager.commit(unadmitted, ctx)
+    assert state(manager) == before
+    assert manager.written("new") == 0
+    # The first admitted step must start at 0; once admitted, only that exact step commits.
+    assert not manager.admit(declare([("new", Pos(3, 2, 0), 1)])[0], ctx).ok
+    admit_ok(manager, unadmitted, ctx)
+    before = state(manager)
+    for wrong in (Pos(3, 1, 0), Pos(2, 0, 0), Pos(3, 0, 1)):
+        with pytest.raises(
+            StepNotAdmittedError, match=r"admit accepted \(source=0, source_len=3, written=0, span=2\)"
+        ):
+            manager.commit(declare([("new", wrong, 2)], tokens={"new": 2})[0], ctx)
+    with pytest.raises(StepNotAdmittedError, match="span=1"):
+        manager.commit(declare([("new", Pos(3, 0, 0), 1)], tokens={"new": 2})[0], ctx)
+    assert state(manager) == before
+    manager.commit(unadmitted, ctx)
+    assert manager.written("new") == 2
+
+
+def test_an_aborted_step_cannot_be_committed(manager):
+    ingest(manager, "a")
+    _commit_first_step(manager, "a")
+    step, ctx = declare([("a", Pos(3, 1, 0), 1)])
+    admit_ok(manager, step, ctx)
+    manager.abort_step(step, ctx)
+    before = state(manager)
+    with pytest.raises(StepNotAdmittedError):
+        manager.commit(step, ctx)
+    assert state(manager) == before
+    assert manager.written("a") == 1
+
+
+def test_plan_and_commit_of_a_never_ingested_request_are_typed_errors(manager):
+    step, ctx = declare([("ghost", Pos(3, 0, 0), 1)])
+    for call in (manager.plan, manager.commit):
+        with pytest.raises(UnknownRequestError, match="'ghost' was never ingested"):
+            call(step, ctx)
+    assert isinstance(UnknownRequestError("x"), ValueError)
+
+
+def test_a_refused_float_position_leaks_nothing_and_a_retry_succeeds(manager):
+    ingest(manager, "a")
+    before = state(manager)
+    outcome = manager.admit(*declare([("a", Pos(3.0, 0, 0), 1)]))
+    assert type(outcome.reason) is AdmitRuntimeError
+    assert state(manager) == before
+    assert manager.readers(0) == 0
+    _commit_first_step(manager, "a")
+    assert (manager.slot_of("a"), manager.readers(0)) == (0, 1)
+    manager.remove_request("a")
+    assert manager.readers(0) == 0
+    manager.remove_source(0)  # no live reader is left behind to read it
+
+
+def test_numpy_integer_positions_are_accepted(manager):
+    ingest(manager, "a")
+    step, ctx = declare([("a", Pos(np.int64(3), np.int32(0), np.int16(0)), np.int64(1))])
+    admit_ok(manager, step, ctx)
+    manager.commit(step, ctx)
+    assert manager.written("a") == 1
+    assert type(manager.written("a")) is int
 
 
 def test_abort_step_returns_only_that_admits_slots(manager):
