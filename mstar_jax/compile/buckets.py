@@ -7,7 +7,7 @@ the padding off. A batch with more rows than the largest bucket is split by the 
 (`Buckets.split_batch`); a row with more tokens than the largest bucket is refused at admission
 (`Buckets.max_tokens`).
 
-Combined walks (`CombinedSplit`, DESIGN §7). A combined program runs decode rows (one token each) and
+Combined walks (`CombinedSplit`, docs/design.md §7). A combined program runs decode rows (one token each) and
 prefill rows (`num_tokens` each) side by side. Its bucket at `bs` rows holds up to `bs` rows of which at
 most `P = split.max_prefill_rows(max_rows_in_combined, bs)` are prefill rows, so the program is
 compiled for `bs` decode rows and `P` prefill rows, whatever the mix. The key says so:

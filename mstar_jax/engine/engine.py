@@ -6,7 +6,7 @@ one flow step. A step goes: form the rows (`scheduler`), pick the tightest captu
 `BoundedKVStep` padded to it, admit it through the node's `ResourceRunner`, plan, replay the bucket's
 compiled program on the donated cache, commit, and hand each request its output.
 
-Admission answers (DESIGN §4):
+Admission answers (docs/design.md §4):
 
 - `AllocationFailed` (no free slot): offload an idle stream (paused by its client) from the resource
   that ran out and retry; with none to offload, hold the refused request for `hold_backoff_s` and run

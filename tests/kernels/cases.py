@@ -210,7 +210,7 @@ def make_case(
 
 
 def standard_cases(dtype: npt.DTypeLike = np.float32) -> list[KernelCase]:
-    """The cases every implementation must pass (DESIGN §6), in `dtype` (float32 or bfloat16).
+    """The cases every implementation must pass (docs/design.md §6), in `dtype` (float32 or bfloat16).
 
     Defaults: sink 6, window 16, 6 slots, 2 sources of up to 24 entries, H 4, G 2, D 32.
     """

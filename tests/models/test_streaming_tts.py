@@ -1,7 +1,7 @@
 """The streaming TTS model over the bounded caches against dense full-history references.
 
 The references keep every stream entry a request ever wrote (voice included) in one array and attend
-it through a mask built from the retention definition (DESIGN §3): they never see a slot, a ring or a
+it through a mask built from the retention definition (docs/design.md §3): they never see a slot, a ring or a
 plan table. Then: a combined decode+prefill step equals running each row alone.
 """
 

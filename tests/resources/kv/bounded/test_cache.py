@@ -222,7 +222,7 @@ def run_step(cache, bank, plan, q, k, v, *, config):
 
 
 def _vmapped_write_step(cache, bank, plan, q, k, v, *, config):
-    """The trap of DESIGN.md §5: a per-row update under `vmap` writes a whole cache per row."""
+    """The trap of docs/design.md §5: a per-row update under `vmap` writes a whole cache per row."""
     slots = plan.table[:, tbl.SLOT]
 
     def update(layer_cache, new):  # new [B, T, G, D]

@@ -274,7 +274,7 @@ def simulate_capacities(policy_of, min_source_len: int, max_source_len: int) -> 
     """Walk every stream a request can have and count what a slot must hold.
 
     For each source length `s` and each stream length `n`, the retained positions are
-    `[0, min(sink, n)) ∪ [max(sink, n - window), n)` (DESIGN §3, a reading step). Of those, positions
+    `[0, min(sink, n)) ∪ [max(sink, n - window), n)` (docs/design.md §3, a reading step). Of those, positions
     `< s` live in the source; `[s, sink)` are the written sink; positions `>= max(sink, s)` are in
     the ring. The capacities are the largest counts seen.
     """

@@ -1,7 +1,7 @@
 """The whole bounded KV cache (manager + layout + cache writes + XLA attention) against a brute-force oracle.
 
 The oracle keeps every request's stream whole, in float64, and attends `stream[R] ++ step keys`
-straight from the definition in DESIGN.md §3; it never sees a slot, a ring or a plan table.
+straight from the definition in docs/design.md §3; it never sees a slot, a ring or a plan table.
 """
 
 from __future__ import annotations
