@@ -1,0 +1,27 @@
+"""One set of captured programs for every engine test in this package (they depend only on the caches'
+geometry); the persistent compilation cache lets the CLI test load them instead of compiling again."""
+
+from __future__ import annotations
+
+import pytest
+
+from mstar_jax.compile import disable_persistent_cache, enable_persistent_cache
+from mstar_jax.engine import TTSPrograms, tts_buckets
+from mstar_jax.models.streaming_tts.model import StreamingTTSModel
+from tests.engine.support import BATCH_SIZES, CONFIG, TOKEN_COUNTS, managers
+
+
+@pytest.fixture(scope="package")
+def cache_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("xla-cache"))
+    enable_persistent_cache(directory, min_compile_secs=0.0)
+    yield directory
+    disable_persistent_cache()
+
+
+@pytest.fixture(scope="package")
+def programs(cache_dir):
+    model = StreamingTTSModel(CONFIG)
+    talker, flow = managers()
+    buckets = tts_buckets(batch_sizes=BATCH_SIZES, token_counts=TOKEN_COUNTS, flow_chunk=CONFIG.flow_chunk)
+    return model, TTSPrograms.capture(model, buckets, talker=talker, flow=flow, progress=False, max_workers=2)
