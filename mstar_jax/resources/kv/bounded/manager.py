@@ -13,13 +13,13 @@ from collections.abc import Sequence
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mstar_jax.resources.base import Resource
 from mstar_jax.resources.kv.bounded import layout
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, BoundedKVStep, SinkWindow, StreamPosition
+from mstar_jax.resources.kv.bounded.host import HostCopies
 from mstar_jax.resources.spec import NodeResourceSpec, ResourceReqConfig
 from mstar_jax.resources.step import (
     ADMIT_OK,
@@ -73,20 +73,7 @@ def _store_source(bank: SourceBank, index, k, v) -> SourceBank:
     )
 
 
-@partial(jax.jit, donate_argnums=0)
-def _store_slot(cache: BoundedKVCache, slot, k, v) -> BoundedKVCache:
-    return BoundedKVCache(
-        k=tuple(layer.at[slot].set(new) for layer, new in zip(cache.k, k, strict=True)),
-        v=tuple(layer.at[slot].set(new) for layer, new in zip(cache.v, v, strict=True)),
-    )
-
-
-@jax.jit
-def _load_slot(cache: BoundedKVCache, slot):
-    return [layer[slot] for layer in cache.k], [layer[slot] for layer in cache.v]
-
-
-class BoundedKVManager(Resource):
+class BoundedKVManager(HostCopies, Resource):
     """Serves a `BoundedKVSpec`: one slot per live request, sources read in place.
 
     Admission is atomic: a refused `admit` claims nothing. `plan` is a pure function of the step and
@@ -431,35 +418,6 @@ class BoundedKVManager(Resource):
                     self._readers[request.source] -= 1
                 self._requests[rid] = _Request()
         self._claimed_in_step = []
-
-    # Eviction.
-    def is_offloaded(self, request_id: str) -> bool:
-        request = self._requests.get(request_id)
-        return request is not None and request.host_copy is not None
-
-    def offload(self, request_id: str) -> int:
-        """Copy the request's slot to host memory and free the slot; return the device bytes reclaimed."""
-        request = self._requests.get(request_id)
-        if request is None or request.slot is None:
-            return 0
-        k, v = jax.device_get(_load_slot(self.cache, jnp.int32(request.slot)))
-        request.host_copy = (k, v)
-        self._free.append(request.slot)
-        request.slot = None
-        return self.cache.nbytes // (self.config.max_slots + 1)
-
-    def reload(self, request_id: str) -> bool:
-        """Bring an offloaded request back into a free slot, bit-exactly; False while none is free."""
-        request = self._requests.get(request_id)
-        if request is None or request.host_copy is None:
-            return True
-        if not self._free:
-            return False
-        slot = self._free.pop()
-        k, v = request.host_copy
-        self.cache = _store_slot(self.cache, jnp.int32(slot), k, v)
-        request.slot, request.host_copy = slot, None
-        return True
 
     def cleanup(self) -> None:
         self._requests.clear()

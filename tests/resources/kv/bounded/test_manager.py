@@ -755,3 +755,74 @@ def test_offload_of_a_zero_token_slot_reports_what_it_freed():
     admit_ok(manager, *declare([("a", Pos(2, 0, 0), 1)], lease=False))
     assert manager.offload("a") > 0
     assert manager.free_slots == 1
+
+
+# --- recovery after a device fault ------------------------------------------------------------------------
+
+
+def _lose_the_cache(manager: BoundedKVManager) -> None:
+    """What a step that fails after its cache was donated leaves behind: deleted buffers."""
+    for layer in manager.cache.k + manager.cache.v:
+        layer.delete()
+    assert manager.cache_lost()
+
+
+def test_recover_without_a_snapshot_forgets_the_slot_holders_and_keeps_offloaded_requests(manager):
+    ingest(manager, "a", "b", "parked", "idle")
+    run(
+        manager,
+        [("a", Pos(3, 0, 0), 1), ("b", Pos(4, 0, 1), 1), ("parked", Pos(4, 0, 1), 2)],
+        0,
+        tokens={"parked": 2},
+    )
+    assert manager.offload("parked") == CFG.slot_bytes
+    parked = state(manager)[1]["parked"]
+    assert not manager.cache_lost()
+    _lose_the_cache(manager)
+    assert sorted(manager.recover()) == ["a", "b"]
+    assert not manager.cache_lost()
+    fresh_shapes = [x.shape for x in jax.tree.leaves(BoundedKVCache.create(CFG))]
+    assert [x.shape for x in jax.tree.leaves(manager.cache)] == fresh_shapes
+    assert not any(np.asarray(x).any() for x in jax.tree.leaves(manager.cache))
+    free, requests, readers, _ = state(manager)
+    assert sorted(free) == [0, 1, 2]
+    assert requests == {"parked": parked, "idle": (None, 0, None, None, None, False)}
+    assert readers == {1: 1}  # only the offloaded request still reads source 1
+    assert manager.reload("parked")
+    assert manager.slot_of("parked") == 0  # the slots are free again: serving goes on
+
+
+def test_recover_from_a_snapshot_restores_entries_and_a_replay_repeats_every_output_bit_for_bit(manager):
+    """Steps after the snapshot, lost and replayed, give exactly the outputs they gave the first time."""
+    ingest(manager, "a", "b")
+    run(manager, [("a", Pos(3, 0, 0), 2)], 0, tokens={"a": 2})
+    run(manager, [("a", Pos(3, 2, 0), 1), ("b", Pos(4, 0, 1), 2)], 1, tokens={"b": 2})
+    snapshot = manager.snapshot()
+    at_snapshot = state(manager)
+    assert snapshot.nbytes == manager.cache.nbytes
+    later = [  # the ring (3 entries) wraps during these
+        ([("a", Pos(3, 3, 0), 1), ("b", Pos(4, 2, 1), 1)], 2, None),
+        ([("a", Pos(3, 4, 0), 2), ("b", Pos(4, 3, 1), 1)], 3, {"a": 2}),
+    ]
+    first = [run(manager, entries, seed, tokens=tokens) for entries, seed, tokens in later]
+    ingest(manager, "c")
+    run(manager, [("c", Pos(3, 0, 0), 1)], 4)  # arrived after the snapshot
+    _lose_the_cache(manager)
+    assert sorted(manager.recover(snapshot, restore={"a", "b", "c"})) == ["a", "b", "c"]
+    assert manager.slot_of("c") is None
+    assert "c" not in state(manager)[1]  # the caller ingests it again to start over, or fails it
+    assert state(manager) == at_snapshot
+    for (entries, seed, tokens), out in zip(later, first, strict=True):
+        np.testing.assert_array_equal(run(manager, entries, seed, tokens=tokens), out)
+
+
+def test_recover_restores_only_the_requests_it_is_told_to(manager):
+    ingest(manager, "a", "b")
+    run(manager, [("a", Pos(3, 0, 0), 1), ("b", Pos(4, 0, 1), 1)], 0)
+    snapshot = manager.snapshot()
+    _lose_the_cache(manager)
+    manager.recover(snapshot, restore={"a"})
+    assert (manager.slot_of("a"), manager.written("a")) == (0, 1)
+    assert "b" not in state(manager)[1]
+    assert manager.free_slots == 2
+    assert manager.readers(1) == 0

@@ -1,0 +1,118 @@
+"""Host copies of a bounded KV cache: one request's slot (offload and reload), or the whole cache and
+its bookkeeping (a snapshot, restored after a device fault).
+
+`HostCopies` is the part of `BoundedKVManager` that moves state between the device and host memory; it
+reads and writes the manager's records, free list and reader counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Collection, Mapping
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mstar_jax.resources.kv.bounded.cache import BoundedKVCache
+
+__all__ = ["BoundedKVSnapshot", "HostCopies"]
+
+
+@partial(jax.jit, donate_argnums=0)
+def _store_slot(cache: BoundedKVCache, slot, k, v) -> BoundedKVCache:
+    return BoundedKVCache(
+        k=tuple(layer.at[slot].set(new) for layer, new in zip(cache.k, k, strict=True)),
+        v=tuple(layer.at[slot].set(new) for layer, new in zip(cache.v, v, strict=True)),
+    )
+
+
+@jax.jit
+def _load_slot(cache: BoundedKVCache, slot):
+    return [layer[slot] for layer in cache.k], [layer[slot] for layer in cache.v]
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundedKVSnapshot:
+    """The whole cache in host memory and every request's record, taken between steps.
+
+    Attributes:
+      cache: the device cache's arrays, copied to the host.
+      requests: each request's record (slot, written, source, policy, host copy) when it was taken.
+    """
+
+    cache: BoundedKVCache
+    requests: Mapping[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree.leaves(self.cache))
+
+
+class HostCopies:
+    """Offload, reload, snapshot and recovery for `BoundedKVManager` (which holds the state they use)."""
+
+    def is_offloaded(self, request_id: str) -> bool:
+        request = self._requests.get(request_id)
+        return request is not None and request.host_copy is not None
+
+    def offload(self, request_id: str) -> int:
+        """Copy the request's slot to host memory and free the slot; return the device bytes reclaimed."""
+        request = self._requests.get(request_id)
+        if request is None or request.slot is None:
+            return 0
+        k, v = jax.device_get(_load_slot(self.cache, jnp.int32(request.slot)))
+        request.host_copy = (k, v)
+        self._free.append(request.slot)
+        request.slot = None
+        return self.cache.nbytes // (self.config.max_slots + 1)
+
+    def reload(self, request_id: str) -> bool:
+        """Bring an offloaded request back into a free slot, bit-exactly; False while none is free."""
+        request = self._requests.get(request_id)
+        if request is None or request.host_copy is None:
+            return True
+        if not self._free:
+            return False
+        slot = self._free.pop()
+        k, v = request.host_copy
+        self.cache = _store_slot(self.cache, jnp.int32(slot), k, v)
+        request.slot, request.host_copy = slot, None
+        return True
+
+    def cache_lost(self) -> bool:
+        """True when a buffer of the device cache is gone (donated to a step that then failed)."""
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache))
+
+    def snapshot(self) -> BoundedKVSnapshot:
+        """Copy the cache and every request's record to host memory (between steps)."""
+        records = {rid: dataclasses.replace(r, admitted=None) for rid, r in self._requests.items()}
+        return BoundedKVSnapshot(jax.device_get(self.cache), records)
+
+    def recover(self, snapshot: BoundedKVSnapshot | None = None, restore: Collection[str] = ()) -> list[str]:
+        """Rebuild the device cache after a fault lost it; return the requests whose state was lost.
+
+        Every request that held a slot lost its entries. Those named in `restore` that `snapshot` holds
+        get their snapshot record back, their slot's entries included (the caller replays their steps
+        since); the others are forgotten (the caller fails them, or ingests them again to start over).
+        Offloaded requests keep their host copies. Without a snapshot the cache starts empty.
+        """
+        lost = [rid for rid, r in self._requests.items() if r.slot is not None]
+        if snapshot is None:
+            self.cache = BoundedKVCache.create(self.config)
+        else:
+            self.cache = jax.device_put(snapshot.cache)
+        for rid in lost:
+            saved = snapshot.requests.get(rid) if snapshot is not None and rid in restore else None
+            if saved is None:
+                del self._requests[rid]
+            else:
+                self._requests[rid] = dataclasses.replace(saved)
+        # Only restored records hold slots now, and they all come from one snapshot: no slot is held twice.
+        held = {r.slot for r in self._requests.values() if r.slot is not None}
+        self._free = [slot for slot in reversed(range(self.config.max_slots)) if slot not in held]
+        self._readers = Counter(r.source for r in self._requests.values() if r.source_len)
+        self._claimed_in_step = []
+        return lost
