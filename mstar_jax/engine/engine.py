@@ -6,19 +6,17 @@ one flow step. A step goes: form the rows (`scheduler`), pick the tightest captu
 `BoundedKVStep` padded to it, admit it through the node's `ResourceRunner`, plan, replay the bucket's
 compiled program on the donated cache, commit, and hand each request its output.
 
-Admission answers (docs/design.md §4):
-
-- `AllocationFailed` (no free slot): offload an idle stream (paused by its client) from the resource
-  that ran out and retry; with none to offload, hold the refused request for `hold_backoff_s` and run
-  the others.
-- `RequestOffloading` (the request's state is on the host): reload it and retry; if it does not fit
-  yet, treat it as `AllocationFailed`.
-- `AdmitRuntimeError` (terminal): find the request(s) it is about by admitting each row alone, fail
-  them with the resource's message, and run the others.
+How it answers a refused admission (docs/design.md §4) is in `admission`, what outputs do to streams
+in `outputs`.
 
 Cancelling or finishing a request returns its slots at once. Nothing compiles after `warm_up()`: every
 step replays a program captured at load time, and a step that compiles anyway warns
 (`RecompileWarning`) and is counted in `compilations`.
+
+A step that raises does not stop the engine (`recovery`, docs/design.md §11): if its node's cache
+survived, its rows retry (each failing alone after `MAX_STEP_FAULTS`); if the failed step consumed the
+cache, only the requests that held a slot in it are affected, restored from the last snapshot when
+`snapshot_every` is set and failed with the retryable `StateLostError` otherwise.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from mstar_jax.compile import (
     cap_batch_sizes,
@@ -39,13 +36,22 @@ from mstar_jax.compile import (
     count_compilations,
     warn_on_compilations,
 )
-from mstar_jax.engine import batch
+from mstar_jax.engine import batch, recovery
+from mstar_jax.engine.admission import Admission
+from mstar_jax.engine.outputs import Outputs
 from mstar_jax.engine.programs import TTSPrograms, tts_buckets
-from mstar_jax.engine.request import AudioChunk, Phase, Stream, TTSRequest
-from mstar_jax.engine.scheduler import FlowRow, TalkerRow, flow_rows, talker_rows
+from mstar_jax.engine.recovery import Recovery
+from mstar_jax.engine.request import (
+    AudioChunk,
+    Phase,
+    RequestCancelledError,
+    RequestError,
+    Stream,
+    TTSRequest,
+)
+from mstar_jax.engine.scheduler import flow_rows, talker_rows
 from mstar_jax.models.streaming_tts.model import (
     FLOW_CHUNK,
-    SAMPLES_PER_FRAME,
     TALKER_MIXED,
     TALKER_PREFILL,
     StreamingTTSModel,
@@ -55,13 +61,11 @@ from mstar_jax.resources.kv.bounded.config import BoundedKVStep
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import (
-    AdmitRuntimeError,
-    AllocationFailed,
     BucketKey,
-    RequestOffloading,
     Segment,
     StepContext,
     SubmoduleStep,
+    UnknownRequestError,
 )
 
 __all__ = ["FLOW_KV", "TALKER_KV", "Engine", "StepRecord"]
@@ -104,7 +108,7 @@ class _Node:
     manager: BoundedKVManager
 
 
-class Engine:
+class Engine(Admission, Outputs, Recovery):
     """Serves streaming TTS requests on one host.
 
     Args:
@@ -115,6 +119,8 @@ class Engine:
       hold_backoff_s: how long a request refused for lack of room waits before it is retried.
       offload_idle_after_s: streams no step has touched for this long move to host memory (None:
         never; paused streams are still offloaded when a new request needs their slot).
+      snapshot_every: copy both caches and every stream's progress to host memory every this many
+        steps, so a device fault costs a replay instead of the requests (None: never).
       clock: the time source (`time.perf_counter`).
     """
 
@@ -128,11 +134,19 @@ class Engine:
         max_batch: int,
         hold_backoff_s: float = 0.005,
         offload_idle_after_s: float | None = None,
+        snapshot_every: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
         largest = min(programs.buckets.max_batch(walk) for walk in programs.buckets.walks)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= largest:
             raise ValueError(f"max_batch={max_batch!r} must be an int in [1, {largest}] (the largest bucket)")
+        if snapshot_every is not None and (
+            isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1
+        ):
+            raise ValueError(f"snapshot_every={snapshot_every!r} must be None or an int >= 1")
+        self.snapshot_every = snapshot_every
+        self.last_snapshot: recovery.EngineSnapshot | None = None
+        self.steps_run = 0
         self.model, self.programs, self.max_batch = model, programs, max_batch
         self.hold_backoff_s, self.offload_idle_after_s, self.clock = (
             hold_backoff_s,
@@ -231,7 +245,8 @@ class Engine:
         return voice
 
     def warm_up(self) -> int:
-        """Compile what serving calls besides the captured steps: voice registration, offload, reload.
+        """Compile what serving calls besides the captured steps: voice registration, offload, reload,
+        snapshots.
 
         Runs on an idle engine (it borrows a slot of each cache). Returns the compilations it caused;
         from here on `compilations` counts any compilation a step causes.
@@ -257,6 +272,9 @@ class Engine:
                 node.runner.remove_request(rid)
             if temporary is not None:
                 self.voices.remove(temporary)
+            if self.snapshot_every is not None:
+                self.snapshot()  # compiles the cache copies a snapshot reads through
+                self.last_snapshot, self.counters["snapshots"] = None, 0
         self.warmed_up = True
         self.compilations = 0
         self.warmup_compilations = counter.count
@@ -268,9 +286,14 @@ class Engine:
         """Queue a request; its stream fills as steps run.
 
         Raises:
-          ValueError: a duplicate or reserved request id, or text tokens outside the text vocabulary;
-            nothing is queued then.
+          TypeError: `request` is not a `TTSRequest`, or `on_chunk` is not callable.
+          ValueError: a duplicate or reserved request id, text tokens outside the text vocabulary, or a
+            voice that is not registered as given (index and frames); nothing is queued then.
         """
+        if not isinstance(request, TTSRequest):
+            raise TypeError(f"request={request!r} must be a TTSRequest")
+        if on_chunk is not None and not callable(on_chunk):
+            raise TypeError(f"on_chunk={on_chunk!r} must be callable or None")
         rid = request.request_id
         if rid in self.streams or rid.startswith(batch.PAD):
             raise ValueError(f"request_id={rid!r} is already live or reserved; use a unique id")
@@ -279,6 +302,12 @@ class Engine:
         if bad:
             raise ValueError(
                 f"request {rid!r}: text tokens {bad[:5]} are outside [0, text_vocab_size={vocab})"
+            )
+        if self.voices.voices.get(request.voice.index) != request.voice:
+            registered = [(v.index, v.frames) for v in self.voices.voices.values()]
+            raise ValueError(
+                f"request {rid!r}: voice={request.voice} is not registered; registered (index, frames): "
+                f"{sorted(registered)}"
             )
         stream = Stream(request, on_chunk=on_chunk, submitted_at=self.clock())
         stream.last_step_at = stream.submitted_at
@@ -302,10 +331,8 @@ class Engine:
                     yield stream.chunks[sent]
                     sent += 1
                 if stream.phase.finished:
-                    if stream.phase is not Phase.DONE:
-                        raise RuntimeError(
-                            f"request {request.request_id!r} {stream.phase.value}: {stream.error}"
-                        )
+                    if stream.failure is not None:
+                        raise stream.failure
                     return
                 if not self.step():
                     self._sleep_until_runnable()
@@ -317,17 +344,22 @@ class Engine:
         """Stop a request and return everything it holds."""
         stream = self.streams.get(request_id)
         if stream is not None:
-            self._finish(stream, Phase.CANCELLED, "cancelled by the client")
+            self._finish(
+                stream,
+                Phase.CANCELLED,
+                RequestCancelledError(f"request {request_id!r} cancelled by the client"),
+            )
 
     def pause(self, request_id: str) -> None:
         """Stop scheduling a stream (its client is not reading); its slots may be offloaded."""
-        self.streams[request_id].paused = True
+        self._live(request_id).paused = True
 
     def resume(self, request_id: str) -> None:
-        self.streams[request_id].paused = False
+        self._live(request_id).paused = False
 
     def offload(self, request_id: str) -> int:
         """Move a request's cache state to host memory now; return the device bytes freed."""
+        self._live(request_id)
         freed = sum(node.runner.offload(request_id) for node in self.nodes.values())
         self.counters["offloads"] += freed > 0
         return freed
@@ -335,9 +367,26 @@ class Engine:
     def is_offloaded(self, request_id: str) -> bool:
         return any(node.runner.is_offloaded(request_id) for node in self.nodes.values())
 
+    def _live(self, request_id: str) -> Stream:
+        stream = self.streams.get(request_id)
+        if stream is None:
+            live = sorted(self.streams)
+            raise UnknownRequestError(
+                f"request_id={request_id!r} is not a live request; live: {live[:8]}"
+                + (f" and {len(live) - 8} more" if len(live) > 8 else "")
+            )
+        return stream
+
     @property
     def idle(self) -> bool:
         return not self.streams
+
+    def snapshot(self) -> recovery.EngineSnapshot:
+        """Copy both caches and every live stream's progress to host memory (what a fault restores)."""
+        managers = {name: node.manager for name, node in self.nodes.items()}
+        self.last_snapshot = recovery.take_snapshot(self.steps_run, managers, self.streams.values())
+        self.counters["snapshots"] += 1
+        return self.last_snapshot
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -359,6 +408,12 @@ class Engine:
         )
         if rows:
             ran |= self._run(self.nodes["flow"], rows)
+        if ran:
+            self.steps_run += 1
+            if self.snapshot_every is not None and self.steps_run % self.snapshot_every == 0:
+                # A cache already lost (a poisoned buffer) keeps the last good snapshot for its recovery.
+                if not any(node.manager.cache_lost() for node in self.nodes.values()):
+                    self.snapshot()
         return ran
 
     def run_until_idle(self, *, max_steps: int | None = None) -> int:
@@ -396,6 +451,10 @@ class Engine:
                     bucket, params, node.manager.cache, node.manager.bank, plan, *inputs
                 )
                 outputs = jax.device_get(outputs)
+        except Exception as err:
+            node.runner.abort_step(sub)
+            self._recover(node, rows, err)
+            return True
         except BaseException:
             node.runner.abort_step(sub)
             raise
@@ -428,135 +487,17 @@ class Engine:
         sub.set_ctx(ctx)
         return sub
 
-    def _admit(self, node: _Node, rows: list) -> tuple[SubmoduleStep, BucketKey, list] | None:
-        """Admit the largest part of `rows` the resources accept, handling each refusal (module doc)."""
-        while rows:
-            sub, bucket, rows = self._declare(node, rows)
-            full = node.runner.admit(sub)
-            if full.ok and full.ready:
-                return sub, bucket, rows
-            reason, rids = full.reason, {r.stream.request_id for r in rows}
-            if not full.ok and isinstance(reason, AllocationFailed):
-                self.counters["allocation_failed"] += 1
-                if self._evict(node, full.failed_resource, exclude=rids):
-                    continue
-                rows = self._hold(rows, {reason.request_id})
-            elif not full.ok and isinstance(reason, RequestOffloading):
-                if node.runner.reload(reason.request_id) or (
-                    self._evict(node, full.failed_resource, exclude=rids)
-                    and node.runner.reload(reason.request_id)
-                ):
-                    self.counters["reloads"] += 1
-                    continue
-                rows = self._hold(rows, {reason.request_id})
-            elif not full.ok and isinstance(reason, AdmitRuntimeError):
-                culprits = self._terminal_rows(node, rows)
-                if not culprits:  # the batch alone is refused: give up on it rather than loop
-                    culprits = dict.fromkeys(rids, reason.message)
-                for rid, message in culprits.items():
-                    self._finish(
-                        self.streams[rid],
-                        Phase.FAILED,
-                        f"resource {full.failed_resource!r} rejected the request: {message}",
-                    )
-                rows = [r for r in rows if r.stream.request_id not in culprits]
-            else:  # admitted but not ready (or an unknown refusal): everyone waits
-                rows = self._hold(rows, rids)
-        return None
+    def _fail(self, stream: Stream, failure: RequestError) -> None:
+        self._finish(stream, Phase.FAILED, failure)
 
-    def _terminal_rows(self, node: _Node, rows: list) -> dict[str, str]:
-        """Admit each row alone (then abort it) to find those refused for good, with their messages."""
-        culprits = {}
-        for row in rows:
-            sub, _, _ = self._declare(node, [row])
-            full = node.runner.admit(sub)
-            if full.ok:
-                node.runner.abort_step(sub)
-            elif isinstance(full.reason, AdmitRuntimeError):
-                culprits[row.stream.request_id] = full.reason.message
-        return culprits
-
-    def _hold(self, rows: list, rids: set[str]) -> list:
-        until = self.clock() + self.hold_backoff_s
-        for rid in rids:
-            self.streams[rid].hold_until = until
-            self.counters["holds"] += 1
-        return [r for r in rows if r.stream.request_id not in rids]
-
-    def _evict(self, node: _Node, key: str | None, *, exclude: set[str]) -> bool:
-        """Offload the least recently stepped paused stream holding a slot of `key`; True if one was."""
-        manager = node.runner[key or node.key]
-        victims = [
-            s for s in self.streams.values()
-            if s.paused and s.request_id not in exclude and manager.slot_of(s.request_id) is not None
-        ]  # fmt: skip
-        if not victims:
-            return False
-        victim = min(victims, key=lambda s: s.last_step_at)
-        node.runner.offload(victim.request_id, keys=[key or node.key])
-        self.counters["offloads"] += 1
-        return True
-
-    def _offload_idle(self, now: float) -> None:
-        for stream in self.streams.values():
-            if now - stream.last_step_at >= self.offload_idle_after_s:
-                for node in self.nodes.values():
-                    if node.manager.slot_of(stream.request_id) is not None:
-                        node.runner.offload(stream.request_id)
-                        self.counters["offloads"] += 1
-
-    # -- outputs ----------------------------------------------------------------------------------
-
-    def _after_talker(self, rows: list[TalkerRow], bucket: BucketKey, codes: np.ndarray, now: float) -> None:
-        for row, code in zip(rows, batch.row_outputs(bucket, rows, codes), strict=True):
-            stream = row.stream
-            stream.talker_written += row.span
-            stream.last_step_at = now
-            if row.decode:
-                stream.codes.append(int(code))
-            else:
-                stream.prefilled += row.span
-                stream.phase = Phase.PREFILL
-                if stream.prefilled == stream.prompt_len:
-                    stream.codes.append(int(code))
-                    stream.phase = Phase.DECODE
-            if stream.talker_done:
-                stream.phase = Phase.FLUSH
-                self.nodes["talker"].runner.remove_request(stream.request_id)  # its talker slot is free now
-
-    def _after_flow(self, rows: list[FlowRow], outputs: tuple[np.ndarray, np.ndarray], now: float) -> None:
-        mel, samples = outputs
-        for i, row in enumerate(rows):
-            stream, span = row.stream, row.span
-            if stream.phase.finished:  # cancelled by an earlier row's callback during this step
-                continue
-            chunk = AudioChunk(
-                first_frame=row.start, codes=np.asarray(row.codes, np.int32), mel=mel[i, :span],
-                samples=samples[i, : span * SAMPLES_PER_FRAME],
-            )  # fmt: skip
-            stream.flow_written += span
-            stream.last_step_at = now
-            stream.chunks.append(chunk)
-            if stream.first_audio_at is None:
-                stream.first_audio_at = now
-            if stream.on_chunk is not None:
-                try:
-                    stream.on_chunk(chunk)
-                except Exception as err:  # a client's callback must not stop the other streams
-                    self._finish(stream, Phase.FAILED, f"on_chunk callback raised {err!r}")
-                    continue
-                if stream.phase.finished:  # the callback cancelled its own stream
-                    continue
-            if stream.talker_done and stream.flow_written == stream.request.frames:
-                self._finish(stream, Phase.DONE, None)
-
-    def _finish(self, stream: Stream, phase: Phase, error: str | None) -> None:
+    def _finish(self, stream: Stream, phase: Phase, failure: RequestError | None) -> None:
         if stream.phase.finished:  # a stream ends once
             return
         rid = stream.request_id
         for node in self.nodes.values():
             node.runner.remove_request(rid)
-        stream.phase, stream.error, stream.finished_at = phase, error, self.clock()
+        stream.phase, stream.failure, stream.finished_at = phase, failure, self.clock()
+        stream.error = None if failure is None else str(failure)
         self.streams.pop(rid, None)
         self.finished[rid] = stream
         self.counters[phase.value] += 1

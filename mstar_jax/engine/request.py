@@ -15,7 +15,41 @@ import numpy as np
 
 from mstar_jax.models.streaming_tts.voices import Voice
 
-__all__ = ["AudioChunk", "Phase", "Stream", "TTSRequest"]
+__all__ = [
+    "AudioChunk",
+    "Phase",
+    "ReplayMismatchError",
+    "RequestCancelledError",
+    "RequestError",
+    "StateLostError",
+    "StepFailedError",
+    "Stream",
+    "TTSRequest",
+]
+
+
+class RequestError(RuntimeError):
+    """A request ended without all its audio. `retryable`: submitting it again may well succeed."""
+
+    retryable = False
+
+
+class RequestCancelledError(RequestError):
+    """The client cancelled the request."""
+
+
+class StateLostError(RequestError):
+    """A device fault lost the request's cache state (and no snapshot could restore it)."""
+
+    retryable = True
+
+
+class StepFailedError(RequestError):
+    """The request's steps kept failing while the device state survived them."""
+
+
+class ReplayMismatchError(RequestError):
+    """A replay after a fault did not reproduce what the request had already delivered."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +71,17 @@ class TTSRequest:
     seed: int = 0
 
     def __post_init__(self):
-        object.__setattr__(self, "text", tuple(int(t) for t in np.asarray(self.text).reshape(-1)))
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request_id={self.request_id!r} must be a non-empty str")
-        if not self.text:
+        text = np.asarray(self.text).reshape(-1)
+        if not text.size:
             raise ValueError(f"request {self.request_id!r}: text is empty; it needs at least one token")
+        if not np.issubdtype(text.dtype, np.integer):  # a float token would be truncated silently
+            raise ValueError(
+                f"request {self.request_id!r}: text={_brief(self.text)} must be integer token ids, "
+                f"got dtype {text.dtype}"
+            )
+        object.__setattr__(self, "text", tuple(int(t) for t in text))
         if isinstance(self.frames, bool) or not isinstance(self.frames, int) or self.frames < 1:
             raise ValueError(f"request {self.request_id!r}: frames={self.frames!r} must be an int >= 1")
         if not isinstance(self.voice, Voice):
@@ -50,6 +90,11 @@ class TTSRequest:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise ValueError(f"request {self.request_id!r}: seed={self.seed!r} must be an int in [0, 2**32)")
+
+
+def _brief(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class Phase(enum.Enum):
@@ -92,7 +137,8 @@ class Stream:
     Attributes:
       request: what was asked.
       phase: where it stands.
-      error: why it failed (the refusing resource's message), else None.
+      error: why it failed or was cancelled (the refusing resource's message, say), else None.
+      failure: the same as a typed `RequestError`, else None.
       codes: the codec frames generated so far.
       chunks: the audio chunks decoded so far, in order.
       on_chunk: called with each new chunk (from the engine's thread).
@@ -102,11 +148,15 @@ class Stream:
       paused: the client is not reading; the engine schedules nothing for it.
       last_step_at: when a step last ran for it (for idle offloading).
       hold_until: the engine retries its admission from then on (after a refusal for lack of room).
+      faults: failed steps it was in whose device state survived (it fails after a few).
+      replay_codes: after a fault rewound its talker, the codes it had generated, which the replay
+        must generate again.
     """
 
     request: TTSRequest
     phase: Phase = Phase.WAITING
     error: str | None = None
+    failure: RequestError | None = None
     codes: list[int] = dataclasses.field(default_factory=list)
     chunks: list[AudioChunk] = dataclasses.field(default_factory=list)
     on_chunk: Callable[[AudioChunk], None] | None = None
@@ -119,6 +169,8 @@ class Stream:
     paused: bool = False
     last_step_at: float = 0.0
     hold_until: float = 0.0
+    faults: int = 0
+    replay_codes: tuple[int, ...] = ()
 
     @property
     def request_id(self) -> str:

@@ -21,7 +21,9 @@ from mstar_jax.compile import (
     assert_no_compilations,
 )
 from mstar_jax.engine import Engine, Phase, TTSRequest
+from mstar_jax.engine.request import RequestError
 from mstar_jax.models.streaming_tts.voices import Voice
+from mstar_jax.resources.step import UnknownRequestError
 from tests.engine.support import (
     BATCH_SIZES,
     CONFIG,
@@ -75,22 +77,71 @@ def test_full_caches_offload_a_paused_stream_then_hold_it_until_a_slot_is_releas
     assert back >= first_release
 
 
-def test_a_bad_request_fails_alone_with_its_message(programs):
+def test_malformed_requests_are_refused_at_submit_with_nothing_queued(programs):
+    engine, (v0, _) = make_engine(programs)
+    bad = {
+        "unregistered voice": (request("missing", Voice(5, 4), 10), ValueError, (
+            r"request 'missing': voice=Voice\(index=5, frames=4\) is not registered; "
+            r"registered \(index, frames\): \[\(0, 4\), \(1, 6\)\]"
+        )),
+        "voice of the wrong length": (request("wrong", Voice(0, 6), 10), ValueError, "is not registered"),
+        "token outside the vocabulary": (
+            TTSRequest("t", [3, 99], v0, 4), ValueError, r"text tokens \[99\] are outside",
+        ),
+        "not a request": ("say hello", TypeError, "must be a TTSRequest"),
+    }  # fmt: skip
+    for case, (req, error, match) in bad.items():
+        with pytest.raises(error, match=match):
+            engine.submit(req)
+        assert engine.idle, case
+    with pytest.raises(TypeError, match="on_chunk=3 must be callable"):
+        engine.submit(request("cb", v0, 4), on_chunk=3)
+    with pytest.raises(ValueError, match=r"Voice frames=16.0 must be an int >= 1"):
+        Voice(0, 16.0)
+    with pytest.raises(ValueError, match=r"text=\[1.5, 2\] must be integer token ids, got dtype float64"):
+        TTSRequest("f", [1.5, 2], v0, 4)
+    for call in (engine.pause, engine.resume, engine.offload):
+        with pytest.raises(
+            UnknownRequestError, match=r"request_id='nobody' is not a live request; live: \[\]"
+        ):
+            call("nobody")
+    assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
+
+
+def test_a_request_refused_at_admission_fails_alone_with_its_message(programs):
     engine, (v0, v1) = make_engine(programs)
-    good = [engine.submit(request("g0", v0, 10)), engine.submit(request("g1", v1, 7))]
-    missing = engine.submit(request("missing", Voice(5, 4), 10))
-    wrong_len = engine.submit(request("wrong", Voice(0, 6), 10))  # voice 0 holds 4 frames
+    good = [engine.submit(request("g0", v0, 10)), engine.submit(request("g1", v0, 7))]
+    orphan = engine.submit(request("orphan", v1, 10))
+    engine.voices.remove(1)  # withdrawn behind the engine's back while the request waits
     engine.run_until_idle()
     for stream in good:
         assert_complete(stream)
-    assert missing.phase is Phase.FAILED
-    assert "resource 'talker_kv' rejected the request" in missing.error
-    assert "reads source 5, which is not registered" in missing.error
-    assert wrong_len.phase is Phase.FAILED
-    assert "reads 6 tokens of source 0, which holds 4" in wrong_len.error
+    assert orphan.phase is Phase.FAILED
+    assert type(orphan.failure) is RequestError
+    assert not orphan.failure.retryable
+    assert "resource 'talker_kv' rejected the request" in orphan.error
+    assert "reads source 1, which is not registered" in orphan.error
     assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
-    with pytest.raises(ValueError, match="outside"):
-        engine.submit(TTSRequest("bad-text", [3, 99], v0, 4))
+
+
+def test_an_admit_that_raises_fails_only_the_request_it_is_about(programs, monkeypatch):
+    engine, (v0, v1) = make_engine(programs)
+    admit = engine.talker.admit
+
+    def fragile_admit(step, ctx):
+        if any(seg.request_id == "boom" for seg in step.segments):
+            raise TypeError("a resource bug")
+        return admit(step, ctx)
+
+    monkeypatch.setattr(engine.talker, "admit", fragile_admit)
+    good = [engine.submit(request("g0", v0, 9)), engine.submit(request("g1", v1, 6))]
+    boom = engine.submit(request("boom", v0, 9))
+    engine.run_until_idle()
+    for stream in good:
+        assert_complete(stream)
+    assert boom.phase is Phase.FAILED
+    assert "admit raised TypeError('a resource bug')" in boom.error
+    assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
 
 
 def test_cancellation_frees_every_slot(programs):

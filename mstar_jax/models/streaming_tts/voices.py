@@ -27,6 +27,12 @@ class Voice:
     index: int
     frames: int
 
+    def __post_init__(self):
+        for name, minimum in (("index", 0), ("frames", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"Voice {name}={value!r} must be an int >= {minimum}")
+
     def position(self, written: int) -> StreamPosition:
         """The stream position of a request of this voice that has written `written` entries."""
         return StreamPosition(self.frames, written, self.index)

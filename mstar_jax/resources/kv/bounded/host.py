@@ -29,6 +29,9 @@ def _store_slot(cache: BoundedKVCache, slot, k, v) -> BoundedKVCache:
     )
 
 
+_copy_layer = jax.jit(jnp.copy)
+
+
 @jax.jit
 def _load_slot(cache: BoundedKVCache, slot):
     return [layer[slot] for layer in cache.k], [layer[slot] for layer in cache.v]
@@ -89,7 +92,10 @@ class HostCopies:
     def snapshot(self) -> BoundedKVSnapshot:
         """Copy the cache and every request's record to host memory (between steps)."""
         records = {rid: dataclasses.replace(r, admitted=None) for rid, r in self._requests.items()}
-        return BoundedKVSnapshot(jax.device_get(self.cache), records)
+        # Read through a device copy, a layer at a time: reading the cache's own buffers would pin them to
+        # the host array (on CPU), and a pinned buffer is not donated, so every later step would copy it.
+        cache = jax.tree.map(lambda layer: jax.device_get(_copy_layer(layer)), self.cache)
+        return BoundedKVSnapshot(cache, records)
 
     def recover(self, snapshot: BoundedKVSnapshot | None = None, restore: Collection[str] = ()) -> list[str]:
         """Rebuild the device cache after a fault lost it; return the requests whose state was lost.

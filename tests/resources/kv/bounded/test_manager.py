@@ -804,7 +804,9 @@ def test_recover_from_a_snapshot_restores_entries_and_a_replay_repeats_every_out
         ([("a", Pos(3, 3, 0), 1), ("b", Pos(4, 2, 1), 1)], 2, None),
         ([("a", Pos(3, 4, 0), 2), ("b", Pos(4, 3, 1), 1)], 3, {"a": 2}),
     ]
+    donated = manager.cache
     first = [run(manager, entries, seed, tokens=tokens) for entries, seed, tokens in later]
+    assert all(layer.is_deleted() for layer in donated.k + donated.v)  # the snapshot pinned no buffer
     ingest(manager, "c")
     run(manager, [("c", Pos(3, 0, 0), 1)], 4)  # arrived after the snapshot
     _lose_the_cache(manager)

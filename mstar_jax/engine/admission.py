@@ -1,0 +1,120 @@
+"""Admission answers of the engine loop: what a step does when a resource refuses some of its rows.
+
+- `AllocationFailed` (no free slot): offload an idle stream (paused by its client) from the resource
+  that ran out and retry; with none to offload, hold the refused request for `hold_backoff_s` and run
+  the others.
+- `RequestOffloading` (the request's state is on the host): reload it and retry; if it does not fit
+  yet, treat it as `AllocationFailed`.
+- `AdmitRuntimeError` (terminal), or an admit that raises: find the request(s) it is about by admitting
+  each row alone, fail them with the resource's message, and run the others.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mstar_jax.engine.request import RequestError
+from mstar_jax.resources.step import (
+    AdmitOutcome,
+    AdmitRuntimeError,
+    AllocationFailed,
+    BucketKey,
+    FullAdmitOutcome,
+    RequestOffloading,
+    SubmoduleStep,
+)
+
+if TYPE_CHECKING:
+    from mstar_jax.engine.engine import _Node
+
+__all__ = ["Admission"]
+
+
+class Admission:
+    """The part of `Engine` that admits a step's rows and answers refusals (module doc)."""
+
+    def _admit(self, node: _Node, rows: list) -> tuple[SubmoduleStep, BucketKey, list] | None:
+        """Admit the largest part of `rows` the resources accept, handling each refusal (module doc)."""
+        while rows:
+            sub, bucket, rows = self._declare(node, rows)
+            full = self._try_admit(node, sub)
+            if full.ok and full.ready:
+                return sub, bucket, rows
+            reason, rids = full.reason, {r.stream.request_id for r in rows}
+            if not full.ok and isinstance(reason, AllocationFailed):
+                self.counters["allocation_failed"] += 1
+                if self._evict(node, full.failed_resource, exclude=rids):
+                    continue
+                rows = self._hold(rows, {reason.request_id})
+            elif not full.ok and isinstance(reason, RequestOffloading):
+                if node.runner.reload(reason.request_id) or (
+                    self._evict(node, full.failed_resource, exclude=rids)
+                    and node.runner.reload(reason.request_id)
+                ):
+                    self.counters["reloads"] += 1
+                    continue
+                rows = self._hold(rows, {reason.request_id})
+            elif not full.ok and isinstance(reason, AdmitRuntimeError):
+                culprits = self._terminal_rows(node, rows)
+                if not culprits:  # the batch alone is refused: give up on it rather than loop
+                    culprits = dict.fromkeys(rids, reason.message)
+                for rid, message in culprits.items():
+                    self._fail(self.streams[rid], RequestError(
+                        f"resource {full.failed_resource!r} rejected the request: {message}"
+                    ))  # fmt: skip
+                rows = [r for r in rows if r.stream.request_id not in culprits]
+            else:  # admitted but not ready (or an unknown refusal): everyone waits
+                rows = self._hold(rows, rids)
+        return None
+
+    def _terminal_rows(self, node: _Node, rows: list) -> dict[str, str]:
+        """Admit each row alone (then abort it) to find those refused for good, with their messages."""
+        culprits = {}
+        for row in rows:
+            sub, _, _ = self._declare(node, [row])
+            full = self._try_admit(node, sub)
+            if full.ok:
+                node.runner.abort_step(sub)
+            elif isinstance(full.reason, AdmitRuntimeError):
+                culprits[row.stream.request_id] = full.reason.message
+        return culprits
+
+    @staticmethod
+    def _try_admit(node: _Node, sub: SubmoduleStep) -> FullAdmitOutcome:
+        """`admit`, with an exception read as a terminal refusal: one malformed request must not wedge
+        the engine (the refusal is then pinned on the rows that raise alone)."""
+        try:
+            return node.runner.admit(sub)
+        except Exception as err:
+            return FullAdmitOutcome(
+                AdmitOutcome(False, False, AdmitRuntimeError(f"admit raised {err!r}")), node.key
+            )
+
+    def _hold(self, rows: list, rids: set[str]) -> list:
+        until = self.clock() + self.hold_backoff_s
+        for rid in rids:
+            self.streams[rid].hold_until = until
+            self.counters["holds"] += 1
+        return [r for r in rows if r.stream.request_id not in rids]
+
+    def _evict(self, node: _Node, key: str | None, *, exclude: set[str]) -> bool:
+        """Offload the least recently stepped paused stream holding a slot of `key`; True if one was."""
+        manager = node.runner[key or node.key]
+        victims = [
+            s for s in self.streams.values()
+            if s.paused and s.request_id not in exclude and manager.slot_of(s.request_id) is not None
+        ]  # fmt: skip
+        if not victims:
+            return False
+        victim = min(victims, key=lambda s: s.last_step_at)
+        node.runner.offload(victim.request_id, keys=[key or node.key])
+        self.counters["offloads"] += 1
+        return True
+
+    def _offload_idle(self, now: float) -> None:
+        for stream in self.streams.values():
+            if now - stream.last_step_at >= self.offload_idle_after_s:
+                for node in self.nodes.values():
+                    if node.manager.slot_of(stream.request_id) is not None:
+                        node.runner.offload(stream.request_id)
+                        self.counters["offloads"] += 1

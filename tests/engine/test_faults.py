@@ -1,0 +1,180 @@
+"""Device faults (docs/design.md §11): a step that raises, before or after it consumed its donated cache,
+costs at most the requests whose state was lost; with snapshots, not even those.
+
+Faults are injected by wrapping the captured programs (`FaultyPrograms`): a program that runs and then
+raises (its donated cache is gone), one that raises before running (the cache survives), or a cache
+buffer deleted before a step (a poisoned buffer). Every surviving request's codes and audio must equal,
+bit for bit, the same request served alone by a fresh engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from mstar_jax.engine import Phase, Stream, TTSRequest
+from mstar_jax.engine.recovery import MAX_STEP_FAULTS
+from mstar_jax.engine.request import StateLostError, StepFailedError
+from mstar_jax.models.streaming_tts.model import FLOW_CHUNK
+from tests.engine.support import CONFIG, assert_complete, make_engine, request
+
+
+class InjectedFaultError(RuntimeError):
+    pass
+
+
+class FaultyStep:
+    """A captured step whose `replay` consults `fault(call)` each call: "before" raises without running,
+    "after" runs (consuming the donated cache) and then raises, None runs normally."""
+
+    def __init__(self, step, fault: Callable[[int], str | None]):
+        self.step, self.fault, self.calls = step, fault, 0
+
+    def replay(self, bucket, *args):
+        self.calls += 1
+        when = self.fault(self.calls)
+        if when == "before":
+            raise InjectedFaultError(f"before call {self.calls}")
+        out = self.step.replay(bucket, *args)
+        if when == "after":
+            raise InjectedFaultError(f"after call {self.calls}")
+        return out
+
+
+def inject(engine, node: str, fault: Callable[[int], str | None]) -> FaultyStep:
+    """Wrap every walk of `node` ("talker" or "flow"); returns the wrapper of the first (they share `fault`
+    and count calls separately, so talker faults go through `shared_calls`)."""
+    counter = {"n": 0}
+
+    def shared(_):
+        counter["n"] += 1
+        return fault(counter["n"])
+
+    steps = dict(engine.programs.steps)
+    for walk, step in steps.items():
+        if (walk == FLOW_CHUNK) == (node == "flow"):
+            steps[walk] = FaultyStep(step, shared)
+    engine.programs = dataclasses.replace(engine.programs, steps=steps)
+    return counter
+
+
+def served_alone(programs, req: TTSRequest) -> Stream:
+    engine, _ = make_engine(programs)
+    stream = engine.submit(req)
+    engine.run_until_idle()
+    assert_complete(stream)
+    return stream
+
+
+def assert_same_output(stream: Stream, alone: Stream) -> None:
+    assert stream.codes == alone.codes
+    assert len(stream.chunks) == len(alone.chunks)
+    for got, want in zip(stream.chunks, alone.chunks, strict=True):
+        assert got.first_frame == want.first_frame
+        for a, b in ((got.codes, want.codes), (got.mel, want.mel), (got.samples, want.samples)):
+            np.testing.assert_array_equal(a, b)
+
+
+def crowd(voices) -> list[TTSRequest]:
+    v0, v1 = voices
+    return [
+        request("a", v0, 13, seed=1),
+        request("b", v1, 9, text_len=7, seed=2),
+        request("c", v0, 6, seed=3),
+    ]
+
+
+def listen(engine, req: TTSRequest, heard: dict) -> Stream:
+    heard[req.request_id] = []
+    return engine.submit(req, on_chunk=lambda chunk: heard[req.request_id].append(chunk.first_frame))
+
+
+def test_a_fault_that_consumes_the_talker_cache_fails_only_its_slot_holders_then_serving_goes_on(programs):
+    engine, voices = make_engine(programs)
+    parked = engine.submit(request("parked", voices[1], 8, seed=9))
+    while not parked.codes:
+        engine.step()
+    engine.pause("parked")
+    assert engine.offload("parked") > 0  # on the host: the fault cannot reach it
+    first = [engine.submit(req) for req in crowd(voices)[:2]]
+    inject(engine, "talker", lambda n: "after" if n == 4 else None)
+    while engine.counters["faults"] == 0:
+        engine.step()
+    for stream in first:
+        assert stream.phase is Phase.FAILED
+        assert type(stream.failure) is StateLostError
+        assert stream.failure.retryable
+        assert "lost request" in stream.error
+    assert engine.counters["requests_lost"] == 2
+    assert engine.talker.free_slots == CONFIG.max_slots  # the rebuilt cache is empty; nothing leaked
+    engine.resume("parked")
+    late = engine.submit(crowd(voices)[2])
+    retried = engine.submit(crowd(voices)[0])  # the failure said it is retryable: submit it again
+    engine.run_until_idle()
+    for stream in (parked, late, retried):
+        assert_same_output(stream, served_alone(programs, stream.request))
+    assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
+    assert engine.compilations == 0
+
+
+@pytest.mark.parametrize("node", ["talker", "flow"])
+def test_with_snapshots_a_lost_cache_is_restored_and_replayed_bit_for_bit(programs, node):
+    engine, voices = make_engine(programs, snapshot_every=3)
+    heard: dict[str, list[int]] = {}
+    streams = [listen(engine, req, heard) for req in crowd(voices)[:2]]
+    faults = {"talker": {6, 15}, "flow": {2, 5}}[
+        node
+    ]  # early, while the third request is on its way, and later
+    inject(engine, node, lambda n: "after" if n in faults else None)
+    for _ in range(4):
+        engine.step()
+    streams.append(listen(engine, crowd(voices)[2], heard))  # arrives after a snapshot: starts over
+    engine.run_until_idle()
+    assert engine.counters["faults"] == 2
+    assert engine.counters["requests_restored"] >= 2
+    assert engine.counters["snapshots"] >= 2
+    for stream in streams:
+        assert_same_output(stream, served_alone(programs, stream.request))
+        frames = stream.request.frames
+        assert heard[stream.request_id] == list(range(0, frames, CONFIG.flow_chunk))  # once each, in order
+    assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
+    assert engine.compilations == 0
+
+
+def test_a_poisoned_flow_buffer_is_a_fault_like_any_other(programs):
+    engine, voices = make_engine(programs, snapshot_every=2)
+    streams = [engine.submit(req) for req in crowd(voices)[:2]]
+    while not any(s.chunks for s in streams):
+        engine.step()
+    engine.flow.cache.k[0].delete()  # what a failed transfer or a bad device leaves behind
+    engine.run_until_idle()
+    assert engine.counters["faults"] == 1
+    for stream in streams:
+        assert_same_output(stream, served_alone(programs, stream.request))
+
+
+def test_a_step_that_fails_before_consuming_its_cache_is_retried(programs):
+    engine, voices = make_engine(programs)
+    streams = [engine.submit(req) for req in crowd(voices)[:2]]
+    inject(engine, "talker", lambda n: "before" if n in (2, 3) else None)
+    engine.run_until_idle()
+    assert engine.counters["faults"] == 2
+    assert engine.counters["requests_lost"] == 0
+    for stream in streams:
+        assert_same_output(stream, served_alone(programs, stream.request))
+
+
+def test_requests_whose_steps_always_fail_fail_alone_and_the_engine_stays_usable(programs):
+    engine, voices = make_engine(programs)
+    streams = [engine.submit(req) for req in crowd(voices)[:2]]
+    counter = inject(engine, "talker", lambda n: "before")
+    engine.run_until_idle()
+    for stream in streams:
+        assert stream.phase is Phase.FAILED
+        assert type(stream.failure) is StepFailedError
+        assert f"{MAX_STEP_FAULTS} talker steps with request" in stream.error
+    assert counter["n"] == MAX_STEP_FAULTS  # both rode in the same steps
+    assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
