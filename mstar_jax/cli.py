@@ -1,11 +1,13 @@
 """The `mstar-jax` command line.
 
 Each subcommand is an entry of `SUBCOMMANDS`: its help line, a function that adds its arguments to
-its parser, and a function that runs it and returns the exit status. A refused deployment exits
-with status 2 and the loader's message, never a traceback.
+its parser, and a function that runs it and returns the exit status. A refused deployment (one that
+does not fit the device's memory included) or option exits with status 2 and a one-line message,
+never a traceback.
 
-    mstar-jax check [CONFIG]    validate a deployment and print what its resources cost
-    mstar-jax run [--config CONFIG] [--output DIR]
+    mstar-jax check [CONFIG] [--device-memory SIZE]
+                                validate a deployment and print what it costs in device memory
+    mstar-jax run [--config CONFIG] [--output DIR] [--device-memory SIZE]
                                 serve the deployment's synthetic workload and report on it
 """
 
@@ -13,16 +15,39 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from mstar_jax.deployment import DEFAULT_CONFIG, Deployment, DeploymentError, ResourceCosts, load_deployment
+from mstar_jax.memory import (
+    DeviceMemory,
+    MemoryBudget,
+    device_memory,
+    format_bytes,
+    memory_budget,
+    parse_size,
+)
 from mstar_jax.resources.kv.bounded.config import SinkWindow
 
-__all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "format_bytes", "format_check", "main"]
+__all__ = [
+    "SUBCOMMANDS",
+    "CommandLineError",
+    "Subcommand",
+    "build_parser",
+    "format_budget",
+    "format_bytes",
+    "format_check",
+    "main",
+]
 
 EXIT_BAD_CONFIG = 2
-"""Exit status for a deployment the loader refuses (argparse uses 2 for bad arguments too)."""
+"""Exit status for a deployment or option refused (argparse uses 2 for bad arguments too)."""
+
+
+class CommandLineError(ValueError):
+    """An option value a subcommand refuses; the message names the option, the value and what is allowed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,18 +65,50 @@ class Subcommand:
     run: Callable[[argparse.Namespace], int]
 
 
-def _add_config_argument(parser: argparse.ArgumentParser) -> None:
+def _size_argument(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _add_device_memory_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device-memory",
+        type=_size_argument,
+        default=None,
+        metavar="SIZE",
+        help="memory of the device to budget for, e.g. 16GiB or 80GB (default: the accelerator's "
+        "bytes_limit, or the host's RAM on a CPU)",
+    )
+
+
+def _add_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "config",
         nargs="?",
         default=None,
         help=f"deployment YAML file (default: the embedded {DEFAULT_CONFIG.name})",
     )
+    _add_device_memory_argument(parser)
+
+
+def _budget(deployment: Deployment, args: argparse.Namespace) -> MemoryBudget:
+    device = (
+        device_memory()
+        if args.device_memory is None
+        else DeviceMemory(nbytes=args.device_memory, source="--device-memory")
+    )
+    return memory_budget(deployment, device)
 
 
 def _check(args: argparse.Namespace) -> int:
     deployment = load_deployment(DEFAULT_CONFIG if args.config is None else args.config)
+    budget = _budget(deployment, args)
     print(format_check(deployment))
+    print()
+    print(format_budget(budget))
+    budget.require_fit()
     return 0
 
 
@@ -65,20 +122,46 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory for report.json and step_latency.png (default: %(default)s)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_device_memory_argument(parser)
+
+
+def _check_output(output: str) -> None:
+    """Refuse an `--output` the report could not be written to, before the run rather than after it.
+
+    Raises:
+      CommandLineError: for an empty path, an existing non-directory, or a directory that cannot be
+        written or created.
+    """
+    path = Path(output)
+    allowed = "it must be a directory (existing or not yet) that can be written"
+    if not output:  # Path("") is the working directory: an unset variable, not a choice
+        raise CommandLineError(f"--output={output!r} is empty; {allowed}")
+    if path.exists() and not path.is_dir():
+        raise CommandLineError(f"--output={output!r} is an existing file, not a directory; {allowed}")
+    existing = path
+    while not existing.exists():  # the directory `mkdir(parents=True)` would create the rest under
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CommandLineError(f"--output={output!r} is under {str(existing)!r}, a file; {allowed}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CommandLineError(f"--output={output!r}: {str(existing)!r} is not writable; {allowed}")
 
 
 def _run(args: argparse.Namespace) -> int:
-    from mstar_jax.engine.run import run_deployment  # imports JAX and the model only when serving
-
+    _check_output(args.output)
     deployment = load_deployment(DEFAULT_CONFIG if args.config is None else args.config)
+    _budget(deployment, args).require_fit()  # before anything is built or compiled
+
+    from mstar_jax.engine.run import run_deployment  # imports the engine only when serving
+
     report = run_deployment(deployment, output=args.output, progress=not args.no_progress)
     return 0 if report["streams"]["done"] == report["streams"]["submitted"] else 1
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "check": Subcommand(
-        help="validate a deployment and print its resources and what they cost",
-        add_arguments=_add_config_argument,
+        help="validate a deployment and print its resources and what they cost in device memory",
+        add_arguments=_add_check_arguments,
         run=_check,
     ),
     "run": Subcommand(
@@ -106,27 +189,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run `mstar-jax` on `argv` (default: `sys.argv[1:]`); return the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
-    except DeploymentError as err:
-        print(f"mstar-jax {args.command}: error: {err}", file=sys.stderr)
+        status = args.run(args)
+        sys.stdout.flush()  # here, so that a closed pipe raises inside the `try`, not at exit
+        return status
+    except (DeploymentError, CommandLineError) as err:
+        # One line: YAML errors span several, and a log line per refusal is what scripts grep.
+        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        print(f"mstar-jax {args.command}: error: {message}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    except BrokenPipeError:
+        # The reader went away (`mstar-jax check | head -1`): stop quietly. Python would flush stdout
+        # again at exit and report the broken pipe, so point it at devnull (the `signal` docs' recipe).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 # -- the check report -------------------------------------------------------------------------------
-
-_BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def format_bytes(n: int) -> str:
-    """`n` bytes in binary units with one decimal, e.g. `1.5 MiB`; below 1 KiB, exact (`512 B`)."""
-    if n < 1024:
-        return f"{n} B"
-    unit = 0
-    value = float(n)
-    while value >= 1024 and unit < len(_BYTE_UNITS) - 1:
-        value /= 1024
-        unit += 1
-    return f"{value:.1f} {_BYTE_UNITS[unit]}"
 
 
 def _bytes_cell(n: int) -> str:
@@ -201,6 +280,23 @@ def format_check(deployment: Deployment) -> str:
         ),
     ]
     return "\n".join(lines)
+
+
+def format_budget(budget: MemoryBudget) -> str:
+    """The device-memory table `mstar-jax check` prints: each part, the total and the device's memory."""
+    verdict = "fits" if budget.fits else "does NOT fit"
+    headroom = budget.device.nbytes - budget.total
+    rows = [("device memory budget", "")]
+    rows += [(f"  {part.label}", _bytes_cell(part.nbytes)) for part in budget.parts]
+    rows += [
+        ("  total", _bytes_cell(budget.total)),
+        (f"  device memory ({budget.device.source})", _bytes_cell(budget.device.nbytes)),
+        (
+            f"  {'headroom' if headroom >= 0 else 'over by'} ({verdict})",
+            _bytes_cell(abs(headroom)),
+        ),
+    ]
+    return "\n".join(_aligned(rows))
 
 
 def _aligned(rows: list[tuple[str, ...]]) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from mstar_jax.models import model_config
+from mstar_jax.models import MODELS, model_config
 from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, SinkWindow, store_capacity
 from mstar_jax.resources.spec import NodeResourceSpec, apply_yaml_overrides
 
@@ -130,17 +130,22 @@ class EngineSettings:
       hold_backoff_s: seconds a request refused for lack of a slot waits before admission is retried.
       offload_idle_after_s: seconds a request may sit idle before its slots move to host memory;
         None never offloads.
+      snapshot_every: steps between host snapshots of the caches, which let a device fault cost a
+        replay instead of the requests it reached; None takes none.
     """
 
     max_batch: int = 4
     hold_backoff_s: float = 0.005
     offload_idle_after_s: float | None = None
+    snapshot_every: int | None = None
 
     def __post_init__(self):
         _check_int("max_batch", self.max_batch, 1)
         _check_float("hold_backoff_s", self.hold_backoff_s, 0.0)
         if self.offload_idle_after_s is not None:
             _check_float("offload_idle_after_s", self.offload_idle_after_s, 0.0)
+        if self.snapshot_every is not None:
+            _check_int("snapshot_every", self.snapshot_every, 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -219,9 +224,20 @@ class Deployment:
             )
         chunk = getattr(self.model_config, "flow_chunk", None)
         if chunk is not None and max(self.token_counts) < chunk:
+            # Name the key the file set: derived buckets end at max_tokens.
+            given = (
+                f"compile.token_counts={list(self.token_counts)}"
+                if self.compile.token_counts is not None
+                else f"compile.max_tokens={self.compile.max_tokens} (token counts {list(self.token_counts)})"
+            )
+            fix = (
+                f"add {chunk} to compile.token_counts"
+                if self.compile.token_counts is not None
+                else f"raise compile.max_tokens to {chunk}"
+            )
             raise ValueError(
-                f"compile.token_counts={list(self.token_counts)} has no bucket of >= model.config.flow_chunk="
-                f"{chunk} frames, so no flow chunk could run; add {chunk} to compile.token_counts"
+                f"{given} has no bucket of >= model.config.flow_chunk={chunk} frames, so no flow chunk "
+                f"could run; {fix}"
             )
         for spec in self.specs:
             if isinstance(spec, BoundedKVSpec) and spec.config.max_slots < max_batch:
@@ -342,16 +358,21 @@ def load_deployment(path: str | os.PathLike[str] | Traversable = DEFAULT_CONFIG)
     """Read and validate the deployment in the YAML file at `path`.
 
     Raises:
-      DeploymentError: for a missing or unreadable file, invalid YAML (a duplicate key included), or
-        anything `parse_deployment` refuses; the message starts with the path.
+      DeploymentError: for an empty path, a missing or unreadable file, invalid YAML (a duplicate key
+        included), or anything `parse_deployment` refuses; the message starts with the path.
+      TypeError: for a `path` that is neither a path nor a `Traversable`.
     """
+    if not isinstance(path, str | os.PathLike) and not hasattr(path, "read_text"):
+        raise TypeError(f"path={path!r} must be a str, an os.PathLike or a Traversable")
     source = os.fspath(path) if isinstance(path, str | os.PathLike) else str(path)
+    if not source:  # Path("") is the working directory
+        raise DeploymentError("path='' is empty; it must name a deployment YAML file")
     file = Path(source) if isinstance(path, str | os.PathLike) else path
     try:
         text = file.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise DeploymentError(f"{source}: no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
+    except (OSError, UnicodeDecodeError, ValueError) as err:  # ValueError: a NUL byte in the path
         raise DeploymentError(f"{source}: cannot read it: {err}") from None
     try:
         mapping = yaml.load(_NamedText(text, source), Loader=_StrictLoader)  # a SafeLoader subclass
@@ -377,12 +398,18 @@ def parse_deployment(mapping: Mapping[str, Any], source: str = "<string>") -> De
     """
     if not isinstance(mapping, Mapping):
         raise DeploymentError(f"{source}: a deployment must be a mapping of sections, got {_brief(mapping)}")
-    # 'kv_cache' is left to apply_yaml_overrides, whose message says where that block moved.
+    # 'kv_cache' is refused below with a note on where its settings moved.
     _reject_unknown(source, "the top level", mapping, _TOP_LEVEL, ignore=("kv_cache",))
     if "model" not in mapping:
         raise DeploymentError(f"{source}: missing the 'model:' section (with at least 'name:')")
     name, config = _parse_model(source, mapping["model"])
-    specs = _apply_resources(source, config.resource_specs(), mapping)
+    try:
+        specs = config.resource_specs()
+    except ValueError as err:  # a cache the model's geometry cannot build
+        raise DeploymentError(f"{source}: model.config: {err}") from None
+    if "kv_cache" in mapping:
+        raise DeploymentError(f"{source}: kv_cache: {_legacy_kv_cache_hint(mapping['kv_cache'], specs)}")
+    specs = _apply_resources(source, specs, mapping)
     settings = {section: _parse_settings(source, section, mapping.get(section)) for section in _SETTINGS}
     try:
         return Deployment(model=name, model_config=config, specs=specs, source=source, **settings)
@@ -398,7 +425,10 @@ def _parse_model(source: str, block: Any) -> tuple[str, Any]:
     _reject_unknown(source, "'model'", block, _MODEL_KEYS)
     if "name" not in block:
         raise DeploymentError(f"{source}: model: missing 'name'")
-    name, settings = block["name"], block.get("config") or {}
+    name, settings = block["name"], block.get("config")
+    settings = {} if settings is None else settings  # an empty 'config:'; `false` or `[]` is refused below
+    if not isinstance(name, str) or name not in MODELS:
+        raise DeploymentError(f"{source}: model.name: unknown model {name!r}; known models: {sorted(MODELS)}")
     if not isinstance(settings, Mapping):
         raise DeploymentError(
             f"{source}: model.config: must be a mapping of setting to value, got {_brief(settings)}"
@@ -409,13 +439,32 @@ def _parse_model(source: str, block: Any) -> tuple[str, Any]:
         raise DeploymentError(f"{source}: model.config: {err}") from None
 
 
+def _legacy_kv_cache_hint(block: Any, specs: list[NodeResourceSpec]) -> str:
+    """Where a legacy `kv_cache:` block's settings go now, as a one-line YAML snippet that loads."""
+    # The block's settings each resource accepts, or its declared max_slots: a snippet that parses.
+    settings = dict(block) if isinstance(block, Mapping) else {}
+    resources = {}
+    for spec in specs:
+        kept = {key: value for key, value in settings.items() if key in spec.YAML_KEYS}
+        if not kept and "max_slots" in spec.YAML_KEYS:
+            kept = {"max_slots": spec.config.max_slots}
+        resources[spec.resource_key] = kept
+    snippet = yaml.safe_dump(resources, default_flow_style=True, sort_keys=False, width=1 << 16).strip()
+    keys = ", ".join(spec.resource_key for spec in specs)
+    return (
+        "this top-level block is no longer read; tune each cache under 'resources:', keyed by the resource "
+        f"keys the model declares ({keys}), e.g. resources: {snippet}"
+    )
+
+
 def _apply_resources(
     source: str, specs: list[NodeResourceSpec], mapping: Mapping[str, Any]
 ) -> list[NodeResourceSpec]:
     # One resource at a time, so a message names the block it came from.
-    blocks = mapping.get("resources") or {}
+    blocks = mapping.get("resources")
+    blocks = {} if blocks is None else blocks  # `false` or `[]` is no mapping: refused below
     scoped = [("resources", mapping)]
-    if "kv_cache" not in mapping and isinstance(blocks, Mapping):
+    if isinstance(blocks, Mapping):
         scoped = [(f"resources.{key}", {"resources": {key: block}}) for key, block in blocks.items()]
     for where, overrides in scoped:
         try:

@@ -1,15 +1,20 @@
-"""`mstar-jax check`: the table shows the config's real numbers; a bad config exits 2 with the message."""
+"""`mstar-jax check` and `run`: the tables show the config's real numbers; a bad config, one that does
+not fit the device, or a bad option exits 2 with a one-line message before anything is built."""
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mstar_jax import cli
 from mstar_jax.cli import SUBCOMMANDS, Subcommand, format_bytes, main
 from mstar_jax.deployment import DEFAULT_CONFIG, load_deployment
+from mstar_jax.memory import host_memory, weight_bytes, workspace_bytes
+from mstar_jax.models.streaming_tts import config as tts_config
 from mstar_jax.resources.kv.bounded.config import store_capacity
 
 TPU_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tpu_streaming_tts.yaml"
@@ -25,7 +30,7 @@ def _row(output: str, label: str) -> list[str]:
 
 @pytest.mark.parametrize("path", [str(DEFAULT_CONFIG), str(TPU_CONFIG)], ids=["default", "tpu"])
 def test_check_prints_every_resource_with_the_configs_numbers(path, capsys):
-    assert main(["check", path]) == 0
+    assert main(["check", path, "--device-memory", "95GiB"]) == 0
     out, err = capsys.readouterr()
     assert err == ""
     deployment = load_deployment(path)
@@ -92,7 +97,7 @@ def test_check_of_the_default_config_by_hand(capsys):
 
 
 def test_check_of_the_tpu_config_shows_human_units(capsys):
-    assert main(["check", str(TPU_CONFIG)]) == 0
+    assert main(["check", str(TPU_CONFIG), "--device-memory", "95GiB"]) == 0
     out = capsys.readouterr().out
     # 28 layers x 3004 tokens (in tiles of 8: 3008) x 8 KV heads x (K,V) x 128 x 2 B = 344,981,504 B;
     # 64 slots of it.
@@ -108,7 +113,7 @@ def test_bad_config_exits_2_with_the_message_and_no_traceback(tmp_path, capsys):
     assert out == ""
     assert err == (
         f"mstar-jax check: error: {path}: unknown key 'max_batchh' in 'engine'; "
-        "allowed: ['max_batch', 'hold_backoff_s', 'offload_idle_after_s']\n"
+        "allowed: ['max_batch', 'hold_backoff_s', 'offload_idle_after_s', 'snapshot_every']\n"
     )
 
 
@@ -172,3 +177,248 @@ def test_a_new_subcommand_plugs_in_through_the_dict(monkeypatch, capsys):
 )
 def test_format_bytes(n, text):
     assert format_bytes(n) == text
+
+
+# -- the device-memory budget -----------------------------------------------------------------------
+
+
+def _budget_rows(output: str) -> dict[str, str]:
+    """The budget table's rows, label -> bytes cell."""
+    lines = output.split("device memory budget\n", 1)[1].splitlines()
+    return dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in lines)
+
+
+def test_check_prints_the_device_memory_budget_by_hand(capsys):
+    assert main(["check", "--device-memory", "1GiB"]) == 0
+    rows = _budget_rows(capsys.readouterr().out)
+    deployment = load_deployment()
+    workspace = workspace_bytes(
+        deployment.model_config,
+        deployment.spec("talker_kv").config,
+        deployment.spec("flow_kv").config,
+        4,
+        16,
+        8,
+    )
+    assert rows == {
+        # 277,328 parameters x 4 B (tests/test_memory.py counts them by hand).
+        "model weights (277,328 x float32)": "1.1 MiB (1,109,312 B)",
+        # (4 slots + the padding slot) x 20,480 B and x 32,768 B.
+        "talker_kv slots (4 + 1 padding)": "100.0 KiB (102,400 B)",
+        "flow_kv slots (4 + 1 padding)": "160.0 KiB (163,840 B)",
+        # 3 voices, but the engine allocates at least 8 sources: 8 x 12,288 B and 8 x 49,152 B.
+        "talker_kv source bank (8 sources)": "96.0 KiB (98,304 B)",
+        "flow_kv source bank (8 sources)": "384.0 KiB (393,216 B)",
+        # 4 rows x 16 tokens, the largest bucket.
+        "workspace (largest bucket: 4 x 16 tokens)": f"{format_bytes(workspace)} ({workspace:,} B)",
+        "total": cli._bytes_cell(1_867_072 + workspace),
+        "device memory (--device-memory)": "1.0 GiB (1,073,741,824 B)",
+        "headroom (fits)": cli._bytes_cell(2**30 - 1_867_072 - workspace),
+    }
+    assert weight_bytes(deployment.model_config) + 102_400 + 163_840 + 98_304 + 393_216 == 1_867_072
+
+
+def test_check_budgets_for_this_hosts_ram_by_default(capsys):
+    assert main(["check"]) == 0
+    rows = _budget_rows(capsys.readouterr().out)
+    assert rows["device memory (host RAM)"] == cli._bytes_cell(host_memory())
+
+
+def _write(tmp_path: Path, mapping: dict, name: str = "deploy.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(mapping))
+    return path
+
+
+def _tpu(**config) -> dict:
+    mapping = yaml.safe_load(TPU_CONFIG.read_text())
+    mapping["model"]["config"].update(config)
+    return mapping
+
+
+def _forbid_building(monkeypatch):
+    """Make `run` fail loudly if it gets as far as building the engine."""
+    from mstar_jax.engine import run as run_module
+
+    def run_deployment(*args, **kwargs):
+        raise AssertionError("run_deployment was called")
+
+    monkeypatch.setattr(run_module, "run_deployment", run_deployment)
+
+
+# Sizes that cannot run anywhere; each passed `check` and crashed `run` with a traceback before.
+IMPOSSIBLE = {
+    # 140,000,000-entry talker window: 28 layers x 140,000,008 entries x 8 heads x (K,V) x 128 x 2 B
+    # = 14.6 TiB per slot.
+    "15-TiB-slots": (_tpu(talker_window=140_000_000), "one slot is 14.6 TiB (140,000,004 tokens)"),
+    # 5,000,000 talker slots of 329 MiB: 1.6 PiB.
+    "1.6-PiB-of-slots": (
+        {**_tpu(), "resources": {"talker_kv": {"max_slots": 5_000_000}, "flow_kv": {"max_slots": 64}}},
+        "talker_kv slots (5,000,000 + 1 padding) 1.5 PiB",
+    ),
+    # A talker of 400 layers of d_model 65,536 and ffn 262,144: its SwiGLUs alone are 400 x 3 x 65,536 x
+    # 262,144 = 20.6 T parameters; 20.8 T in all, x 2 B.
+    "36-TiB-model": (
+        _tpu(d_model=65_536, talker_ffn_dim=262_144, talker_layers=400),
+        "the largest part is model weights (20,787,234,236,880 x bfloat16) (37.8 TiB): a smaller model",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(IMPOSSIBLE))
+def test_sizes_that_do_not_fit_are_refused_by_check_and_run_with_the_numbers(
+    name, tmp_path, monkeypatch, capsys
+):
+    mapping, fragment = IMPOSSIBLE[name]
+    path = _write(tmp_path, mapping)
+    assert main(["check", str(path), "--device-memory", "95GiB"]) == 2
+    out, err = capsys.readouterr()
+    assert "over by (does NOT fit)" in _budget_rows(out)  # the table is printed, then refused
+    assert err.count("\n") == 1  # one line
+    assert err.startswith(f"mstar-jax check: error: {path}: the deployment needs model weights (")
+    assert "more than the device memory 95.0 GiB (--device-memory)" in err
+    assert fragment in err
+    _forbid_building(monkeypatch)
+    output = tmp_path / "out"
+    assert main(["run", "--config", str(path), "--output", str(output), "--device-memory", "95GiB"]) == 2
+    out, run_err = capsys.readouterr()
+    assert out == ""
+    assert run_err == err.replace("mstar-jax check:", "mstar-jax run:", 1)
+    assert not output.exists()
+
+
+def test_too_many_slots_are_refused_with_the_slots_that_fit(tmp_path, capsys):
+    path = _write(tmp_path, IMPOSSIBLE["1.6-PiB-of-slots"][0])
+    assert main(["check", str(path), "--device-memory", "95GiB"]) == 2
+    err = capsys.readouterr().err
+    fitting = int(re.search(r"lower resources\.talker_kv\.max_slots to (\d+)$", err.strip())[1])
+    # Only talker_kv is lowered: flow_kv's 64 slots are fewer. max_batch stays at 64 <= the slots that fit.
+    assert "flow_kv.max_slots to" not in err
+    assert "engine.max_batch" not in err
+    mapping = IMPOSSIBLE["1.6-PiB-of-slots"][0]
+    mapping = {**mapping, "resources": {"talker_kv": {"max_slots": fitting}, "flow_kv": {"max_slots": 64}}}
+    assert main(["check", str(_write(tmp_path, mapping, "fixed.yaml")), "--device-memory", "95GiB"]) == 0
+    mapping["resources"]["talker_kv"]["max_slots"] = fitting + 1
+    assert main(["check", str(_write(tmp_path, mapping, "over.yaml")), "--device-memory", "95GiB"]) == 2
+
+
+def test_a_huge_voice_range_is_refused_without_tabulating_it(tmp_path, monkeypatch, capsys):
+    calls = []
+    retention = tts_config._voice_sink_retention
+
+    def counted(source_len, **kwargs):
+        calls.append(source_len)
+        return retention(source_len, **kwargs)
+
+    monkeypatch.setattr(tts_config, "_voice_sink_retention", counted)
+    mapping = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    mapping["model"]["config"]["max_voice_frames"] = 100_000_000
+    path = _write(tmp_path, mapping)
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert calls == []  # refused before the retention is evaluated at any length
+    assert err == (
+        f"mstar-jax check: error: {path}: model.config: max_source_len=100000000 and min_source_len=8 span "
+        "99,999,993 source lengths, but a callable retention is tabulated at each and at most "
+        "MAX_TABULATED_SOURCE_LENGTHS=65,536 are allowed; narrow the source range, or give one SinkWindow "
+        "for every length (it needs no table)\n"
+    )
+
+
+def test_long_voices_are_refused_by_the_budget_naming_the_source_bank(tmp_path, monkeypatch, capsys):
+    calls = []
+    retention = tts_config._voice_sink_retention
+    monkeypatch.setattr(
+        tts_config, "_voice_sink_retention", lambda s, **kw: calls.append(s) or retention(s, **kw)
+    )
+    mapping = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    mapping["model"]["config"]["max_voice_frames"] = 20_000
+    path = _write(tmp_path, mapping)
+    assert main(["check", str(path), "--device-memory", "256MiB"]) == 2
+    err = capsys.readouterr().err
+    # Each config is tabulated once per build, 19,993 lengths: talker and flow, built by the model's
+    # resource_specs and again by each resource's max_slots.
+    assert len(calls) == 4 * 19_993
+    # Talker source: 2 layers x 20,096 entries (in tiles of 128) x 1 row x 2 heads x (K,V) x 16 x 4 B;
+    # flow: x 2 rows x 4 heads. 8 sources each.
+    assert "talker_kv source bank (8 sources) 78.5 MiB + flow_kv source bank (8 sources) 314.0 MiB" in err
+    assert "more than the device memory 256.0 MiB (--device-memory)" in err
+    assert err.strip().endswith(
+        "the largest part is flow_kv source bank (8 sources) (314.0 MiB): each source holds "
+        "max_source_len=20,000 entries: lower model.config.max_voice_frames"
+    )
+
+
+@pytest.mark.parametrize("size", ["16G", "lots", "0"])
+def test_a_bad_device_memory_size_is_a_usage_error(size, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--device-memory", size])
+    assert info.value.code == 2
+    assert f"size={size!r} must be" in capsys.readouterr().err
+
+
+def test_a_multi_line_error_is_printed_on_one_line(tmp_path, capsys):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model: {name: streaming_tts\n")
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"mstar-jax check: error: {path}: invalid YAML: while parsing a flow mapping in ")
+
+
+# -- run --output -----------------------------------------------------------------------------------
+
+
+def test_run_refuses_an_output_that_is_a_file_before_running(tmp_path, monkeypatch, capsys):
+    _forbid_building(monkeypatch)
+    file = tmp_path / "results.txt"
+    file.write_text("keep me\n")
+    allowed = "it must be a directory (existing or not yet) that can be written"
+    assert main(["run", "--output", str(file)]) == 2
+    assert capsys.readouterr().err == (
+        f"mstar-jax run: error: --output={str(file)!r} is an existing file, not a directory; {allowed}\n"
+    )
+    assert main(["run", "--output", str(file / "sub")]) == 2
+    assert capsys.readouterr().err == (
+        f"mstar-jax run: error: --output={str(file / 'sub')!r} is under {str(file)!r}, a file; {allowed}\n"
+    )
+    assert file.read_text() == "keep me\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write to any directory")
+def test_run_refuses_an_unwritable_output_before_running(tmp_path, monkeypatch, capsys):
+    _forbid_building(monkeypatch)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    assert main(["run", "--output", str(locked / "runs")]) == 2
+    assert f"{str(locked)!r} is not writable" in capsys.readouterr().err
+
+
+# -- output to a closed pipe ------------------------------------------------------------------------
+
+
+def test_check_into_a_closed_pipe_exits_quietly():
+    # `head -1` may read the whole report before it exits, so close the reading end before any output:
+    # the broken pipe then happens every time.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mstar_jax.cli", "check"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err.decode()
+    assert "BrokenPipeError" not in err.decode()
+    assert proc.returncode == 1
+    result = subprocess.run(
+        f"{sys.executable} -m mstar_jax.cli check | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
+    assert result.stdout == f"deployment  {DEFAULT_CONFIG}\n"
+    assert "Traceback" not in result.stderr

@@ -247,7 +247,7 @@ UNKNOWN_KEYS = [
 ]
 
 BAD_VALUES = [
-    ("model.name", "tts", ["model.config", "unknown model 'tts'", "['streaming_tts']"]),
+    ("model.name", "tts", ["model.name: unknown model 'tts'", "['streaming_tts']"]),
     ("model.name", _DELETE, ["model: missing 'name'"]),
     ("model", "streaming_tts", ["model: must be a mapping", "str 'streaming_tts'"]),
     ("model.config", [1], ["model.config: must be a mapping"]),
@@ -263,7 +263,7 @@ BAD_VALUES = [
     ("resources", [1], ["resources:", "must be a mapping"]),
     ("resources.talker_kv", 4, ["resources.talker_kv", "must be a mapping"]),
     ("resources.talker_kv.max_slots", 0, ["resources.talker_kv", "max_slots=0 must be an int >= 1"]),
-    ("kv_cache", {"max_slots": 4}, ["kv_cache", "no longer read", "resources:"]),
+    ("kv_cache", {"max_slots": 4}, ["kv_cache: this top-level block is no longer read", "resources:"]),
     ("compile", [1, 2], ["compile: must be a mapping", "list [1, 2]"]),
     ("compile.batch_sizes", [4, 2], ["compile:", "batch_sizes=[4, 2] must be strictly increasing"]),
     ("compile.batch_sizes", [], ["batch_sizes=[] must list at least one bucket"]),
@@ -343,6 +343,61 @@ def test_contradicting_settings_are_refused(changes, fragments):
         parse_deployment(mapping, source="deploy.yaml")
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "section", "wrong"),
+    [
+        # An unknown model is model.name's fault, not model.config's.
+        ({"model.name": "tts"}, "model.name: unknown model 'tts'", "model.config"),
+        ({"model.name": ["tts"]}, "model.name: unknown model ['tts']", "model.config"),
+        # The legacy block is at the top level; 'resources' is where it should go, not where it is.
+        ({"kv_cache": {"max_slots": 4}}, "kv_cache: this top-level block", "deploy.yaml: resources:"),
+        # With derived token buckets the key to change is max_tokens, which the file set.
+        (
+            {"compile.token_counts": None, "compile.max_tokens": 4},
+            "compile.max_tokens=4 (token counts [1, 2, 4]) has no bucket of >= model.config.flow_chunk=8 "
+            "frames, so no flow chunk could run; raise compile.max_tokens to 8",
+            "compile.token_counts=",
+        ),
+    ],
+    ids=["unknown-model", "non-string-model", "kv_cache", "derived-token-counts"],
+)
+def test_messages_name_the_section_at_fault(changes, section, wrong):
+    mapping = _default_mapping()
+    for key, value in changes.items():
+        mapping = _with(mapping, key, value)
+    with pytest.raises(DeploymentError) as info:
+        parse_deployment(mapping, source="deploy.yaml")
+    assert str(info.value).startswith(f"deploy.yaml: {section}")
+    assert wrong not in str(info.value)
+
+
+def test_legacy_kv_cache_hint_is_yaml_that_loads():
+    mapping = _with(_default_mapping(), "kv_cache", {"max_slots": 6, "page_size": 16})
+    del mapping["resources"]
+    with pytest.raises(DeploymentError) as info:
+        parse_deployment(mapping, source="deploy.yaml")
+    message = str(info.value)
+    assert "\n" not in message
+    snippet = message.split("e.g. ", 1)[1]
+    assert snippet == "resources: {talker_kv: {max_slots: 6}, flow_kv: {max_slots: 6}}"
+    # The block's settings a cache accepts move under each cache; page_size is no setting of any.
+    del mapping["kv_cache"]
+    deployment = parse_deployment({**mapping, **yaml.safe_load(snippet)})
+    assert [spec.config.max_slots for spec in deployment.specs] == [6, 6]
+    # A block without a setting a cache accepts suggests each cache's declared max_slots.
+    with pytest.raises(DeploymentError, match=r"e\.g\. resources: \{talker_kv: \{max_slots: 4\}, flow_kv"):
+        parse_deployment({**mapping, "kv_cache": "big"})
+
+
+def test_a_cache_the_model_cannot_build_is_a_model_config_error():
+    mapping = _with(_default_mapping(), "model.config.max_voice_frames", 100_000_000)
+    with pytest.raises(DeploymentError) as info:
+        parse_deployment(mapping, source="deploy.yaml")
+    assert str(info.value).startswith(
+        "deploy.yaml: model.config: max_source_len=100000000 and min_source_len=8"
+    )
 
 
 def test_missing_model_and_non_mapping_document():

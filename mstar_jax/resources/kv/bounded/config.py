@@ -9,6 +9,7 @@ part of the sink and a ring for the window, and source entries are read where th
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 
 __all__ = [
+    "MAX_TABULATED_SOURCE_LENGTHS",
     "BoundedKVConfig",
     "BoundedKVSpec",
     "BoundedKVStep",
@@ -31,6 +33,11 @@ __all__ = [
     "StreamPosition",
     "store_capacity",
 ]
+
+MAX_TABULATED_SOURCE_LENGTHS = 2**16
+"""Most source lengths a callable retention is evaluated at: a config builds in well under a second
+(a deployment builds each config a few times), and 65,536 frames is 87 minutes of voice at 12.5 Hz.
+A constant `SinkWindow` needs no table and has no bound."""
 
 # Store lengths are allocated in whole TPU tiles: sublanes, or lanes (see `store_capacity`).
 STORE_TILE = 8
@@ -78,7 +85,8 @@ class BoundedKVConfig:
         reads source row `c` and slot row `c`.
       max_source_len: the longest source prefix a request may read.
       retention: `source_len -> SinkWindow`, or one `SinkWindow` for every source length. It must not
-        shrink as the source grows; it is tabulated over `[min_source_len, max_source_len]` here.
+        shrink as the source grows. A callable is tabulated over `[min_source_len, max_source_len]`
+        here, which may span at most `MAX_TABULATED_SOURCE_LENGTHS` lengths; a `SinkWindow` is not.
       max_slots: requests the cache holds at once.
       min_source_len: the shortest source a request may read; the written part of the sink is
         largest for the shortest source, so this sizes the slots.
@@ -123,23 +131,50 @@ class BoundedKVConfig:
         if not isinstance(self.reverse_step_order, bool):
             raise ValueError(f"reverse_step_order={self.reverse_step_order!r} must be a bool")
         object.__setattr__(self, "dtype", _storage_dtype(self.dtype))
-        object.__setattr__(self, "_table", self._tabulate_retention())
+        object.__setattr__(self, "_runs", self._tabulate_retention())
+        object.__setattr__(self, "_run_starts", tuple(start for start, _ in self._runs))
         # The config is a static jit argument: hash and compare once-computed keys, not the table per call.
         object.__setattr__(self, "_frozen_key", self._key())
         object.__setattr__(self, "_hash", hash(self._frozen_key))
 
-    def _tabulate_retention(self) -> tuple[SinkWindow, ...]:
-        lengths = range(self.min_source_len, self.max_source_len + 1)
+    def _tabulate_retention(self) -> tuple[tuple[int, SinkWindow], ...]:
+        """The retention over `[min_source_len, max_source_len]` as runs `(first source_len, policy)`.
+
+        Runs, not one entry per length: a constant `SinkWindow` is one run and costs nothing whatever
+        the range. Consecutive lengths with the same policy share a run, so two retentions that agree
+        over the range give the same runs (equality and hashing compare them).
+
+        Raises:
+          ValueError: for a retention that is neither a `SinkWindow` nor a callable, a policy that is
+            not a valid `SinkWindow`, one that shrinks as the source grows, or a callable over more
+            than `MAX_TABULATED_SOURCE_LENGTHS` lengths.
+        """
         if isinstance(self.retention, tuple):
-            policies = [self.retention] * len(lengths)
-        elif callable(self.retention):
-            policies = [self.retention(s) for s in lengths]
-        else:
+            return ((self.min_source_len, _as_sink_window(self.retention, self.min_source_len)),)
+        if not callable(self.retention):
             raise ValueError(
                 f"retention={self.retention!r} must be a SinkWindow or a callable source_len -> SinkWindow"
             )
-        table, previous = [], None
-        for source_len, policy in zip(lengths, policies, strict=True):
+        count = self.max_source_len - self.min_source_len + 1
+        if count > MAX_TABULATED_SOURCE_LENGTHS:
+            # Checked before the first call: a callable is evaluated at every length, which for a range of
+            # 10**8 takes minutes and gigabytes.
+            raise ValueError(
+                f"max_source_len={self.max_source_len} and min_source_len={self.min_source_len} span "
+                f"{count:,} source lengths, but a callable retention is tabulated at each and at most "
+                f"MAX_TABULATED_SOURCE_LENGTHS={MAX_TABULATED_SOURCE_LENGTHS:,} are allowed; narrow the "
+                "source range, or give one SinkWindow for every length (it needs no table)"
+            )
+        runs: list[tuple[int, SinkWindow]] = []
+        previous = None
+        for source_len in range(self.min_source_len, self.max_source_len + 1):
+            try:
+                policy = self.retention(source_len)
+            except Exception as err:
+                raise ValueError(
+                    f"retention({source_len}) raised {err!r}; it must return a SinkWindow for every source "
+                    f"length in [min_source_len={self.min_source_len}, max_source_len={self.max_source_len}]"
+                ) from err
             policy = _as_sink_window(policy, source_len)
             if previous is not None and (policy.sink < previous.sink or policy.window < previous.window):
                 raise ValueError(
@@ -147,14 +182,15 @@ class BoundedKVConfig:
                     "but "
                     f"retention({source_len})={tuple(policy)}; sink and window must not decrease"
                 )
-            table.append(policy)
+            if policy != previous:
+                runs.append((source_len, policy))
             previous = policy
-        return tuple(table)
+        return tuple(runs)
 
     def _key(self) -> tuple:
         return (
             self.num_layers, self.num_heads, self.head_dim, self.rows_per_request, self.max_source_len,
-            self._table, self.max_slots, self.min_source_len, self.dtype, self.reverse_step_order,
+            self._runs, self.max_slots, self.min_source_len, self.dtype, self.reverse_step_order,
             self.query_window,
         )  # fmt: skip
 
@@ -181,18 +217,20 @@ class BoundedKVConfig:
                 f"source_len={source_len} is outside [min_source_len={self.min_source_len}, "
                 f"max_source_len={self.max_source_len}]"
             )
-        return self._table[source_len - self.min_source_len]
+        return self._runs[bisect.bisect_right(self._run_starts, source_len) - 1][1]
 
     @functools.cached_property
     def sink_capacity(self) -> int:
-        """Written tokens a slot's sink region holds (the sink past the source)."""
-        lengths = range(self.min_source_len, self.max_source_len + 1)
-        return max(max(0, policy.sink - s) for s, policy in zip(lengths, self._table, strict=True))
+        """Written tokens a slot's sink region holds (the sink past the source).
+
+        Over one run the sink is fixed and the source grows, so the run's first length writes the most.
+        """
+        return max(max(0, policy.sink - start) for start, policy in self._runs)
 
     @functools.cached_property
     def window_capacity(self) -> int:
         """Entries a slot's ring holds: the largest window over the source range."""
-        return max(policy.window for policy in self._table)
+        return max(policy.window for _, policy in self._runs)
 
     @property
     def slot_tokens(self) -> int:
@@ -202,7 +240,7 @@ class BoundedKVConfig:
     @functools.cached_property
     def max_retained(self) -> int:
         """The most entries a request retains, over every allowed source length."""
-        return max(policy.sink + policy.window for policy in self._table)
+        return max(policy.sink + policy.window for _, policy in self._runs)
 
     @property
     def slot_capacity(self) -> int:
@@ -311,10 +349,21 @@ class BoundedKVStep(ResourceStep):
 
     def __post_init__(self):
         super().__post_init__()
-        object.__setattr__(
-            self, "positions", {rid: StreamPosition(*pos) for rid, pos in dict(self.positions).items()}
-        )
-        object.__setattr__(self, "step_tokens", dict(self.step_tokens))
+        positions = _as_dict("positions", self.positions)
+        for rid, pos in positions.items():
+            if not isinstance(pos, tuple | list) or len(pos) not in (2, 3):  # the values are checked at admit
+                raise TypeError(
+                    f"positions[{rid!r}]={pos!r} must be a StreamPosition(source_len, written[, source])"
+                )
+        object.__setattr__(self, "positions", {rid: StreamPosition(*pos) for rid, pos in positions.items()})
+        object.__setattr__(self, "step_tokens", _as_dict("step_tokens", self.step_tokens))
+
+
+def _as_dict(name: str, value: Any) -> dict:
+    try:
+        return dict(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}={value!r} must be a mapping of request id to value") from None
 
 
 register_step_pytree(BoundedKVStep, data_mappings=("positions", "step_tokens"))

@@ -249,6 +249,57 @@ def test_constant_retention():
     assert [cfg.retention_for(s) for s in range(1, 5)] == [SinkWindow(3, 5, True)] * 4
 
 
+def test_constant_retention_needs_no_table_whatever_the_source_range():
+    # 10**12 source lengths: tabulating them would never finish. One run, closed-form capacities.
+    cfg = make(retention=SinkWindow(30, 5), min_source_len=10, max_source_len=10**12)
+    assert cfg.sink_capacity == 30 - 10  # largest at the shortest source
+    assert cfg.window_capacity == 5
+    assert cfg.max_retained == 30 + 5
+    assert cfg.retention_for(10) == cfg.retention_for(10**12) == SinkWindow(30, 5)
+    assert make(retention=SinkWindow(30, 5), min_source_len=10**9, max_source_len=10**12).sink_capacity == 0
+    assert cfg == make(retention=SinkWindow(30, 5), min_source_len=10, max_source_len=10**12)
+
+
+def test_callable_retention_over_too_many_lengths_is_refused_before_any_call():
+    calls = []
+
+    def retention(source_len):
+        calls.append(source_len)
+        return SinkWindow(source_len + 4, 32)
+
+    bound = config_module.MAX_TABULATED_SOURCE_LENGTHS
+    assert bound == 2**16
+    with pytest.raises(ValueError, match="max_source_len=100000000") as info:
+        make(retention=retention, min_source_len=8, max_source_len=100_000_000)
+    assert str(info.value).startswith(
+        "max_source_len=100000000 and min_source_len=8 span 99,999,993 source lengths, but a callable "
+        "retention is tabulated at each and at most MAX_TABULATED_SOURCE_LENGTHS=65,536 are allowed"
+    )
+    assert calls == []
+    with pytest.raises(ValueError, match="span 65,537 source lengths"):
+        make(retention=retention, min_source_len=1, max_source_len=bound + 1)
+    assert calls == []
+    # Exactly the bound is tabulated, one call per length.
+    cfg = make(retention=retention, min_source_len=1, max_source_len=bound)
+    assert len(calls) == bound
+    assert (cfg.sink_capacity, cfg.window_capacity, cfg.max_retained) == (4, 32, bound + 4 + 32)
+
+
+def test_retention_for_reads_runs_of_equal_policies():
+    def retention(source_len):
+        # Runs: [0, 3) -> (2, 4), [3, 7) -> (5, 4), 7 -> (5, 6), [8, 12] -> (9, 6, True).
+        if source_len < 3:
+            return SinkWindow(2, 4)
+        if source_len < 7:
+            return SinkWindow(5, 4)
+        return SinkWindow(5, 6) if source_len == 7 else SinkWindow(9, 6, True)
+
+    cfg = make(retention=retention, max_source_len=12)
+    assert [cfg.retention_for(s) for s in range(13)] == [retention(s) for s in range(13)]
+    # The written sink is largest where a run starts: 2 - 0, 5 - 3, 5 - 7, 9 - 8.
+    assert (cfg.sink_capacity, cfg.window_capacity, cfg.max_retained) == (2, 6, 15)
+
+
 @pytest.mark.parametrize("source_len", [-1, 1, 9, 100])
 def test_retention_for_refuses_lengths_out_of_range(source_len):
     cfg = make(min_source_len=2)
@@ -608,3 +659,25 @@ def test_jitted_step_function_takes_spans_and_positions_as_data():
     # A different batch of requests is a different program.
     stream_ends(_step(rids=("a", "c")))
     assert len(traces) == 2
+
+
+def test_a_retention_callable_that_raises_is_named_with_the_source_length():
+    def retention(source_len):
+        if source_len == 7:
+            raise KeyError("no policy")
+        return SinkWindow(source_len, 4)
+
+    message = (
+        r"retention\(7\) raised KeyError\('no policy'\); it must return a SinkWindow for every source "
+        r"length in \[min_source_len=2, max_source_len=9\]"
+    )
+    with pytest.raises(ValueError, match=message):
+        BoundedKVConfig(
+            num_layers=1,
+            num_heads=1,
+            head_dim=8,
+            rows_per_request=1,
+            max_source_len=9,
+            min_source_len=2,
+            retention=retention,
+        )

@@ -1,0 +1,434 @@
+"""What a deployment holds in one device's memory, and whether that fits the device.
+
+`memory_budget(deployment, device)` adds up, from shapes alone (nothing is allocated):
+
+- the model's weights (`weight_bytes`), stored in the model's dtype;
+- every cache's slots, the padding slot included: `BoundedKVCache` allocates `[max_slots + 1, R, G, C, D]`
+  per layer, for K and for V;
+- every cache's source bank: `SourceBank` allocates `num_sources` entries of `max_source_len` in whole
+  tiles, where `num_sources` is what `Engine.from_deployment` gives it (`num_sources`);
+- the workspace of the largest bucket (`workspace_bytes`), an upper estimate of one step's activations.
+
+The engine serves on one device, so the total is compared with one device's memory (`device_memory`):
+the allocator's `bytes_limit` where an accelerator reports one, else the host's RAM (a CPU device
+allocates there), or the size given on the command line (`mstar-jax check --device-memory 16GiB`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import os
+import re
+from pathlib import Path
+
+from mstar_jax.deployment import Deployment, DeploymentError
+from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
+from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, store_capacity
+
+__all__ = [
+    "BudgetPart",
+    "DeviceMemory",
+    "DeviceMemoryError",
+    "MemoryBudget",
+    "device_memory",
+    "format_bytes",
+    "host_memory",
+    "memory_budget",
+    "num_sources",
+    "parse_size",
+    "source_bytes",
+    "weight_bytes",
+    "weight_count",
+    "workspace_bytes",
+]
+
+MIN_SOURCES = 8
+"""Source-bank entries `Engine.from_deployment` allocates at least, whatever the workload's voices."""
+SAMPLES_PER_FRAME = 1920
+"""Audio samples per codec frame (24 kHz at 12.5 Hz): the vocoder's width, `model.SAMPLES_PER_FRAME`."""
+_FLOW_FEATURES = 32  # the flow's time and frame-index sinusoid features (`flow._FEATURES`)
+
+
+class DeviceMemoryError(DeploymentError):
+    """A deployment that does not fit its device's memory, or a device whose memory cannot be read."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BudgetPart:
+    """One line of the budget.
+
+    Attributes:
+      label: what it is, e.g. `talker_kv slots (64 + 1 padding)`.
+      nbytes: device bytes it takes.
+      remedy: which settings shrink it.
+    """
+
+    label: str
+    nbytes: int
+    remedy: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceMemory:
+    """The memory of the device a deployment runs on.
+
+    Attributes:
+      nbytes: bytes a deployment may allocate there.
+      source: where the number comes from, e.g. `host RAM` or `--device-memory`.
+    """
+
+    nbytes: int
+    source: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBudget:
+    """What a deployment allocates on its device, part by part, against the device's memory.
+
+    Attributes:
+      source: the deployment's source (its path), for messages.
+      parts: weights, each cache's slots and source bank, and the workspace.
+      device: the device's memory.
+      max_fitting_slots: the largest `max_slots` (for every cache, with `engine.max_batch` at most that)
+        that fits, when the deployment does not fit as given; None when it fits, or when even one slot
+        per cache does not.
+      blocker: where even one slot per cache does not fit, the largest part with one slot per cache.
+      max_batch: the deployment's `engine.max_batch`.
+      slot_keys: the caches whose `max_slots` the fix lowers (those above `max_fitting_slots`).
+    """
+
+    source: str
+    parts: tuple[BudgetPart, ...]
+    device: DeviceMemory
+    max_fitting_slots: int | None
+    blocker: BudgetPart | None
+    max_batch: int
+    slot_keys: tuple[str, ...]
+
+    @property
+    def total(self) -> int:
+        """Bytes of every part together."""
+        return sum(part.nbytes for part in self.parts)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the total is within the device's memory."""
+        return self.total <= self.device.nbytes
+
+    def require_fit(self) -> None:
+        """Return if the deployment fits its device.
+
+        Raises:
+          DeviceMemoryError: giving every part, the total, the device's memory and the fix: the
+            `max_slots` that fits, or, where no slot count fits, the largest part and what shrinks it.
+        """
+        if self.fits:
+            return
+        parts = " + ".join(f"{part.label} {format_bytes(part.nbytes)}" for part in self.parts)
+        message = (
+            f"{self.source}: the deployment needs {parts} = {format_bytes(self.total)}, more than the device "
+            f"memory {format_bytes(self.device.nbytes)} ({self.device.source}); "
+        )
+        if self.max_fitting_slots is not None:
+            keys = " and ".join(f"resources.{key}.max_slots" for key in self.slot_keys)
+            message += f"lower {keys} to {self.max_fitting_slots}"
+            if self.max_fitting_slots < self.max_batch:
+                message += f" and engine.max_batch to {self.max_fitting_slots}"
+        else:
+            message += (
+                f"it does not fit even with one slot per cache, where the largest part is "
+                f"{self.blocker.label} ({format_bytes(self.blocker.nbytes)}): {self.blocker.remedy}"
+            )
+        raise DeviceMemoryError(message)
+
+
+def memory_budget(deployment: Deployment, device: DeviceMemory) -> MemoryBudget:
+    """What `deployment` allocates on one device (see the module docstring), against `device`.
+
+    Raises:
+      TypeError: for a model other than `streaming_tts` (the only one whose weights are counted).
+    """
+    config = _streaming_tts(deployment)
+    caches = [spec for spec in deployment.specs if isinstance(spec, BoundedKVSpec)]
+    sources = num_sources(deployment)
+    dtype = config.storage_dtype
+
+    def parts_at(max_slots: int | None) -> list[BudgetPart]:
+        """The parts with every cache's `max_slots` lowered to `max_slots` (None: as given)."""
+        batch = deployment.engine.max_batch
+        if max_slots is not None:
+            batch = min(batch, max_slots)
+        parts = [
+            BudgetPart(
+                label=f"model weights ({weight_count(config):,} x {dtype.name})",
+                nbytes=weight_bytes(config),
+                remedy="a smaller model (model.config) or a device with more memory",
+            )
+        ]
+        for spec in caches:
+            kv = spec.config
+            slots = kv.max_slots if max_slots is None else min(kv.max_slots, max_slots)
+            parts.append(
+                BudgetPart(
+                    label=f"{spec.resource_key} slots ({slots:,} + 1 padding)",
+                    nbytes=(slots + 1) * kv.slot_bytes,
+                    remedy=(
+                        f"one slot is {format_bytes(kv.slot_bytes)} ({kv.slot_tokens:,} tokens): shorten the "
+                        f"retention of {spec.resource_key} in model.config"
+                    ),
+                )
+            )
+        for spec in caches:
+            parts.append(
+                BudgetPart(
+                    label=f"{spec.resource_key} source bank ({sources} sources)",
+                    nbytes=sources * source_bytes(spec.config),
+                    remedy=(
+                        f"each source holds max_source_len={spec.config.max_source_len:,} entries: lower "
+                        "model.config.max_voice_frames"
+                    ),
+                )
+            )
+        tokens, flow_tokens = max(deployment.token_counts), _flow_tokens(deployment)
+        parts.append(
+            BudgetPart(
+                label=f"workspace (largest bucket: {batch} x {tokens} tokens)",
+                nbytes=workspace_bytes(
+                    config, _kv(caches, "talker_kv"), _kv(caches, "flow_kv"), batch, tokens, flow_tokens
+                ),
+                remedy="fewer tokens per bucket (compile.token_counts) or a smaller engine.max_batch",
+            )
+        )
+        return parts
+
+    parts = parts_at(None)
+    fitting = blocker = None
+    if sum(part.nbytes for part in parts) > device.nbytes:
+        # The total grows with max_slots (slots, and the largest batch with it): bisect for the most that fit.
+        low, high = 0, max(spec.config.max_slots for spec in caches)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if sum(part.nbytes for part in parts_at(mid)) <= device.nbytes:
+                low = mid
+            else:
+                high = mid - 1
+        fitting = low or None
+        if fitting is None:
+            blocker = max(parts_at(1), key=lambda part: part.nbytes)
+    return MemoryBudget(
+        source=deployment.source,
+        parts=tuple(parts),
+        device=device,
+        max_fitting_slots=fitting,
+        blocker=blocker,
+        max_batch=deployment.engine.max_batch,
+        slot_keys=tuple(
+            spec.resource_key for spec in caches if fitting is not None and spec.config.max_slots > fitting
+        ),
+    )
+
+
+def num_sources(deployment: Deployment) -> int:
+    """Source-bank entries per cache, as `Engine.from_deployment` allocates them by default."""
+    return max(MIN_SOURCES, deployment.workload.voices)
+
+
+def source_bytes(config: BoundedKVConfig) -> int:
+    """Device bytes of one source-bank entry: K and V, every layer and row, `max_source_len` in tiles."""
+    per_entry = config.rows_per_request * config.num_heads * 2 * config.head_dim * config.dtype.itemsize
+    return config.num_layers * store_capacity(config.max_source_len, config.head_dim) * per_entry
+
+
+def weight_count(config: StreamingTTSConfig) -> int:
+    """Parameters of the talker and the flow decoder, counted from their shapes (`talker.py`, `flow.py`)."""
+    e, f = config.d_model, config.talker_ffn_dim
+    q, kv = config.talker_heads * config.talker_head_dim, config.talker_kv_heads * config.talker_head_dim
+    # Per block: 2 RMSNorm scales, wq, wk, wv, wo, and the SwiGLU's gate, up and down.
+    talker_block = 2 * e + e * q + 2 * e * kv + q * e + 3 * e * f
+    talker = (
+        (config.text_vocab_size + config.codec_vocab_size + 1) * e  # one embedding for text, codes, BOS
+        + config.talker_layers * talker_block
+        + e  # final norm
+        + e * config.codec_vocab_size  # head
+    )
+    e, m = config.flow_d_model, config.mel_bins
+    h = config.flow_heads * config.flow_head_dim
+    # Per block: 2 RMSNorm scales, wq, wk, wv, wo, and the GELU MLP (4x wide).
+    flow_block = 2 * e + 3 * e * h + h * e + 2 * 4 * e * e
+    flow = (
+        (config.codec_vocab_size + 1) * e  # code embedding with the null code
+        + (m + 1) * e  # mel_in, with bias
+        + 2 * (_FLOW_FEATURES + 1) * e  # time_in, index_in, with biases
+        + config.flow_layers * flow_block
+        + e  # final norm
+        + (e + 1) * m  # mel_out, with bias
+        + (m + 1) * SAMPLES_PER_FRAME  # vocoder, with bias
+    )
+    return talker + flow
+
+
+def weight_bytes(config: StreamingTTSConfig) -> int:
+    """Device bytes of the weights: every parameter is stored in the model's dtype."""
+    return weight_count(config) * config.storage_dtype.itemsize
+
+
+def workspace_bytes(
+    config: StreamingTTSConfig,
+    talker: BoundedKVConfig,
+    flow: BoundedKVConfig,
+    batch: int,
+    tokens: int,
+    flow_tokens: int,
+) -> int:
+    """An upper estimate of the activations of the largest step: the talker's or the flow's, whichever
+    is larger (one program runs at a time, and its buffers are freed when it returns).
+
+    Counts one layer's activations at once (XLA frees a layer's buffers before the next): the residual
+    stream and its norm, q, k, v and the attention output, and the MLP's hidden units, in the model's
+    dtype; the keys and values the XLA attention path gathers per row (`min(K, L) + min(K, C)` of each
+    cache's), in its dtype; that path's scores and probabilities over those keys plus the step's own, in
+    float32 (the Pallas kernels hold only tiles of them); the talker's logits and sampling noise, and
+    the flow's Euler state, noise, velocity, mel and audio samples, in float32. Not counted: the weights
+    and caches (their own parts), and per-row tables.
+
+    Args:
+      config: the model's geometry.
+      talker, flow: the two caches' configs.
+      batch: rows of the largest batch bucket (`engine.max_batch`).
+      tokens: the talker's largest token bucket (its prefill chunk).
+      flow_tokens: the flow's token bucket (the smallest holding a flow chunk).
+    """
+    itemsize, f32 = config.storage_dtype.itemsize, 4
+    # The talker runs `batch` prefill rows of `tokens`, or a combined step: `batch` decode rows beside
+    # the engine's one prefill row (`Engine.from_deployment(max_prefill_rows_in_combined=1)`).
+    rows, token_rows = batch + 1, max(batch * tokens, batch + tokens)
+    e, heads, dim = config.d_model, config.talker_heads, config.talker_head_dim
+    groups = config.talker_kv_heads
+    keys = _gathered_keys(talker)
+    talker_bytes = (
+        token_rows * (4 * e + (2 * heads + 2 * groups) * dim + 3 * config.talker_ffn_dim) * itemsize
+        + 2 * rows * groups * keys * dim * talker.dtype.itemsize
+        + 2 * token_rows * heads * (keys + tokens) * f32
+        + 2 * rows * config.codec_vocab_size * f32
+    )
+    # The flow runs two rows per request (classifier-free guidance).
+    rows, token_rows = 2 * batch, 2 * batch * flow_tokens
+    e, heads, dim = config.flow_d_model, config.flow_heads, config.flow_head_dim
+    keys = _gathered_keys(flow)
+    flow_bytes = (
+        token_rows * (5 * e + 4 * heads * dim + 2 * 4 * e) * itemsize
+        + 2 * rows * heads * keys * dim * flow.dtype.itemsize
+        + 2 * token_rows * heads * (keys + flow_tokens) * f32
+        + 6 * batch * flow_tokens * config.mel_bins * f32
+        + batch * flow_tokens * SAMPLES_PER_FRAME * f32
+    )
+    return max(talker_bytes, flow_bytes)
+
+
+def _gathered_keys(config: BoundedKVConfig) -> int:
+    """Keys the XLA attention path gathers per row: from the source bank, then from the slot."""
+    source = store_capacity(config.max_source_len, config.head_dim)
+    return min(config.max_retained, source) + min(config.max_retained, config.slot_capacity)
+
+
+# -- the device -------------------------------------------------------------------------------------
+
+
+def device_memory() -> DeviceMemory:
+    """The memory of the device the engine would run on (JAX's default device).
+
+    An accelerator's allocator `bytes_limit` where it reports one (what JAX may allocate there, after
+    its reserved fraction), else the host's RAM (`host_memory`), where a CPU device allocates.
+
+    Raises:
+      DeviceMemoryError: when JAX cannot start its backend (the device busy, say); the message says
+        to give the size with `--device-memory`.
+    """
+    import jax
+
+    try:
+        device = jax.devices()[0]
+        stats = device.memory_stats() if device.platform != "cpu" else None
+    except RuntimeError as err:
+        raise DeviceMemoryError(
+            f"cannot read the device's memory ({err}); give it with --device-memory, e.g. 16GiB"
+        ) from None
+    limit = (stats or {}).get("bytes_limit")
+    if limit:
+        return DeviceMemory(nbytes=int(limit), source=f"{device.device_kind} bytes_limit")
+    return DeviceMemory(nbytes=host_memory(), source="host RAM")
+
+
+def host_memory() -> int:
+    """The host's RAM in bytes, or the container's cgroup memory limit where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # cgroup v2 writes "max" for no limit
+            total = min(total, int(text))
+    return total
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as `16GiB`, `1.5 TiB`, `80GB` or `1073741824` (binary or decimal units).
+
+    Raises:
+      ValueError: naming the text and the units allowed, for anything else or a size below 1 byte.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    if match is None or match[2].lower() not in _UNITS:
+        raise ValueError(
+            f"size={text!r} must be a number with an optional unit (B, KiB, MiB, GiB, TiB, PiB, or "
+            "kB, MB, GB, TB, PB), e.g. 16GiB"
+        )
+    nbytes = int(fractions.Fraction(match[1]) * _UNITS[match[2].lower()])
+    if nbytes < 1:
+        raise ValueError(f"size={text!r} must be at least 1 byte")
+    return nbytes
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+_BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_bytes(n: int) -> str:
+    """`n` bytes in binary units with one decimal, e.g. `1.5 MiB`; below 1 KiB, exact (`512 B`)."""
+    if n < 1024:
+        return f"{n} B"
+    unit = 0
+    value = float(n)
+    while value >= 1024 and unit < len(_BYTE_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    return f"{value:.1f} {_BYTE_UNITS[unit]}"
+
+
+def _streaming_tts(deployment: Deployment) -> StreamingTTSConfig:
+    if not isinstance(deployment.model_config, StreamingTTSConfig):
+        raise TypeError(
+            f"memory_budget counts the weights of streaming_tts only; model {deployment.model!r} has a "
+            f"{type(deployment.model_config).__name__}"
+        )
+    return deployment.model_config
+
+
+def _kv(specs: list[BoundedKVSpec], key: str) -> BoundedKVConfig:
+    return next(spec.config for spec in specs if spec.resource_key == key)
+
+
+def _flow_tokens(deployment: Deployment) -> int:
+    """The flow's token bucket: the smallest token count holding a flow chunk (`tts_buckets`)."""
+    chunk = deployment.model_config.flow_chunk
+    return min(t for t in deployment.token_counts if t >= chunk)
