@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.sink_window_attention import table as tbl
+from kernels_pallas.sink_window_attention.ordered import ordered_sum
 
 # f32 inputs keep f32 products on TPU/GPU (the default would round them to bf16 / TF32); bf16 is exact.
 _PRECISION = lax.Precision.HIGHEST
@@ -183,7 +184,7 @@ def sink_window_attention_xla(
             # A query that sees nothing has m = -inf; shifting by 0 keeps exp(-inf) = 0 instead of NaN.
             m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
             probs = [jnp.exp(s - m) for s in scores]
-            total = sum(jnp.sum(p, axis=-1) for p in probs)  # [N, G, T, I]
+            total = sum(ordered_sum(p) for p in probs)  # [N, G, T, I], rounded alike in any batch
             out = sum(
                 _dot("ngtip,ngpd->ngtid", p.astype(part.values.dtype), part.values)
                 for p, part in zip(probs, parts, strict=True)

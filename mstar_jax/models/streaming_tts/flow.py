@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mstar_jax.models.streaming_tts.norm import RMSNorm
 from mstar_jax.models.streaming_tts.talker import AttendFn, ModuleList
 
 __all__ = ["CFG_RATE", "FlowBlock", "FlowDecoder", "sinusoid"]
@@ -42,12 +43,12 @@ class FlowBlock(nnx.Module):
     def __init__(self, *, d_model: int, heads: int, head_dim: int, rngs: nnx.Rngs):
         self.heads, self.head_dim = heads, head_dim
         linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
-        self.attn_norm = nnx.RMSNorm(d_model, rngs=rngs)
+        self.attn_norm = RMSNorm(d_model, rngs=rngs)
         self.wq = linear(d_model, heads * head_dim)
         self.wk = linear(d_model, heads * head_dim)
         self.wv = linear(d_model, heads * head_dim)
         self.wo = linear(heads * head_dim, d_model)
-        self.mlp_norm = nnx.RMSNorm(d_model, rngs=rngs)
+        self.mlp_norm = RMSNorm(d_model, rngs=rngs)
         self.mlp_in = linear(d_model, 4 * d_model)
         self.mlp_out = linear(4 * d_model, d_model)
 
@@ -95,7 +96,7 @@ class FlowDecoder(nnx.Module):
         self.blocks = ModuleList(
             [FlowBlock(d_model=d_model, heads=heads, head_dim=head_dim, rngs=rngs) for _ in range(layers)]
         )
-        self.norm = nnx.RMSNorm(d_model, rngs=rngs)
+        self.norm = RMSNorm(d_model, rngs=rngs)
         self.mel_out = nnx.Linear(d_model, mel_bins, rngs=rngs)
         self.vocoder = nnx.Linear(mel_bins, samples_per_frame, rngs=rngs)
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mstar_jax.models.streaming_tts.norm import RMSNorm
 from mstar_jax.models.streaming_tts.rope import apply_rope
 
 __all__ = ["AttendFn", "Talker", "TalkerBlock", "sample_codes"]
@@ -38,12 +39,12 @@ class TalkerBlock(nnx.Module):
     ):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
-        self.attn_norm = nnx.RMSNorm(d_model, rngs=rngs)
+        self.attn_norm = RMSNorm(d_model, rngs=rngs)
         self.wq = linear(d_model, heads * head_dim)
         self.wk = linear(d_model, kv_heads * head_dim)
         self.wv = linear(d_model, kv_heads * head_dim)
         self.wo = linear(heads * head_dim, d_model)
-        self.mlp_norm = nnx.RMSNorm(d_model, rngs=rngs)
+        self.mlp_norm = RMSNorm(d_model, rngs=rngs)
         self.gate = linear(d_model, ffn_dim)
         self.up = linear(d_model, ffn_dim)
         self.down = linear(ffn_dim, d_model)
@@ -104,7 +105,7 @@ class Talker(nnx.Module):
                 for _ in range(layers)
             ]
         )
-        self.norm = nnx.RMSNorm(d_model, rngs=rngs)
+        self.norm = RMSNorm(d_model, rngs=rngs)
         self.head = nnx.Linear(d_model, codec_vocab, use_bias=False, rngs=rngs)
 
     @property
