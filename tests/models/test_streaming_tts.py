@@ -14,15 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
-from mstar_jax.models.streaming_tts.model import StreamingTTSModel, dense_attention
-from mstar_jax.models.streaming_tts.talker import sample_codes
+from mstar_jax.models.streaming_tts.model import StreamingTTSModel
 from mstar_jax.models.streaming_tts.voices import VoiceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.step import BucketKey, Segment, SlotLease, StepContext
+from tests.models.reference import make_reference_flow, make_reference_talker, voice_prompt
 
 TINY = StreamingTTSConfig(
     text_vocab_size=16, codec_vocab_size=16, d_model=32, talker_layers=2, talker_heads=2, talker_kv_heads=1,
@@ -51,15 +50,6 @@ def setup():
     return model, talker, flow, voice, steps
 
 
-def voice_prompt(seed: int, frames: int):
-    """The prompt `VoiceBank.add` draws (same generator calls), unpadded."""
-    rng = np.random.default_rng(seed)
-    codes = rng.integers(0, TINY.codec_vocab_size, frames).astype(np.int32)
-    mel = rng.standard_normal((frames, TINY.mel_bins)).astype(np.float32)
-    noise = rng.standard_normal((TINY.max_voice_frames, TINY.mel_bins)).astype(np.float32)[:frames]
-    return codes, mel, noise
-
-
 def run_step(manager, fn, params, rids, positions, spans, arrays, bucket_tokens):
     """Admit, plan (padded to `bucket_tokens`), run `fn` and commit one step for `rids`."""
     step = BoundedKVStep(
@@ -85,45 +75,9 @@ def pad(tokens, width):
 # -- talker -----------------------------------------------------------------------------------------
 
 
-def make_reference_talker(model: StreamingTTSModel, total: int):
-    """One jitted dense step over the full history [L, G, total, D], masked by the retention definition.
-
-    Tokens come padded to 4 (one program for every step); `m` of them are real. The history has 4
-    entries of slack so the padded insert never clamps.
-    """
-    kv = model.talker_kv
-    talker_def = model._talker_def
-
-    @jax.jit
-    def step(params, hist_k, hist_v, tokens, m, n, sink, window, seed):
-        talker = nnx.merge(talker_def, params)
-        qpos = n + jnp.arange(tokens.shape[1])
-        kpos = jnp.arange(total + 4)
-        kept = (kpos < jnp.minimum(sink, n)) | ((kpos >= jnp.maximum(sink, n - window)) & (kpos < n))
-        own = (kpos >= n) & (kpos < n + m)
-        band = (kpos[None] <= qpos[:, None]) & (
-            (kpos[None] < sink) | (kpos[None] > qpos[:, None] - kv.query_window)
-        )
-        mask = (kept | own)[None] & band
-
-        def attend(state, layer, q, k, v):
-            hk, hv = state
-            hk = hk.at[layer].set(jax.lax.dynamic_update_slice(hk[layer], k[0].transpose(1, 0, 2), (0, n, 0)))
-            hv = hv.at[layer].set(jax.lax.dynamic_update_slice(hv[layer], v[0].transpose(1, 0, 2), (0, n, 0)))
-            keys, values = hk[layer].transpose(1, 0, 2)[None], hv[layer].transpose(1, 0, 2)[None]
-            return dense_attention(q, keys, values, mask), (hk, hv)
-
-        (hidden,), (hist_k, hist_v) = talker([tokens], [qpos[None]], (hist_k, hist_v), [attend])
-        last = jax.lax.dynamic_index_in_dim(hidden, m - 1, axis=1, keepdims=False)
-        code = sample_codes(talker.logits(last), seed[None], (n + m - 1)[None], temperature=1.0)
-        return hist_k, hist_v, code[0]
-
-    return step
-
-
 def test_talker_matches_dense_reference_through_prefill_and_past_the_wrap(setup):
     model, talker_kv, _, voice, steps = setup
-    codes_voice, _, _ = voice_prompt(3, voice.frames)
+    codes_voice, _, _ = voice_prompt(TINY, 3, voice.frames)
     text = np.array([3, 1, 4, 1, 5, 9, 2], np.int32)
     prefill = [*text, model.bos]  # 8 tokens: chunks of 4 and 3+1 (the second padded to the 4 bucket)
     chunks = [prefill[:4], prefill[4:7], prefill[7:]]
@@ -182,54 +136,9 @@ def test_talker_matches_dense_reference_through_prefill_and_past_the_wrap(setup)
 # -- flow -------------------------------------------------------------------------------------------
 
 
-def make_reference_flow(model: StreamingTTSModel, total: int):
-    """A jitted dense flow chunk over the full history [L, 2, H, total, D] (written last-first).
-
-    Chunks come padded to 4 frames, `m` of them real; the history has 4 entries of slack.
-    """
-    flow_def = model._flow_def
-
-    @jax.jit
-    def chunk(params, hist_k, hist_v, codes, m, n, sink, window, seed):
-        flow = nnx.merge(flow_def, params)
-        steps = codes.shape[1]
-        kpos = jnp.arange(total + 4)
-        kept = (kpos < jnp.minimum(sink, n)) | ((kpos >= jnp.maximum(sink, n - window)) & (kpos < n))
-        mask = jnp.broadcast_to(kept | ((kpos >= n) & (kpos < n + m)), (steps, total + 4))
-        # Token j joins the stream at n + m - 1 - j: position n + i holds token m - 1 - i.
-        order = jnp.clip(m - 1 - jnp.arange(steps), 0, steps - 1)
-
-        def with_own(hk, hv, layer, k, v):
-            own_k, own_v = (
-                k[:, order].transpose(0, 2, 1, 3),
-                v[:, order].transpose(0, 2, 1, 3),
-            )  # [2, H, T, D]
-            hk = hk.at[layer].set(jax.lax.dynamic_update_slice(hk[layer], own_k, (0, 0, n, 0)))
-            hv = hv.at[layer].set(jax.lax.dynamic_update_slice(hv[layer], own_v, (0, 0, n, 0)))
-            return hk, hv
-
-        def read(state, layer, q, k, v):
-            hk, hv = with_own(*state, layer, k, v)
-            out = dense_attention(q, hk[layer].transpose(0, 2, 1, 3), hv[layer].transpose(0, 2, 1, 3), mask)
-            return out, state  # reading leaves the history as it was
-
-        def write(state, layer, q, k, v):
-            hk, hv = with_own(*state, layer, k, v)
-            out = dense_attention(q, hk[layer].transpose(0, 2, 1, 3), hv[layer].transpose(0, 2, 1, 3), mask)
-            return out, (hk, hv)
-
-        noise = model.flow_noise(n[None], seed[None], steps)
-        mel, (hist_k, hist_v) = flow.decode(
-            codes, noise, (hist_k, hist_v), read=read, write=write, steps=TINY.flow_steps
-        )
-        return hist_k, hist_v, mel[0]
-
-    return chunk
-
-
 def test_flow_matches_dense_reference_with_reverse_order_and_cfg_rows(setup):
     model, _, flow_kv, voice, steps = setup
-    codes_voice, mel_voice, noise_voice = voice_prompt(3, voice.frames)
+    codes_voice, mel_voice, noise_voice = voice_prompt(TINY, 3, voice.frames)
     rng = np.random.default_rng(5)
     lengths = [4, 4, 4, 3]  # the window (5) cuts chunks; the last chunk is short (padded to 4)
     chunks = [rng.integers(0, TINY.codec_vocab_size, n).astype(np.int32) for n in lengths]
