@@ -73,7 +73,13 @@ class TTSRequest:
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request_id={self.request_id!r} must be a non-empty str")
-        text = np.asarray(self.text).reshape(-1)
+        text = np.asarray(self.text)
+        if text.ndim > 1:
+            raise ValueError(
+                f"request {self.request_id!r}: text={_brief(self.text)} must be one sequence of token ids, "
+                f"got shape {text.shape}"
+            )
+        text = text.reshape(-1)
         if not text.size:
             raise ValueError(f"request {self.request_id!r}: text is empty; it needs at least one token")
         if not np.issubdtype(text.dtype, np.integer):  # a float token would be truncated silently

@@ -59,7 +59,10 @@ class NodeResourceSpec(abc.ABC):
             raise ValueError(f"resource_key={self.resource_key!r} must be a non-empty str")
         if isinstance(self.nodes, str) or not isinstance(self.nodes, Iterable):
             raise TypeError(f"nodes={self.nodes!r} must be an iterable of node names, not a single str")
-        object.__setattr__(self, "nodes", frozenset(self.nodes))
+        nodes = tuple(self.nodes)
+        if not all(isinstance(node, str) for node in nodes):
+            raise TypeError(f"nodes={self.nodes!r} must be an iterable of node names, each a str")
+        object.__setattr__(self, "nodes", frozenset(nodes))
 
     @property
     @abc.abstractmethod
@@ -86,7 +89,7 @@ class NodeResourceSpec(abc.ABC):
         return self
 
     def _reject_unknown_yaml_keys(self, kwargs: Mapping[str, Any]) -> None:
-        unknown = sorted(set(kwargs) - set(self.YAML_KEYS))
+        unknown = sorted(set(kwargs) - set(self.YAML_KEYS), key=str)  # a YAML key may be an int
         if unknown:
             accepted = (
                 f"it accepts {list(self.YAML_KEYS)}" if self.YAML_KEYS else "it takes no YAML overrides"
@@ -137,9 +140,9 @@ class CombinedSplit:
     prefill_walks: tuple[str, ...]
 
     def __post_init__(self):
-        if isinstance(self.prefill_walks, str):
+        if isinstance(self.prefill_walks, str) or not isinstance(self.prefill_walks, Iterable):
             raise TypeError(
-                f"prefill_walks={self.prefill_walks!r} must be a sequence of walk names, not a str"
+                f"prefill_walks={self.prefill_walks!r} must be a sequence of walk names (not a str)"
             )
         object.__setattr__(self, "prefill_walks", tuple(self.prefill_walks))
         if len(set(self.prefill_walks)) != len(self.prefill_walks):
@@ -199,7 +202,7 @@ def resolve_spec_dependencies(specs: Sequence[NodeResourceSpec]) -> dict[str, No
 def unknown_overrides_message(unknown: list[str], declared: Collection[str]) -> str:
     """The error for a `resources:` block naming resources the model does not declare."""
     return (
-        f"serving config overrides unknown resource(s) {sorted(unknown)}; "
+        f"serving config overrides unknown resource(s) {sorted(unknown, key=str)}; "
         f"this model declares {sorted(declared)}"
     )
 
@@ -223,17 +226,20 @@ def apply_yaml_overrides(
             "the top-level 'kv_cache:' block is no longer read; move it under 'resources:' keyed by the "
             "resource name, e.g.\nresources:\n  kv_cache:\n    max_slots: 64"
         )
-    overrides = model_config.get("resources") or {}
+    overrides = model_config.get("resources")
+    overrides = {} if overrides is None else overrides  # an empty 'resources:'; `false` or `[]` is refused
     if not isinstance(overrides, Mapping):
         raise ValueError(f"resources={overrides!r} must be a mapping of resource key to settings")
     by_key = resolve_spec_dependencies(specs)
-    unknown = sorted(set(overrides) - set(by_key))
+    unknown = sorted(set(overrides) - set(by_key), key=str)  # a YAML key may be an int
     if unknown:
         raise ValueError(unknown_overrides_message(unknown, by_key))
     patched = dict(by_key)
     for key, block in overrides.items():
-        block = block or {}
+        block = {} if block is None else block
         if not isinstance(block, Mapping):
             raise ValueError(f"resources.{key}={block!r} must be a mapping of settings")
+        if not all(isinstance(name, str) for name in block):
+            by_key[key]._reject_unknown_yaml_keys(block)  # names the key `**block` would refuse unnamed
         patched[key] = by_key[key].apply_yaml_overrides(**block)
     return [patched[spec.resource_key] for spec in specs]

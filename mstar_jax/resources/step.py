@@ -11,7 +11,7 @@ plans resources make (arrays) rather than steps.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import KeysView, Mapping, Sequence
+from collections.abc import Iterable, KeysView, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -179,8 +179,17 @@ class ResourceStep:
     segments: tuple[Segment, ...] | None = None
 
     def __post_init__(self):
-        if self.segments is not None and not isinstance(self.segments, tuple):
+        if self.segments is None:
+            return
+        if isinstance(self.segments, str) or not isinstance(self.segments, Iterable):
+            raise TypeError(
+                f"segments={self.segments!r} must be a sequence of Segment(request_id, label, span)"
+            )
+        if not isinstance(self.segments, tuple):
             object.__setattr__(self, "segments", tuple(self.segments))
+        for i, seg in enumerate(self.segments):
+            if not isinstance(seg, Segment):  # a plain tuple has no `request_id` for admit to read
+                raise TypeError(f"segments[{i}]={seg!r} must be a Segment(request_id, label, span)")
 
     def request_ids(self) -> tuple[str, ...]:
         """Request ids of the segments, in batch order (empty when none are set)."""

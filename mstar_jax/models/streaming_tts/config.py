@@ -125,7 +125,7 @@ class StreamingTTSConfig:
                 f"query_window={self.query_window} must be <= talker_window + 1 = {self.talker_window + 1}: "
                 "a wider band lets a prefill chunk attend its own tokens that decoding would have evicted"
             )
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:  # a list is unhashable
             raise ValueError(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
 
     @property

@@ -60,17 +60,23 @@ class VoiceBank:
         Replaces a voice already there (unless live requests read it).
 
         Raises:
-          ValueError: a bad index, `frames` outside `[min_voice_frames, max_voice_frames]`, or a voice
-            in use; nothing is registered then.
+          ValueError: a bad index, `frames` outside `[min_voice_frames, max_voice_frames]`, a bad seed,
+            or a voice in use; nothing is registered then.
         """
         cfg = self.model.config
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.capacity:
             raise ValueError(f"voice index={index!r} must be an int in [0, {self.capacity})")
-        if not cfg.min_voice_frames <= frames <= cfg.max_voice_frames:
+        if (
+            isinstance(frames, bool)
+            or not isinstance(frames, int)
+            or not cfg.min_voice_frames <= frames <= cfg.max_voice_frames
+        ):
             raise ValueError(
-                f"voice frames={frames} must be in [min_voice_frames={cfg.min_voice_frames}, "
-                f"max_voice_frames={cfg.max_voice_frames}]"
+                f"voice frames={frames!r} must be in [min_voice_frames={cfg.min_voice_frames}, "
+                f"max_voice_frames={cfg.max_voice_frames}], an int"
             )
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"voice seed={seed!r} must be an int >= 0")
         for manager in (self.talker, self.flow):
             readers = manager.readers(index)
             if readers:

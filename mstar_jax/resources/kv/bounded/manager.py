@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mstar_jax.resources.base import Resource
@@ -114,6 +115,11 @@ class BoundedKVManager(HostCopies, Resource):
     def free_slots(self) -> int:
         return len(self._free)
 
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        """Every request the manager holds a record of (ingested and not removed)."""
+        return tuple(self._requests)
+
     def slot_of(self, request_id: str) -> int | None:
         request = self._requests.get(request_id)
         return None if request is None else request.slot
@@ -127,8 +133,8 @@ class BoundedKVManager(HostCopies, Resource):
         """Register (or replace) source `index`: per layer K and V of shape [R, G, length, D].
 
         Raises:
-          ValueError: for a bad index, shapes or length outside [min_source_len, max_source_len], or
-            replacing a source a live request reads (its stream would change under it).
+          ValueError: for a bad index, shapes or dtype, a length outside [min_source_len, max_source_len],
+            or replacing a source a live request reads (its stream would change under it).
         """
         cfg = self.config
         self._check_source_index(index)
@@ -137,7 +143,7 @@ class BoundedKVManager(HostCopies, Resource):
                 f"source {index} is read by {self._readers[index]} live request(s); "
                 "remove them before replacing it"
             )
-        k, v = np.stack([np.asarray(x) for x in k]), np.stack([np.asarray(x) for x in v])
+        k, v = _stack_source("k", k), _stack_source("v", v)
         expected = (cfg.num_layers, cfg.rows_per_request, cfg.num_heads)
         if k.shape != v.shape or k.ndim != 5 or k.shape[:3] != expected or k.shape[4] != cfg.head_dim:
             raise ValueError(
@@ -157,6 +163,7 @@ class BoundedKVManager(HostCopies, Resource):
 
     def remove_source(self, index: int) -> None:
         """Forget source `index`. Raises ValueError if it is unknown or a live request reads it."""
+        self._check_source_index(index)
         if index not in self._source_lengths:
             raise ValueError(f"source {index} is not registered; registered: {sorted(self._source_lengths)}")
         if self._readers[index]:
@@ -178,7 +185,11 @@ class BoundedKVManager(HostCopies, Resource):
 
     # Request lifecycle.
     def ingest_request(self, request_id: str, req_config: ResourceReqConfig | None = None) -> None:
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id={request_id!r} must be a str")
         if req_config is not None:
+            if not isinstance(req_config, ResourceReqConfig):
+                raise TypeError(f"req_config={req_config!r} must be a ResourceReqConfig or None")
             req_config.validate(self.spec)
         self._requests.setdefault(request_id, _Request())
 
@@ -429,6 +440,29 @@ def _as_bounded_step(step: ResourceStep) -> BoundedKVStep:
     if not isinstance(step, BoundedKVStep):
         raise TypeError(f"the bounded KV cache takes a BoundedKVStep, got {type(step).__name__}")
     return step
+
+
+def _stack_source(name: str, layers) -> np.ndarray:
+    """Per-layer source arrays stacked into one [layers, R, G, length, D] array of real numbers.
+
+    Raises:
+      ValueError: naming `name` ("k" or "v"), for no layers, layers of different shapes or a dtype that
+        is not a float or an int.
+    """
+    try:
+        arrays = [np.asarray(x) for x in layers]
+    except (TypeError, ValueError):
+        arrays = None
+    if not arrays or len({a.shape for a in arrays}) != 1:
+        got = type(layers).__name__ if arrays is None else f"layer shapes {[a.shape for a in arrays]}"
+        raise ValueError(
+            f"source {name} must be a non-empty sequence of per-layer arrays of one shape "
+            f"[rows, kv_heads, length, head_dim], got {got}"
+        )
+    stacked = np.stack(arrays)
+    if not (jnp.issubdtype(stacked.dtype, jnp.floating) or jnp.issubdtype(stacked.dtype, jnp.integer)):
+        raise ValueError(f"source {name} has dtype {stacked.dtype}; it must hold real numbers (float or int)")
+    return stacked
 
 
 def _is_int(value) -> bool:
