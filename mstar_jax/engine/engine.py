@@ -50,6 +50,7 @@ from mstar_jax.engine.request import (
     TTSRequest,
 )
 from mstar_jax.engine.scheduler import flow_rows, talker_rows
+from mstar_jax.memory import num_sources
 from mstar_jax.models.streaming_tts.model import (
     FLOW_CHUNK,
     TALKER_MIXED,
@@ -121,6 +122,8 @@ class Engine(Admission, Outputs, Recovery):
         never; paused streams are still offloaded when a new request needs their slot).
       snapshot_every: copy both caches and every stream's progress to host memory every this many
         steps, so a device fault costs a replay instead of the requests (None: never).
+      history: finished streams and step records kept for reports, the most recent (None: all; a
+        server that runs for days bounds it).
       clock: the time source (`time.perf_counter`).
     """
 
@@ -135,8 +138,26 @@ class Engine(Admission, Outputs, Recovery):
         hold_backoff_s: float = 0.005,
         offload_idle_after_s: float | None = None,
         snapshot_every: int | None = None,
+        history: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
+        for name, manager in (("talker", talker), ("flow", flow)):
+            if not isinstance(manager, BoundedKVManager):
+                raise TypeError(f"{name}={manager!r} must be a BoundedKVManager")
+        if not isinstance(programs, TTSPrograms):
+            raise TypeError(f"programs={programs!r} must be a TTSPrograms (TTSPrograms.capture)")
+        if not callable(clock):
+            raise TypeError(f"clock={clock!r} must be callable, returning seconds")
+        for name, value in (
+            ("hold_backoff_s", hold_backoff_s),
+            ("offload_idle_after_s", offload_idle_after_s),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value < 0
+            ):
+                raise ValueError(
+                    f"{name}={value!r} must be a number >= 0" + (" or None" if name[0] == "o" else "")
+                )
         largest = min(programs.buckets.max_batch(walk) for walk in programs.buckets.walks)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= largest:
             raise ValueError(f"max_batch={max_batch!r} must be an int in [1, {largest}] (the largest bucket)")
@@ -144,7 +165,9 @@ class Engine(Admission, Outputs, Recovery):
             isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1
         ):
             raise ValueError(f"snapshot_every={snapshot_every!r} must be None or an int >= 1")
-        self.snapshot_every = snapshot_every
+        if history is not None and (isinstance(history, bool) or not isinstance(history, int) or history < 1):
+            raise ValueError(f"history={history!r} must be None or an int >= 1")
+        self.snapshot_every, self.history = snapshot_every, history
         self.last_snapshot: recovery.EngineSnapshot | None = None
         self.steps_run = 0
         self.model, self.programs, self.max_batch = model, programs, max_batch
@@ -161,7 +184,7 @@ class Engine(Admission, Outputs, Recovery):
         self.voices = VoiceBank(model, talker, flow)
         self.streams: dict[str, Stream] = {}  # live, in arrival order
         self.finished: dict[str, Stream] = {}
-        self.records: list[StepRecord] = []
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=history)
         self.counters: collections.Counter[str] = collections.Counter()
         self.compilations = 0  # after warm-up
         self.warmup_compilations = 0
@@ -182,6 +205,7 @@ class Engine(Admission, Outputs, Recovery):
         max_workers: int | None = None,
         num_voices: int | None = None,
         max_prefill_rows_in_combined: int | None = 1,
+        history: int | None = None,
     ) -> Engine:
         """Build the model, its caches and every bucket's program from a `Deployment`, then warm up.
 
@@ -192,9 +216,10 @@ class Engine(Admission, Outputs, Recovery):
           max_workers: buckets compiled at once (default: the host's cores, at most 8).
           num_voices: source-bank entries per cache (default: the workload's voices, at least 8).
           max_prefill_rows_in_combined: prefill rows a combined step makes room for.
+          history: finished streams and step records kept (see `Engine`).
         """
         config = deployment.model_config
-        sources = num_voices or max(8, deployment.workload.voices)
+        sources = num_voices or num_sources(deployment)
         talker = BoundedKVManager(deployment.spec(TALKER_KV), num_sources=sources)
         flow = BoundedKVManager(deployment.spec(FLOW_KV), num_sources=sources)
         model = StreamingTTSModel(
@@ -220,6 +245,7 @@ class Engine(Admission, Outputs, Recovery):
             model, talker=talker, flow=flow, programs=programs, max_batch=max_batch,
             hold_backoff_s=deployment.engine.hold_backoff_s,
             offload_idle_after_s=deployment.engine.offload_idle_after_s,
+            snapshot_every=deployment.engine.snapshot_every, history=history,
         )  # fmt: skip
         engine.warm_up()
         return engine
@@ -410,10 +436,10 @@ class Engine(Admission, Outputs, Recovery):
             ran |= self._run(self.nodes["flow"], rows)
         if ran:
             self.steps_run += 1
-            if self.snapshot_every is not None and self.steps_run % self.snapshot_every == 0:
-                # A cache already lost (a poisoned buffer) keeps the last good snapshot for its recovery.
-                if not any(node.manager.cache_lost() for node in self.nodes.values()):
-                    self.snapshot()
+            due = self.snapshot_every is not None and self.steps_run % self.snapshot_every == 0
+            # A cache already lost (a poisoned buffer) keeps the last good snapshot for its recovery.
+            if due and not any(node.manager.cache_lost() for node in self.nodes.values()):
+                self.snapshot()
         return ran
 
     def run_until_idle(self, *, max_steps: int | None = None) -> int:
@@ -500,4 +526,6 @@ class Engine(Admission, Outputs, Recovery):
         stream.error = None if failure is None else str(failure)
         self.streams.pop(rid, None)
         self.finished[rid] = stream
+        if self.history is not None and len(self.finished) > self.history:
+            del self.finished[next(iter(self.finished))]
         self.counters[phase.value] += 1

@@ -1,64 +1,22 @@
 """Device faults (docs/design.md §11): a step that raises, before or after it consumed its donated cache,
 costs at most the requests whose state was lost; with snapshots, not even those.
 
-Faults are injected by wrapping the captured programs (`FaultyPrograms`): a program that runs and then
-raises (its donated cache is gone), one that raises before running (the cache survives), or a cache
-buffer deleted before a step (a poisoned buffer). Every surviving request's codes and audio must equal,
+Faults are injected with `mstar_jax.engine.faults.inject_faults`: a program that runs and then raises
+(its donated cache is gone), one that raises before running (the cache survives), or a cache buffer
+deleted before a step (a poisoned buffer). Every surviving request's codes and audio must equal,
 bit for bit, the same request served alone by a fresh engine.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-
 import numpy as np
 import pytest
 
 from mstar_jax.engine import Phase, Stream, TTSRequest
+from mstar_jax.engine.faults import inject_faults
 from mstar_jax.engine.recovery import MAX_STEP_FAULTS
 from mstar_jax.engine.request import StateLostError, StepFailedError
-from mstar_jax.models.streaming_tts.model import FLOW_CHUNK
 from tests.engine.support import CONFIG, assert_complete, make_engine, request
-
-
-class InjectedFaultError(RuntimeError):
-    pass
-
-
-class FaultyStep:
-    """A captured step whose `replay` consults `fault(call)` each call: "before" raises without running,
-    "after" runs (consuming the donated cache) and then raises, None runs normally."""
-
-    def __init__(self, step, fault: Callable[[int], str | None]):
-        self.step, self.fault, self.calls = step, fault, 0
-
-    def replay(self, bucket, *args):
-        self.calls += 1
-        when = self.fault(self.calls)
-        if when == "before":
-            raise InjectedFaultError(f"before call {self.calls}")
-        out = self.step.replay(bucket, *args)
-        if when == "after":
-            raise InjectedFaultError(f"after call {self.calls}")
-        return out
-
-
-def inject(engine, node: str, fault: Callable[[int], str | None]) -> FaultyStep:
-    """Wrap every walk of `node` ("talker" or "flow"); returns the wrapper of the first (they share `fault`
-    and count calls separately, so talker faults go through `shared_calls`)."""
-    counter = {"n": 0}
-
-    def shared(_):
-        counter["n"] += 1
-        return fault(counter["n"])
-
-    steps = dict(engine.programs.steps)
-    for walk, step in steps.items():
-        if (walk == FLOW_CHUNK) == (node == "flow"):
-            steps[walk] = FaultyStep(step, shared)
-    engine.programs = dataclasses.replace(engine.programs, steps=steps)
-    return counter
 
 
 def served_alone(programs, req: TTSRequest) -> Stream:
@@ -100,7 +58,7 @@ def test_a_fault_that_consumes_the_talker_cache_fails_only_its_slot_holders_then
     engine.pause("parked")
     assert engine.offload("parked") > 0  # on the host: the fault cannot reach it
     first = [engine.submit(req) for req in crowd(voices)[:2]]
-    inject(engine, "talker", lambda n: "after" if n == 4 else None)
+    inject_faults(engine, "talker", lambda n: "after" if n == 4 else None)
     while engine.counters["faults"] == 0:
         engine.step()
     for stream in first:
@@ -120,15 +78,15 @@ def test_a_fault_that_consumes_the_talker_cache_fails_only_its_slot_holders_then
     assert engine.compilations == 0
 
 
-@pytest.mark.parametrize("node", ["talker", "flow"])
-def test_with_snapshots_a_lost_cache_is_restored_and_replayed_bit_for_bit(programs, node):
+@pytest.mark.parametrize(("node", "kind"), [("talker", "after"), ("flow", "after"), ("talker", "poison")])
+def test_with_snapshots_a_lost_cache_is_restored_and_replayed_bit_for_bit(programs, node, kind):
     engine, voices = make_engine(programs, snapshot_every=3)
     heard: dict[str, list[int]] = {}
     streams = [listen(engine, req, heard) for req in crowd(voices)[:2]]
     faults = {"talker": {6, 15}, "flow": {2, 5}}[
         node
     ]  # early, while the third request is on its way, and later
-    inject(engine, node, lambda n: "after" if n in faults else None)
+    inject_faults(engine, node, lambda n: kind if n in faults else None)
     for _ in range(4):
         engine.step()
     streams.append(listen(engine, crowd(voices)[2], heard))  # arrives after a snapshot: starts over
@@ -159,7 +117,7 @@ def test_a_poisoned_flow_buffer_is_a_fault_like_any_other(programs):
 def test_a_step_that_fails_before_consuming_its_cache_is_retried(programs):
     engine, voices = make_engine(programs)
     streams = [engine.submit(req) for req in crowd(voices)[:2]]
-    inject(engine, "talker", lambda n: "before" if n in (2, 3) else None)
+    inject_faults(engine, "talker", lambda n: "before" if n in (2, 3) else None)
     engine.run_until_idle()
     assert engine.counters["faults"] == 2
     assert engine.counters["requests_lost"] == 0
@@ -170,11 +128,22 @@ def test_a_step_that_fails_before_consuming_its_cache_is_retried(programs):
 def test_requests_whose_steps_always_fail_fail_alone_and_the_engine_stays_usable(programs):
     engine, voices = make_engine(programs)
     streams = [engine.submit(req) for req in crowd(voices)[:2]]
-    counter = inject(engine, "talker", lambda n: "before")
+    counter = inject_faults(engine, "talker", lambda n: "before")
     engine.run_until_idle()
     for stream in streams:
         assert stream.phase is Phase.FAILED
         assert type(stream.failure) is StepFailedError
         assert f"{MAX_STEP_FAULTS} talker steps with request" in stream.error
-    assert counter["n"] == MAX_STEP_FAULTS  # both rode in the same steps
+    assert counter == [MAX_STEP_FAULTS]  # both rode in the same steps
     assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
+
+
+def test_inject_faults_refuses_what_it_cannot_inject(programs):
+    engine, voices = make_engine(programs)
+    with pytest.raises(ValueError, match="node='vocoder' must be 'talker' or 'flow'"):
+        inject_faults(engine, "vocoder", lambda n: None)
+    inject_faults(engine, "talker", lambda n: "melt")
+    stream = engine.submit(request("a", voices[0], 3))
+    engine.run_until_idle()  # the engine reads the refusal as a failing step, like any other
+    assert type(stream.failure) is StepFailedError
+    assert "schedule(3)='melt' must be None or one of ('before', 'after', 'poison')" in stream.error

@@ -1,0 +1,66 @@
+"""Injected device faults, for testing what a serving stack does when a step fails (docs/design.md §11).
+
+`inject_faults(engine, node, schedule)` wraps the captured programs of one node ("talker" or "flow"):
+before each of its steps it asks `schedule(n)` (n counts that node's steps from 1) what to do:
+
+- `None`: run normally;
+- `"before"`: raise without running, as a failure before the program started would (the cache survives);
+- `"after"`: run, consuming the donated cache, then raise, as a failure after launch would;
+- `"poison"`: delete the cache's first buffer, then run (the program refuses a deleted buffer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+from mstar_jax.models.streaming_tts.model import FLOW_CHUNK
+
+__all__ = ["FAULT_KINDS", "InjectedFaultError", "inject_faults"]
+
+Fault = Literal["before", "after", "poison"]
+FAULT_KINDS: tuple[Fault, ...] = ("before", "after", "poison")
+
+
+class InjectedFaultError(RuntimeError):
+    """The failure an injected fault raises."""
+
+
+@dataclasses.dataclass
+class _FaultyStep:
+    step: Any
+    node: str
+    schedule: Callable[[int], Fault | None]
+    calls: list[int]  # shared by every walk of the node
+
+    def replay(self, bucket, params, cache, *args):
+        self.calls[0] += 1
+        fault = self.schedule(self.calls[0])
+        if fault not in (None, *FAULT_KINDS):
+            raise ValueError(f"schedule({self.calls[0]})={fault!r} must be None or one of {FAULT_KINDS}")
+        if fault == "before":
+            raise InjectedFaultError(f"injected before {self.node} step {self.calls[0]}")
+        if fault == "poison":
+            cache.k[0].delete()
+        out = self.step.replay(bucket, params, cache, *args)
+        if fault == "after":
+            raise InjectedFaultError(f"injected after {self.node} step {self.calls[0]}")
+        return out
+
+
+def inject_faults(engine: Any, node: str, schedule: Callable[[int], Fault | None]) -> list[int]:
+    """Make `engine`'s `node` steps fail as `schedule` says (module doc); returns the step counter [n].
+
+    Raises:
+      ValueError: for a node other than "talker" or "flow".
+    """
+    if node not in ("talker", "flow"):
+        raise ValueError(f"node={node!r} must be 'talker' or 'flow'")
+    calls = [0]
+    steps = dict(engine.programs.steps)
+    for walk, step in steps.items():
+        if (walk == FLOW_CHUNK) == (node == "flow"):
+            steps[walk] = _FaultyStep(step, node, schedule, calls)
+    engine.programs = dataclasses.replace(engine.programs, steps=steps)
+    return calls
