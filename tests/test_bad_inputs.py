@@ -574,7 +574,7 @@ def _manager_state(manager: BoundedKVManager) -> tuple:
     }
     readers = {index: n for index, n in manager._readers.items() if n}
     host = (
-        list(manager._free),
+        manager._slots.snapshot(),
         requests,
         readers,
         dict(manager._source_lengths),

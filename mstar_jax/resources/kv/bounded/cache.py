@@ -45,20 +45,21 @@ class BoundedKVCache:
     v: tuple[jax.Array, ...]
 
     @staticmethod
-    def slot_shape(config: BoundedKVConfig) -> tuple[int, ...]:
-        tokens = config.slot_capacity
-        return (config.max_slots + 1, config.rows_per_request, config.num_heads, tokens, config.head_dim)
+    def slot_shape(config: BoundedKVConfig, data_shards: int = 1) -> tuple[int, ...]:
+        """One layer's shape: each data shard's `max_slots / data_shards` slots and its padding slot."""
+        slots = config.max_slots + data_shards  # see `SlotPools` for the layout
+        return (slots, config.rows_per_request, config.num_heads, config.slot_capacity, config.head_dim)
 
     @classmethod
-    def abstract(cls, config: BoundedKVConfig) -> BoundedKVCache:
+    def abstract(cls, config: BoundedKVConfig, data_shards: int = 1) -> BoundedKVCache:
         """The cache as `jax.ShapeDtypeStruct`s, for ahead-of-time compilation (allocates nothing)."""
-        layers = _per_layer(cls.slot_shape(config), config.dtype, config.num_layers)
+        layers = _per_layer(cls.slot_shape(config, data_shards), config.dtype, config.num_layers)
         return cls(k=layers, v=layers)
 
     @classmethod
-    def create(cls, config: BoundedKVConfig) -> BoundedKVCache:
+    def create(cls, config: BoundedKVConfig, data_shards: int = 1) -> BoundedKVCache:
         """Allocate the cache (zeros; contents are never read before they are written)."""
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cls.abstract(config))
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cls.abstract(config, data_shards))
 
     @property
     def padding_slot(self) -> int:

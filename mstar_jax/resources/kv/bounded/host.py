@@ -68,18 +68,18 @@ class HostCopies:
             return 0
         k, v = jax.device_get(_load_slot(self.cache, jnp.int32(request.slot)))
         request.host_copy = (k, v)
-        self._free.append(request.slot)
+        self._slots.give(request.slot)
         request.slot = None
-        return self.cache.nbytes // (self.config.max_slots + 1)
+        return self.cache.nbytes // self._slots.axis_length
 
     def reload(self, request_id: str) -> bool:
         """Bring an offloaded request back into a free slot, bit-exactly; False while none is free."""
         request = self._requests.get(request_id)
         if request is None or request.host_copy is None:
             return True
-        if not self._free:
+        if not len(self._slots):
             return False
-        slot = self._free.pop()
+        slot = self._slots.take()
         k, v = request.host_copy
         self.cache = _store_slot(self.cache, jnp.int32(slot), k, v)
         request.slot, request.host_copy = slot, None
@@ -103,7 +103,8 @@ class HostCopies:
         Every request that held a slot lost its entries. Those named in `restore` that `snapshot` holds
         get their snapshot record back, their slot's entries included (the caller replays their steps
         since); the others are forgotten (the caller fails them, or ingests them again to start over).
-        Offloaded requests keep their host copies. Without a snapshot the cache starts empty.
+        Offloaded requests keep their host copies. Without a snapshot the cache starts empty. A restored
+        request goes back to its slot, so to its data shard.
         """
         lost = [rid for rid, r in self._requests.items() if r.slot is not None]
         if snapshot is None:
@@ -118,7 +119,7 @@ class HostCopies:
                 self._requests[rid] = dataclasses.replace(saved)
         # Only restored records hold slots now, and they all come from one snapshot: no slot is held twice.
         held = {r.slot for r in self._requests.values() if r.slot is not None}
-        self._free = [slot for slot in reversed(range(self.config.max_slots)) if slot not in held]
+        self._slots.reset(held)
         self._readers = Counter(r.source for r in self._requests.values() if r.source_len)
         self._claimed_in_step = []
         return lost

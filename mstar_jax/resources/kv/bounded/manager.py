@@ -21,6 +21,7 @@ from mstar_jax.resources.kv.bounded import layout
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, BoundedKVStep, SinkWindow, StreamPosition
 from mstar_jax.resources.kv.bounded.host import HostCopies
+from mstar_jax.resources.kv.bounded.slots import SlotPools
 from mstar_jax.resources.spec import NodeResourceSpec, ResourceReqConfig
 from mstar_jax.resources.step import (
     ADMIT_OK,
@@ -87,14 +88,14 @@ class BoundedKVManager(HostCopies, Resource):
 
     supports_eviction = True
 
-    def __init__(self, spec: BoundedKVSpec, *, num_sources: int = DEFAULT_NUM_SOURCES):
+    def __init__(self, spec: BoundedKVSpec, *, num_sources: int = DEFAULT_NUM_SOURCES, data_shards: int = 1):
         if isinstance(num_sources, bool) or not isinstance(num_sources, int) or num_sources < 1:
             raise ValueError(f"num_sources={num_sources!r} must be an int >= 1")
         self.spec = spec
         self.config = spec.config
-        self.cache = BoundedKVCache.create(self.config)
+        self._slots = SlotPools(self.config.max_slots, data_shards)
+        self.cache = BoundedKVCache.create(self.config, data_shards=data_shards)
         self.bank = SourceBank.create(self.config, num_sources)
-        self._free = list(reversed(range(self.config.max_slots)))  # pop() hands out slot 0 first
         self._requests: dict[str, _Request] = {}
         self._source_lengths: dict[int, int] = {}
         self._readers: Counter[int] = Counter()
@@ -109,11 +110,21 @@ class BoundedKVManager(HostCopies, Resource):
     # Introspection.
     @property
     def padding_slot(self) -> int:
-        return self.config.max_slots
+        """The slot padding rows name: each data shard's last local slot (`max_slots` on one shard)."""
+        return self._slots.per_shard
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return len(self._slots)
+
+    @property
+    def data_shards(self) -> int:
+        return self._slots.shards
+
+    def shard_of(self, request_id: str) -> int | None:
+        """The data shard holding the request's slot (None while it holds none)."""
+        slot = self.slot_of(request_id)
+        return None if slot is None else self._slots.shard_of(slot)
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -198,7 +209,7 @@ class BoundedKVManager(HostCopies, Resource):
         if request is None:
             return
         if request.slot is not None:
-            self._free.append(request.slot)
+            self._slots.give(request.slot)
         if request.source_len:
             self._readers[request.source] -= 1
 
@@ -306,14 +317,15 @@ class BoundedKVManager(HostCopies, Resource):
             admitted[seg.request_id] = (pos, seg.span)
             if self._requests[seg.request_id].slot is None:
                 need_slot.append(seg.request_id)
-        if len(need_slot) > len(self._free):
-            rid = need_slot[len(self._free)]
+        free = len(self._slots)
+        if len(need_slot) > free:
+            rid = need_slot[free]
             label = next(seg.label for seg in step.segments if seg.request_id == rid)
             return _refuse(
                 AllocationFailed(
-                    f"bounded KV is full: {self.config.max_slots} slots, {len(self._free)} free, "
+                    f"bounded KV is full: {self.config.max_slots} slots, {free} free, "
                     f"{len(need_slot)} needed",
-                    pages_short=len(need_slot) - len(self._free),
+                    pages_short=len(need_slot) - free,
                     label=label,
                     request_id=rid,
                 )
@@ -322,7 +334,7 @@ class BoundedKVManager(HostCopies, Resource):
         # Nothing below can fail: every claim is made, or (above) none is.
         for rid in need_slot:
             request, pos = self._requests[rid], step.positions[rid]
-            request.slot = self._free.pop()
+            request.slot = self._slots.take()  # the least loaded data shard
             request.source, request.source_len = int(pos.source), int(pos.source_len)
             request.policy = policies[rid]
             if pos.source_len > 0:  # a request with no source prefix holds no claim on the bank
@@ -365,23 +377,52 @@ class BoundedKVManager(HostCopies, Resource):
                 )
         return real
 
-    def plan(self, step: ResourceStep, ctx: StepContext) -> BoundedKVPlan:
-        """The plan table for `step`'s segments (padding rows get empty layouts), padded to the bucket."""
+    def plan_rows(self, step: ResourceStep, ctx: StepContext) -> tuple[int, dict[str, int]]:
+        """The plan table's row count and each real request's row.
+
+        On one data shard, row `i` is segment `i`, padded to the bucket's rows. Over several, the table is
+        shard-major: shard `d` owns rows `[d * b, (d + 1) * b)`, `b` the bucket's rows per shard (or the
+        most any shard has), its requests in segment order, then its padding rows.
+
+        Raises:
+          ValueError: a data shard has more of the step's requests than the bucket's rows per shard.
+        """
         step = _as_bounded_step(step)
         segments = step.segments or ()
-        real = self._real_segments(step, ctx, "plan")
-        real_index = [i for i, seg in enumerate(segments) if not self._is_padding(seg.request_id, ctx)]
-        rows = len(segments)
+        real = [i for i, seg in enumerate(segments) if not self._is_padding(seg.request_id, ctx)]
         lease = ctx.slot_lease
-        if lease is not None and lease.bucket is not None:
-            rows = max(rows, lease.bucket.bs)
+        bucket_rows = lease.bucket.bs if lease is not None and lease.bucket is not None else None
+        if self._slots.shards == 1:
+            rows = max(len(segments), bucket_rows or 0)
+            return rows, {segments[i].request_id: i for i in real}
+        by_shard: list[list[str]] = [[] for _ in range(self._slots.shards)]
+        for i in real:
+            rid = segments[i].request_id
+            by_shard[self._slots.shard_of(self._requests[rid].slot)].append(rid)
+        width = bucket_rows or max(1, *map(len, by_shard))
+        for shard, rids in enumerate(by_shard):
+            if len(rids) > width:
+                raise ValueError(
+                    f"data shard {shard} has {len(rids)} of the step's requests {rids}; the bucket holds "
+                    f"{width} rows per shard"
+                )
+        return self._slots.shards * width, {
+            rid: shard * width + j for shard, rids in enumerate(by_shard) for j, rid in enumerate(rids)
+        }
+
+    def plan(self, step: ResourceStep, ctx: StepContext) -> BoundedKVPlan:
+        """The plan table for `step`'s requests, laid out by `plan_rows` (padding rows plan empty, on
+        each shard's padding slot); slots are local to each request's data shard."""
+        step = _as_bounded_step(step)
+        real = self._real_segments(step, ctx, "plan")
+        rows, row_of = self.plan_rows(step, ctx)
         table = layout.padding_rows(rows, self.padding_slot)
         if real:
             records = [self._requests[seg.request_id] for seg in real]
             positions = [step.positions[seg.request_id] for seg in real]
             ints = lambda values: np.fromiter(values, np.int32, len(real))  # noqa: E731
-            table[real_index] = layout.plan_table(
-                slot=ints(r.slot for r in records),
+            table[[row_of[seg.request_id] for seg in real]] = layout.plan_table(
+                slot=ints(self._slots.local(r.slot) for r in records),
                 source=ints(p.source for p in positions),
                 source_len=ints(p.source_len for p in positions),
                 written=ints(p.written for p in positions),
@@ -424,7 +465,7 @@ class BoundedKVManager(HostCopies, Resource):
         for rid in self._claimed_in_step:
             request = self._requests.get(rid)
             if request is not None and request.slot is not None and request.written == 0:
-                self._free.append(request.slot)
+                self._slots.give(request.slot)
                 if request.source_len:
                     self._readers[request.source] -= 1
                 self._requests[rid] = _Request()
@@ -433,7 +474,7 @@ class BoundedKVManager(HostCopies, Resource):
     def cleanup(self) -> None:
         self._requests.clear()
         self._readers.clear()
-        self._free = list(reversed(range(self.config.max_slots)))
+        self._slots.reset()
 
 
 def _as_bounded_step(step: ResourceStep) -> BoundedKVStep:

@@ -1,0 +1,74 @@
+"""Free slots of a bounded KV cache, in one pool per data shard (docs/design.md §10).
+
+A cache split over `shards` data shards holds, on its slot axis, `shards` blocks of `per_shard` slots
+each followed by that shard's padding slot: global slot `g` is local slot `g % (per_shard + 1)` of shard
+`g // (per_shard + 1)`, and local slot `per_shard` is the shard's padding slot, never handed out. With one
+shard this is the single-device layout: slots `0 .. max_slots - 1`, then the padding slot `max_slots`.
+Each pool hands out its lowest free slot first and reuses the last one given back (a stack).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+__all__ = ["SlotPools"]
+
+
+class SlotPools:
+    """`slots` slots split evenly into `shards` pools.
+
+    Raises:
+      ValueError: when `slots` is not a positive multiple of `shards`.
+    """
+
+    def __init__(self, slots: int, shards: int = 1):
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1 or slots % shards:
+            raise ValueError(
+                f"max_slots={slots} must split evenly over data_shards={shards!r} (an int >= 1 dividing it)"
+            )
+        self.shards, self.per_shard = shards, slots // shards
+        self.reset()
+
+    @property
+    def axis_length(self) -> int:
+        """Entries on the cache's slot axis: every shard's slots and its padding slot."""
+        return self.shards * (self.per_shard + 1)
+
+    def shard_of(self, slot: int) -> int:
+        return slot // (self.per_shard + 1)
+
+    def local(self, slot: int) -> int:
+        """`slot`'s index within its shard (what the shard's kernels see)."""
+        return slot % (self.per_shard + 1)
+
+    def __len__(self) -> int:
+        return sum(len(pool) for pool in self._pools)
+
+    def free_in(self, shard: int) -> int:
+        return len(self._pools[shard])
+
+    def snapshot(self) -> tuple[tuple[int, ...], ...]:
+        """Each pool's free slots in hand-out order reversed (for comparing bookkeeping)."""
+        return tuple(tuple(pool) for pool in self._pools)
+
+    def least_loaded(self) -> int:
+        """The shard with the most free slots (the lowest such index)."""
+        return max(range(self.shards), key=lambda shard: (len(self._pools[shard]), -shard))
+
+    def take(self, shard: int | None = None) -> int:
+        """Hand out a free slot of `shard` (None: of the least loaded shard); returns its global index."""
+        pool = self._pools[self.least_loaded() if shard is None else shard]
+        if not pool:
+            raise ValueError(f"data shard {shard} has no free slot")
+        return pool.pop()
+
+    def give(self, slot: int) -> None:
+        self._pools[self.shard_of(slot)].append(slot)
+
+    def reset(self, held: Collection[int] = ()) -> None:
+        """Every slot free except those in `held`."""
+        width = self.per_shard + 1
+        self._pools = [
+            [g for g in reversed(range(s * width, s * width + self.per_shard)) if g not in held]
+            for s in range(self.shards)
+        ]

@@ -1,0 +1,135 @@
+"""Slot pools per data shard: the slot axis layout, least-loaded placement, and a sharded manager whose
+every shard plans exactly what an unsharded manager of that shard's size plans (docs/design.md §10)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mstar_jax.resources.kv.bounded.cache import BoundedKVCache
+from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, BoundedKVStep, SinkWindow
+from mstar_jax.resources.kv.bounded.config import StreamPosition as Pos
+from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+from mstar_jax.resources.kv.bounded.slots import SlotPools
+from mstar_jax.resources.step import AllocationFailed, BucketKey, Segment, SlotLease, StepContext
+
+CFG = BoundedKVConfig(
+    num_layers=1, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=4, min_source_len=2,
+    retention=SinkWindow(3, 4), max_slots=6,
+)  # fmt: skip
+
+
+def test_the_slot_axis_holds_each_shards_slots_then_its_padding_slot():
+    pools = SlotPools(6, 3)
+    assert (pools.per_shard, pools.axis_length) == (2, 9)
+    assert [pools.shard_of(g) for g in range(9)] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert [pools.local(g) for g in range(9)] == [0, 1, 2] * 3  # local 2: each shard's padding slot
+    assert pools.snapshot() == ((1, 0), (4, 3), (7, 6))  # padding slots 2, 5 and 8 are never free
+    assert [pools.take() for _ in range(4)] == [0, 3, 6, 1]  # the least loaded shard, lowest first
+    pools.give(3)
+    assert pools.take() == 3  # the last one given back is reused first
+    assert (len(pools), pools.free_in(0), pools.free_in(1), pools.free_in(2)) == (2, 0, 1, 1)
+    pools.reset(held={4})
+    assert pools.snapshot() == ((1, 0), (3,), (7, 6))
+
+
+def test_one_shard_is_the_single_device_layout():
+    pools = SlotPools(4)
+    assert (pools.axis_length, [pools.take() for _ in range(4)]) == (5, [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("shards", [0, 4, 1.0, True])
+def test_slots_must_split_evenly(shards):
+    with pytest.raises(ValueError, match=r"max_slots=6 must split evenly over data_shards="):
+        SlotPools(6, shards)
+
+
+def manager(shards: int, slots: int = 6) -> BoundedKVManager:
+    config = dataclasses.replace(CFG, max_slots=slots)
+    m = BoundedKVManager(BoundedKVSpec("kv", {"node"}, config), num_sources=2, data_shards=shards)
+    rng = np.random.default_rng(0)
+    layers = [rng.standard_normal((1, 2, 3, 8)).astype(np.float32)]
+    m.register_source(0, layers, layers)
+    return m
+
+
+def step(entries, *, bucket_rows: int) -> tuple[BoundedKVStep, StepContext]:
+    step = BoundedKVStep(
+        tuple(Segment(rid, "main", span) for rid, _, span in entries),
+        {rid: pos for rid, pos, _ in entries},
+        {rid: 2 for rid, _, _ in entries},
+    )
+    rids = [rid for rid, _, _ in entries]
+    return step, StepContext(
+        rids, "walk", 0, False, slot_lease=SlotLease(0, BucketKey("walk", bucket_rows, 2))
+    )
+
+
+def test_a_sharded_cache_and_admission_spread_over_the_shards():
+    m = manager(3)
+    assert BoundedKVCache.slot_shape(CFG, 3)[0] == m.cache.k[0].shape[0] == 9
+    for rid in "abcdefg":
+        m.ingest_request(rid)
+    assert m.admit(*step([(rid, Pos(3, 0, 0), 1) for rid in "abcd"], bucket_rows=2)).ok
+    assert [m.shard_of(rid) for rid in "abcd"] == [0, 1, 2, 0]
+    assert m.padding_slot == 2  # local, on every shard
+    outcome = m.admit(*step([(rid, Pos(3, 0, 0), 1) for rid in "efg"], bucket_rows=2))
+    assert isinstance(outcome.reason, AllocationFailed)  # 2 free, 3 needed
+    assert outcome.reason.pages_short == 1
+    assert m.free_slots == 2
+    assert m.admit(*step([(rid, Pos(3, 0, 0), 1) for rid in "ef"], bucket_rows=2)).ok  # shard 0 is full
+    assert (m.shard_of("e"), m.shard_of("f")) == (1, 2)
+
+
+def test_every_shard_plans_what_an_unsharded_manager_of_its_size_plans():
+    sharded, alone = manager(3), [manager(1, slots=2) for _ in range(3)]
+    for m in (sharded, *alone):
+        for rid in "abcde":
+            m.ingest_request(rid)
+    # Placement: a, d on shard 0; b, e on shard 1; c on shard 2 (least loaded, in arrival order).
+    placed = {0: "ad", 1: "be", 2: "c"}
+    written = dict.fromkeys("abcde", 0)
+    for spans in ({"a": 2, "b": 1, "c": 2, "d": 1, "e": 2}, {"a": 1, "b": 2, "c": 1, "d": 2, "e": 1}):
+        entries = [(rid, Pos(3, written[rid], 0), span) for rid, span in spans.items()]
+        sharded_step = step(entries, bucket_rows=2)
+        assert sharded.admit(*sharded_step).ok
+        table = sharded.plan(*sharded_step).table
+        assert table.shape[0] == 6
+        rows, row_of = sharded.plan_rows(*sharded_step)
+        assert rows == 6
+        for shard, rids in placed.items():
+            assert [row_of[rid] for rid in rids] == list(range(2 * shard, 2 * shard + len(rids)))
+            own = step([e for e in entries if e[0] in rids], bucket_rows=2)
+            assert alone[shard].admit(*own).ok
+            np.testing.assert_array_equal(table[2 * shard : 2 * shard + 2], alone[shard].plan(*own).table)
+            alone[shard].commit(*own)
+        sharded.commit(*sharded_step)
+        written = {rid: written[rid] + spans[rid] for rid in written}
+
+
+def test_a_shard_with_more_requests_than_the_bucket_holds_is_refused():
+    m = manager(2)
+    for rid in "abc":
+        m.ingest_request(rid)
+    entries = [(rid, Pos(3, 0, 0), 1) for rid in "abc"]  # a, c on shard 0
+    admitted = step(entries, bucket_rows=1)
+    assert m.admit(*admitted).ok
+    with pytest.raises(
+        ValueError, match=r"data shard 0 has 2 of the step's requests \['a', 'c'\]; the bucket holds 1"
+    ):
+        m.plan(*admitted)
+
+
+def test_offload_and_reload_keep_each_shards_count():
+    m = manager(2)
+    for rid in "ab":
+        m.ingest_request(rid)
+    admitted = step([(rid, Pos(3, 0, 0), 1) for rid in "ab"], bucket_rows=1)
+    assert m.admit(*admitted).ok
+    m.commit(*admitted)
+    assert m.offload("a") == m.cache.nbytes // 8
+    assert (m._slots.free_in(0), m._slots.free_in(1)) == (3, 2)
+    assert m.reload("a")
+    assert m.shard_of("a") == 0  # the least loaded shard again
