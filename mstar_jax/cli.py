@@ -104,6 +104,7 @@ def _budget(deployment: Deployment, args: argparse.Namespace) -> MemoryBudget:
 
 def _check(args: argparse.Namespace) -> int:
     deployment = load_deployment(DEFAULT_CONFIG if args.config is None else args.config)
+    deployment.check_devices()
     budget = _budget(deployment, args)
     print(format_check(deployment))
     print()
@@ -150,6 +151,7 @@ def _check_output(output: str) -> None:
 def _run(args: argparse.Namespace) -> int:
     _check_output(args.output)
     deployment = load_deployment(DEFAULT_CONFIG if args.config is None else args.config)
+    deployment.check_devices()
     _budget(deployment, args).require_fit()  # before anything is built or compiled
 
     from mstar_jax.engine.run import run_deployment  # imports the engine only when serving

@@ -108,7 +108,7 @@ PARSE_CASES = [
     _case(
         "top-level-int-key", {(1,): "x"}, DeploymentError,
         r"deploy\.yaml: unknown key 1 in the top level; "
-        r"allowed: \['model', 'resources', 'compile', 'engine', 'workload'\]",
+        r"allowed: \['model', 'resources', 'compile', 'engine', 'workload', 'mesh'\]",
     ),
     _case(
         "resources=[]", {"resources": []}, DeploymentError,

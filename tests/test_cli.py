@@ -422,3 +422,15 @@ def test_check_into_a_closed_pipe_exits_quietly():
     )
     assert result.stdout == f"deployment  {DEFAULT_CONFIG}\n"
     assert "Traceback" not in result.stderr
+
+
+def test_a_mesh_larger_than_this_host_is_refused_before_anything_runs(tmp_path, capsys):
+    path = tmp_path / "mesh.yaml"
+    path.write_text(DEFAULT_CONFIG.read_text() + "\nmesh:\n  data: 2\n  model: 2\n")
+    assert main(["check", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        f"mstar-jax check: error: {path}: mesh: mesh data=2 x model=2 needs 4 devices; 1 cpu device(s) are "
+        "present (on a CPU host, XLA_FLAGS=--xla_force_host_platform_device_count=4 simulates 4 devices)\n"
+    )

@@ -447,3 +447,49 @@ def test_yaml_merge_keys_still_work(tmp_path):
     )
     engine = load_deployment(path).engine
     assert (engine.max_batch, engine.hold_backoff_s) == (3, 0.01)
+
+
+# -- the mesh ---------------------------------------------------------------------------------------
+
+
+class _Device:
+    def __init__(self, platform: str):
+        self.platform = platform
+
+
+def test_the_mesh_defaults_to_one_device_and_reads_its_block():
+    assert (
+        parse_deployment(_default_mapping()).mesh.data,
+        parse_deployment(_default_mapping()).mesh.model,
+    ) == (1, 1)
+    deployment = parse_deployment(_with(_default_mapping(), "mesh", {"data": 2, "model": 2}))
+    assert (deployment.mesh.data, deployment.mesh.model, deployment.mesh.devices) == (2, 2, 4)
+    deployment.check_devices([_Device("cpu")] * 4)
+    deployment.check_devices([_Device("cpu")] * 8)  # a smaller mesh takes the first devices
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ({"data": 0}, r"mesh: data=0 must be an int >= 1"),
+        ({"model": 1.5}, r"mesh: model=1.5 must be an int >= 1"),
+        ({"pipeline": 2}, r"unknown key 'pipeline' in 'mesh'"),
+        ({"data": 3}, r"resources.talker_kv.max_slots=4 must split evenly over mesh.data=3 slot pools"),
+        ({"model": 3}, r"mesh.model=3 must divide talker_kv's 2 KV heads, or be a multiple of them"),
+    ],
+)
+def test_a_mesh_the_caches_cannot_split_over_is_refused(block, message):
+    with pytest.raises(DeploymentError, match=message):
+        parse_deployment(_with(_default_mapping(), "mesh", block), source="d.yaml")
+
+
+def test_a_mesh_larger_than_the_devices_present_is_refused_with_the_fix():
+    deployment = parse_deployment(_with(_default_mapping(), "mesh", {"data": 4, "model": 2}), source="d.yaml")
+    with pytest.raises(
+        DeploymentError,
+        match=r"d.yaml: mesh: mesh data=4 x model=2 needs 8 devices; 1 cpu device\(s\) are present \(on a "
+        r"CPU host, XLA_FLAGS=--xla_force_host_platform_device_count=8 simulates 8 devices\)",
+    ):
+        deployment.check_devices([_Device("cpu")])
+    with pytest.raises(DeploymentError, match=r"needs 8 devices; 4 tpu device\(s\) are present$"):
+        deployment.check_devices([_Device("tpu")] * 4)
