@@ -9,9 +9,12 @@
   tiles, where `num_sources` is what `Engine.from_deployment` gives it (`num_sources`);
 - the workspace of the largest bucket (`workspace_bytes`), an upper estimate of one step's activations.
 
-The engine serves on one device, so the total is compared with one device's memory (`device_memory`):
-the allocator's `bytes_limit` where an accelerator reports one, else the host's RAM (a CPU device
-allocates there), or the size given on the command line (`mstar-jax check --device-memory 16GiB`).
+On a mesh (`mesh: {data, model}`, docs/design.md §10) each part is one device's share: its data shard's
+slots and padding slot, and its share of the KV heads (one copy where heads are replicated) in the slots
+and the source bank; the weights and the workspace are counted whole, as the model is not sharded yet.
+The total is compared with one device's memory (`device_memory`): the allocator's `bytes_limit` where an
+accelerator reports one, else the host's RAM (a CPU device allocates there), or the size given on the
+command line (`mstar-jax check --device-memory 16GiB`).
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ def memory_budget(deployment: Deployment, device: DeviceMemory) -> MemoryBudget:
     caches = [spec for spec in deployment.specs if isinstance(spec, BoundedKVSpec)]
     sources = num_sources(deployment)
     dtype = config.storage_dtype
+    data, model = deployment.mesh.data, deployment.mesh.model
 
     def parts_at(max_slots: int | None) -> list[BudgetPart]:
         """The parts with every cache's `max_slots` lowered to `max_slots` (None: as given)."""
@@ -169,10 +173,18 @@ def memory_budget(deployment: Deployment, device: DeviceMemory) -> MemoryBudget:
         for spec in caches:
             kv = spec.config
             slots = kv.max_slots if max_slots is None else min(kv.max_slots, max_slots)
+            local = -(-slots // data)  # this device's data shard: its slots and its padding slot
+            heads = _heads_per_device(kv, model)
+            label = f"{spec.resource_key} slots ({slots:,} + 1 padding)"
+            if data * model > 1:
+                label = (
+                    f"{spec.resource_key} slots per device ({local:,} + 1 padding of {data} pools, "
+                    f"{heads} of {kv.num_heads} KV heads)"
+                )
             parts.append(
                 BudgetPart(
-                    label=f"{spec.resource_key} slots ({slots:,} + 1 padding)",
-                    nbytes=(slots + 1) * kv.slot_bytes,
+                    label=label,
+                    nbytes=(local + 1) * kv.slot_bytes * heads // kv.num_heads,
                     remedy=(
                         f"one slot is {format_bytes(kv.slot_bytes)} ({kv.slot_tokens:,} tokens): shorten the "
                         f"retention of {spec.resource_key} in model.config"
@@ -180,10 +192,12 @@ def memory_budget(deployment: Deployment, device: DeviceMemory) -> MemoryBudget:
                 )
             )
         for spec in caches:
+            heads = _heads_per_device(spec.config, model)
             parts.append(
                 BudgetPart(
-                    label=f"{spec.resource_key} source bank ({sources} sources)",
-                    nbytes=sources * source_bytes(spec.config),
+                    label=f"{spec.resource_key} source bank ({sources} sources"
+                    + (f", {heads} of {spec.config.num_heads} KV heads per device)" if model > 1 else ")"),
+                    nbytes=sources * source_bytes(spec.config) * heads // spec.config.num_heads,
                     remedy=(
                         f"each source holds max_source_len={spec.config.max_source_len:,} entries: lower "
                         "model.config.max_voice_frames"
@@ -227,6 +241,11 @@ def memory_budget(deployment: Deployment, device: DeviceMemory) -> MemoryBudget:
             spec.resource_key for spec in caches if fitting is not None and spec.config.max_slots > fitting
         ),
     )
+
+
+def _heads_per_device(config: BoundedKVConfig, model: int) -> int:
+    """KV heads one device stores: its share of the heads, or one copy where heads are replicated."""
+    return max(config.num_heads, model) // model
 
 
 def num_sources(deployment: Deployment) -> int:

@@ -7,10 +7,11 @@ import os
 import jax
 import jax.numpy as jnp
 import pytest
+import yaml
 
 from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax import memory
-from mstar_jax.deployment import load_deployment, parse_deployment
+from mstar_jax.deployment import DEFAULT_CONFIG, load_deployment, parse_deployment
 from mstar_jax.memory import (
     DeviceMemory,
     DeviceMemoryError,
@@ -28,6 +29,7 @@ from mstar_jax.models.streaming_tts import model as model_module
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
+from mstar_jax.resources.kv.bounded.sharding import stored_heads
 
 GIB = 2**30
 # Every dimension different, so a count that swaps two of them is caught.
@@ -78,6 +80,30 @@ def test_slots_and_source_banks_equal_what_the_caches_allocate():
     # talker: 5 slots x 20,480 B; flow: 5 x 32,768 B.
     assert parts["talker_kv slots (4 + 1 padding)"] == 102_400
     assert parts["flow_kv slots (4 + 1 padding)"] == 163_840
+
+
+def test_on_a_mesh_each_cache_part_is_one_devices_share():
+    """Data shards split the slots (each with its padding slot), model shards the KV heads, where a head
+    replicated over several shards costs a whole head on each."""
+    mapping = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    mapping["mesh"] = {"data": 2, "model": 4}
+    deployment = parse_deployment(mapping)
+    parts = _parts(memory_budget(deployment, DeviceMemory(nbytes=GIB, source="test")))
+    for spec in deployment.specs:
+        kv, devices = spec.config, 8
+        stored = stored_heads(kv.num_heads, 4)
+        cache = BoundedKVCache.abstract(kv, data_shards=2)  # [2 x (2 + 1), R, G, C, D] per layer
+        whole = sum(x.size * x.dtype.itemsize for x in (*cache.k, *cache.v)) * stored // kv.num_heads
+        label = (
+            f"{spec.resource_key} slots per device (2 + 1 padding of 2 pools, 1 of {kv.num_heads} KV heads)"
+        )
+        assert parts[label] == whole // devices
+        bank = SourceBank.abstract(kv, num_sources(deployment))
+        bank_bytes = sum(x.size * x.dtype.itemsize for x in (*bank.k, *bank.v))
+        label = f"{spec.resource_key} source bank (8 sources, 1 of {kv.num_heads} KV heads per device)"
+        assert parts[label] == bank_bytes // kv.num_heads  # one head each, on every data shard
+    # talker: 2 heads copied to 4 shards, so each device holds a whole head: 3 slots x 20,480 / 2 B.
+    assert parts["talker_kv slots per device (2 + 1 padding of 2 pools, 1 of 2 KV heads)"] == 30_720
 
 
 def test_num_sources_is_what_the_engine_gives_each_bank(monkeypatch):
