@@ -26,15 +26,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from kernels_pallas.sink_window_attention import sink_window_attention
 from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.flow import FlowDecoder
+from mstar_jax.models.streaming_tts.sharding import param_shardings
 from mstar_jax.models.streaming_tts.talker import Talker, sample_codes
 from mstar_jax.resources.kv.bounded.attention import attend
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig
+from mstar_jax.resources.kv.bounded.sharding import sharded_attend
 from mstar_jax.resources.spec import CombinedSplit
 
 __all__ = [
@@ -120,6 +123,9 @@ class StreamingTTSModel:
         configs when a deployment tuned them).
       implementation, interpret: passed to the attention op (see `sink_window_attention`).
       temperature: sampling temperature of the talker (0: greedy).
+      mesh: a `(data, model)` mesh (`sharding.make_mesh`): the weights are laid out Megatron-style on
+        `model` and every attention call runs `sharded_attend`, so the steps take global, shard-major
+        batches and caches of `BoundedKVManager(data_shards=...)` placed on the mesh. None: one device.
     """
 
     def __init__(
@@ -131,8 +137,10 @@ class StreamingTTSModel:
         implementation: str = "auto",
         interpret: Any = False,
         temperature: float = 1.0,
+        mesh: Mesh | None = None,
     ):
         self.config = config
+        self.mesh = mesh
         self.talker_kv = talker_kv or config.talker_kv_config
         self.flow_kv = flow_kv or config.flow_kv_config
         self.implementation, self.interpret, self.temperature = implementation, interpret, float(temperature)
@@ -159,6 +167,13 @@ class StreamingTTSModel:
         # Weights in the storage dtype (bf16 deployments compute in bf16, softmax statistics in f32).
         self.talker_params = _draw_weights(self.talker_params, rng, config.storage_dtype)
         self.flow_params = _draw_weights(self.flow_params, rng, config.storage_dtype)
+        if mesh is not None:  # the same weights, laid out Megatron-style (`sharding.param_shardings`)
+            self.talker_params = jax.device_put(
+                self.talker_params, param_shardings(self.talker_params, mesh, kv_heads=config.talker_kv_heads)
+            )
+            self.flow_params = jax.device_put(
+                self.flow_params, param_shardings(self.flow_params, mesh, kv_heads=config.flow_heads)
+            )
         self.bos = talker.bos
         self.text_vocab = config.text_vocab_size
 
@@ -169,10 +184,11 @@ class StreamingTTSModel:
 
         def fn(cache, layer, q, k, v):
             dt = config.dtype
-            return attend(
-                cache, bank, plan, layer, q.astype(dt), k.astype(dt), v.astype(dt), config=config,
-                implementation=self.implementation, interpret=self.interpret,
-            )  # fmt: skip
+            args = (cache, bank, plan, layer, q.astype(dt), k.astype(dt), v.astype(dt))
+            options = {"config": config, "implementation": self.implementation, "interpret": self.interpret}
+            if self.mesh is not None:
+                return sharded_attend(self.mesh, *args, **options)
+            return attend(*args, **options)
 
         return fn
 
@@ -181,6 +197,12 @@ class StreamingTTSModel:
 
         def fn(cache, layer, q, k, v):
             dt = config.dtype
+            if self.mesh is not None:
+                return sharded_attend(
+                    self.mesh, cache, bank, BoundedKVPlan(table), layer, q.astype(dt), k.astype(dt),
+                    v.astype(dt), config=config, implementation=self.implementation, interpret=self.interpret,
+                    write=False,
+                )  # fmt: skip
             out = sink_window_attention(
                 q.astype(dt), k.astype(dt), v.astype(dt), cache.k[layer], cache.v[layer], bank.k[layer],
                 bank.v[layer], table, max_retained=config.max_retained, query_window=config.query_window,

@@ -42,6 +42,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kernels_pallas.sink_window_attention import sink_window_attention
 from mstar_jax.resources.kv.bounded.attention import attend
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig
@@ -245,6 +246,7 @@ def sharded_attend(
     scale: float | None = None,
     implementation: str = "auto",
     interpret: Any = False,
+    write: bool = True,
 ) -> tuple[jax.Array, BoundedKVCache]:
     """`attend` on a `(data, model)` mesh: each shard attends and writes its own slots and heads.
 
@@ -262,6 +264,7 @@ def sharded_attend(
       k, v: [data * B * R, T, G, D] the step's keys and values with the model's G KV heads.
       config: the global config (static): `max_slots = data * S`, `num_heads = G`.
       scale, implementation, interpret: as for `attend`.
+      write: False attends without storing the step's keys (the cache is returned as it came).
 
     Returns:
       (out [data * B * R, T, H, D] in q's dtype, the updated global cache).
@@ -284,27 +287,38 @@ def sharded_attend(
         )
     k, v = repeat_kv_heads(k, mesh.shape[MODEL]), repeat_kv_heads(v, mesh.shape[MODEL])
     body = functools.partial(
-        _attend_shard, config=local, scale=scale, implementation=implementation, interpret=interpret
+        _attend_shard,
+        config=local,
+        write=write,
+        scale=scale,
+        implementation=implementation,
+        interpret=interpret,
     )
     sharded = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(CACHE_SPEC, CACHE_SPEC, BANK_SPEC, BANK_SPEC, TABLE_SPEC, ROWS_SPEC, ROWS_SPEC, ROWS_SPEC),
-        out_specs=(ROWS_SPEC, CACHE_SPEC, CACHE_SPEC),
+        out_specs=(ROWS_SPEC, CACHE_SPEC, CACHE_SPEC) if write else ROWS_SPEC,
         # The Pallas kernels declare their outputs without the varying-manual-axes type that check_vma
         # needs; every shard's work is independent anyway (no collective to check).
         check_vma=False,
     )
     with jax.named_scope(f"sharded_bounded_kv_layer{layer}"):
-        out, new_k, new_v = sharded(
-            cache.k[layer], cache.v[layer], bank.k[layer], bank.v[layer], plan.table, q, k, v
-        )
+        result = sharded(cache.k[layer], cache.v[layer], bank.k[layer], bank.v[layer], plan.table, q, k, v)
+    if not write:
+        return result, cache
+    out, new_k, new_v = result
     replace_layer = lambda layers, new: (*layers[:layer], new, *layers[layer + 1 :])  # noqa: E731
     return out, dataclasses.replace(cache, k=replace_layer(cache.k, new_k), v=replace_layer(cache.v, new_v))
 
 
-def _attend_shard(cache_k, cache_v, bank_k, bank_v, table, q, k, v, *, config, **options):
+def _attend_shard(cache_k, cache_v, bank_k, bank_v, table, q, k, v, *, config, write, **options):
     """One shard's `attend` on one layer: a local cache `[S + 1, ...]` whose padding slot is S."""
+    if not write:
+        return sink_window_attention(
+            q, k, v, cache_k, cache_v, bank_k, bank_v, table, max_retained=config.max_retained,
+            query_window=config.query_window, **options,
+        )  # fmt: skip
     cache = BoundedKVCache(k=(cache_k,), v=(cache_v,))
     bank = SourceBank(k=(bank_k,), v=(bank_v,))
     out, cache = attend(cache, bank, BoundedKVPlan(table), 0, q, k, v, config=config, **options)
