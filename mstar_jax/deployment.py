@@ -87,7 +87,8 @@ class Deployment:
             raise ValueError(
                 f"compile.min_batch={self.compile.min_batch} must be <= engine.max_batch={max_batch}"
             )
-        largest = self.compile.resolved_batch_sizes(max_batch)[-1]
+        # On a mesh a batch bucket counts one data shard's rows.
+        largest = self.compile.resolved_batch_sizes(max_batch)[-1] * self.mesh.data
         if largest < max_batch:
             raise ValueError(
                 f"engine.max_batch={max_batch} exceeds the largest compiled batch, compile.batch_sizes="

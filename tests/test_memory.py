@@ -107,22 +107,23 @@ def test_on_a_mesh_each_cache_part_is_one_devices_share():
 
 
 def test_num_sources_is_what_the_engine_gives_each_bank(monkeypatch):
-    from mstar_jax.engine import engine as engine_module
+    from mstar_jax.engine import build
+    from mstar_jax.engine.engine import Engine
 
     seen = []
 
     class StopError(Exception):
         """Raised by the fake manager: the engine is not built any further."""
 
-    def manager(spec, *, num_sources):
+    def manager(spec, *, num_sources, data_shards):
         seen.append(num_sources)
         raise StopError
 
-    monkeypatch.setattr(engine_module, "BoundedKVManager", manager)
+    monkeypatch.setattr(build, "BoundedKVManager", manager)
     for voices in (3, 8, 13):
         deployment = parse_deployment({"model": {"name": "streaming_tts"}, "workload": {"voices": voices}})
         with pytest.raises(StopError):
-            engine_module.Engine.from_deployment(deployment, progress=False)
+            Engine.from_deployment(deployment, progress=False)
         assert seen.pop() == num_sources(deployment) == max(8, voices)
 
 

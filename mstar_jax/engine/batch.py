@@ -5,6 +5,10 @@ bucket (`CombinedRows`) has its decode rows, then its prefill rows. Each group i
 with padding rows: segments of span 0 under reserved ids, which the bounded cache plans as empty
 layouts (they read nothing and write nothing), and inputs of zeros. The plan table, the inputs and the
 outputs all follow that order, so the real rows' outputs are read back group by group.
+
+On a mesh the bounded caches lay a step out themselves (`BoundedKVManager.plan_rows`: shard-major, each
+data shard's rows padded to the bucket's rows per shard), and a `Layout` of that places every row's
+inputs and finds its outputs; padding rows are then not declared at all.
 """
 
 from __future__ import annotations
@@ -20,27 +24,34 @@ from mstar_jax.models.streaming_tts.model import FLOW_CHUNK, TALKER_DECODE, TALK
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep
 from mstar_jax.resources.step import BucketKey, Segment, SlotLease, StepContext
 
-__all__ = ["PAD", "choose_bucket", "declare", "row_groups", "row_outputs", "step_inputs"]
+__all__ = ["PAD", "Layout", "choose_bucket", "declare", "row_groups", "row_outputs", "step_inputs"]
+
+Layout = tuple[int, dict[str, int]]
+"""A step's rows as the caches plan them on a mesh: how many, and each request's row."""
 
 PAD = "\x00pad"
 """Prefix of padding rows' ids; no request id may start with it."""
 
 
-def choose_bucket(buckets: Buckets, node: str, rows: Sequence) -> tuple[str, BucketKey]:
+def choose_bucket(
+    buckets: Buckets, node: str, rows: Sequence, *, rows_per_shard: int | None = None
+) -> tuple[str, BucketKey]:
     """The walk of `rows` and its tightest bucket.
 
     Talker rows run as decode (one token each), prefill (chunks), or both at once on the combined walk;
-    flow rows run as chunks.
+    flow rows run as chunks. On a mesh, `rows_per_shard` (the most rows any data shard gets) sizes the
+    bucket instead of the row count, and decode and prefill rows never mix.
     """
+    size = len(rows) if rows_per_shard is None else rows_per_shard
     if node == "flow":
-        return FLOW_CHUNK, buckets.bucket_for(FLOW_CHUNK, len(rows), max(r.span for r in rows))
+        return FLOW_CHUNK, buckets.bucket_for(FLOW_CHUNK, size, max(r.span for r in rows))
     prefill = [r for r in rows if not r.decode]
     if prefill and len(prefill) < len(rows):
         tokens = max(r.span for r in prefill)
         return TALKER_MIXED, buckets.bucket_for(TALKER_MIXED, len(rows), tokens, prefill_rows=len(prefill))
     if not prefill:
-        return TALKER_DECODE, buckets.bucket_for(TALKER_DECODE, len(rows), 1)
-    return TALKER_PREFILL, buckets.bucket_for(TALKER_PREFILL, len(rows), max(r.span for r in rows))
+        return TALKER_DECODE, buckets.bucket_for(TALKER_DECODE, size, 1)
+    return TALKER_PREFILL, buckets.bucket_for(TALKER_PREFILL, size, max(r.span for r in rows))
 
 
 def row_groups(bucket: BucketKey, rows: Sequence) -> list[tuple[list, int]]:
@@ -53,7 +64,7 @@ def row_groups(bucket: BucketKey, rows: Sequence) -> list[tuple[list, int]]:
 
 
 def declare(
-    walk: str, bucket: BucketKey, rows: Sequence, *, written: Callable[[Stream], int]
+    walk: str, bucket: BucketKey, rows: Sequence, *, written: Callable[[Stream], int], pad: bool = True
 ) -> tuple[BoundedKVStep, StepContext, list]:
     """The cache step of `rows`, padded to `bucket`, and its context (leased to the bucket).
 
@@ -61,6 +72,7 @@ def declare(
       walk, bucket: from `choose_bucket`.
       rows: `TalkerRow`s or `FlowRow`s.
       written: a stream's entries already committed to this node's cache.
+      pad: declare padding rows (False on a mesh, where the caches pad each data shard themselves).
 
     Returns:
       (step, ctx, the rows in bucket order).
@@ -73,7 +85,7 @@ def declare(
             positions[stream.request_id] = stream.request.voice.position(written(stream))
             step_tokens[stream.request_id] = row.span
             ordered.append(row)
-        for _ in range(size - len(group)):
+        for _ in range(size - len(group) if pad else 0):
             pads.append(f"{PAD}{len(pads)}")
             segments.append(Segment(pads[-1], "main", 0))
     real = [r.stream.request_id for r in ordered]
@@ -82,19 +94,23 @@ def declare(
     return BoundedKVStep(tuple(segments), positions, step_tokens), ctx, ordered
 
 
-def step_inputs(bucket: BucketKey, rows: Sequence) -> tuple[np.ndarray, ...]:
+def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None) -> tuple[np.ndarray, ...]:
     """The program's inputs after `(params, cache, bank, plan)`, padded to the bucket (host numpy).
 
     Talker walks: `tokens i32[B, T], lengths i32[B], seeds u32[B]`; the combined walk: decode tokens and
     lengths, prefill tokens and lengths, then every row's seed; the flow: `codes i32[B, T], seeds u32[B]`.
+    With a `layout` (a mesh), `B` is its row count and each request's row is where it says.
     """
 
     def block(group, size, tokens):
+        if layout is not None:
+            size = layout[0]
         ids = np.zeros((size, tokens), np.int32)
         lengths = np.zeros(size, np.int32)
         seeds = np.zeros(size, np.uint32)
         for i, row in enumerate(group):
             values = row.codes if isinstance(row, FlowRow) else row.tokens
+            i = i if layout is None else layout[1][row.stream.request_id]
             ids[i, : len(values)] = values
             lengths[i] = len(values)
             seeds[i] = row.stream.request.seed
@@ -112,8 +128,10 @@ def step_inputs(bucket: BucketKey, rows: Sequence) -> tuple[np.ndarray, ...]:
     return block(*groups[0], bucket.num_tokens)
 
 
-def row_outputs(bucket: BucketKey, rows: Sequence, per_row: np.ndarray) -> list:
+def row_outputs(bucket: BucketKey, rows: Sequence, per_row: np.ndarray, layout: Layout | None = None) -> list:
     """The real rows' entries of a per-row output, in `rows` order (each group is padded)."""
+    if layout is not None:
+        return [per_row[layout[1][row.stream.request_id]] for row in rows]
     out, offset = [], 0
     for group, size in row_groups(bucket, rows):
         out.extend(per_row[offset : offset + len(group)])

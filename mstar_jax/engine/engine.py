@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -31,15 +30,13 @@ from typing import Any
 import jax
 
 from mstar_jax.compile import (
-    cap_batch_sizes,
-    configure_persistent_cache,
     count_compilations,
     warn_on_compilations,
 )
 from mstar_jax.engine import batch, recovery
 from mstar_jax.engine.admission import Admission
 from mstar_jax.engine.outputs import Outputs
-from mstar_jax.engine.programs import TTSPrograms, tts_buckets
+from mstar_jax.engine.programs import TTSPrograms
 from mstar_jax.engine.recovery import Recovery
 from mstar_jax.engine.request import (
     AudioChunk,
@@ -50,7 +47,6 @@ from mstar_jax.engine.request import (
     TTSRequest,
 )
 from mstar_jax.engine.scheduler import flow_rows, talker_rows
-from mstar_jax.memory import num_sources
 from mstar_jax.models.streaming_tts.model import (
     FLOW_CHUNK,
     TALKER_MIXED,
@@ -158,7 +154,10 @@ class Engine(Admission, Outputs, Recovery):
                 raise ValueError(
                     f"{name}={value!r} must be a number >= 0" + (" or None" if name[0] == "o" else "")
                 )
-        largest = min(programs.buckets.max_batch(walk) for walk in programs.buckets.walks)
+        self.mesh = model.mesh
+        # On a mesh a bucket's batch size counts one data shard's rows.
+        shards = 1 if self.mesh is None else self.mesh.shape["data"]
+        largest = shards * min(programs.buckets.max_batch(walk) for walk in programs.buckets.walks)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= largest:
             raise ValueError(f"max_batch={max_batch!r} must be an int in [1, {largest}] (the largest bucket)")
         if snapshot_every is not None and (
@@ -218,37 +217,13 @@ class Engine(Admission, Outputs, Recovery):
           max_prefill_rows_in_combined: prefill rows a combined step makes room for.
           history: finished streams and step records kept (see `Engine`).
         """
-        config = deployment.model_config
-        sources = num_voices or num_sources(deployment)
-        talker = BoundedKVManager(deployment.spec(TALKER_KV), num_sources=sources)
-        flow = BoundedKVManager(deployment.spec(FLOW_KV), num_sources=sources)
-        model = StreamingTTSModel(
-            config,
-            talker_kv=talker.config,
-            flow_kv=flow.config,
-            implementation=implementation,
-            interpret=interpret,
-        )
-        max_batch = deployment.engine.max_batch
-        buckets = tts_buckets(
-            batch_sizes=cap_batch_sizes(deployment.batch_sizes, max_batch),
-            token_counts=deployment.token_counts,
-            flow_chunk=config.flow_chunk,
-            max_prefill_rows_in_combined=max_prefill_rows_in_combined,
-        )
-        configure_persistent_cache(deployment.compile)
-        workers = max_workers or max(1, min(8, os.cpu_count() or 1))
-        programs = TTSPrograms.capture(
-            model, buckets, talker=talker, flow=flow, progress=progress, max_workers=workers
-        )
-        engine = cls(
-            model, talker=talker, flow=flow, programs=programs, max_batch=max_batch,
-            hold_backoff_s=deployment.engine.hold_backoff_s,
-            offload_idle_after_s=deployment.engine.offload_idle_after_s,
-            snapshot_every=deployment.engine.snapshot_every, history=history,
+        from mstar_jax.engine.build import build_from_deployment  # it builds an Engine: no cycle at import
+
+        return build_from_deployment(
+            cls, deployment, progress=progress, implementation=implementation, interpret=interpret,
+            max_workers=max_workers, num_voices=num_voices,
+            max_prefill_rows_in_combined=max_prefill_rows_in_combined, history=history,
         )  # fmt: skip
-        engine.warm_up()
-        return engine
 
     # -- voices and warm-up -------------------------------------------------------------------------
 
@@ -301,6 +276,8 @@ class Engine(Admission, Outputs, Recovery):
             if self.snapshot_every is not None:
                 self.snapshot()  # compiles the cache copies a snapshot reads through
                 self.last_snapshot, self.counters["snapshots"] = None, 0
+        for node in self.nodes.values():
+            node.manager.placed = [0] * node.manager.data_shards  # the borrowed slots were no request's
         self.warmed_up = True
         self.compilations = 0
         self.warmup_compilations = counter.count
@@ -426,9 +403,16 @@ class Engine(Admission, Outputs, Recovery):
             live, now=now, max_batch=self.max_batch, prefill_tokens=self._prefill_tokens,
             prefill_room=self._prefill_room, bos=self.model.bos, text_vocab=self.model.text_vocab,
         )  # fmt: skip
+        if decode and not self._prefill_room:  # no combined walk (a mesh): prefill runs as its own step
+            waiting = [s for s in live if s.phase is not Phase.DECODE]
+            _, prefill = talker_rows(
+                waiting, now=now, max_batch=self.max_batch, prefill_tokens=self._prefill_tokens,
+                prefill_room=0, bos=self.model.bos, text_vocab=self.model.text_vocab,
+            )  # fmt: skip
         ran = False
-        if decode or prefill:
-            ran |= self._run(self.nodes["talker"], decode + prefill)
+        for rows in [decode, prefill] if not self._prefill_room else [decode + prefill]:
+            if rows:
+                ran |= self._run(self.nodes["talker"], rows)
         rows = flow_rows(
             self.streams.values(), now=self.clock(), max_batch=self.max_batch, chunk=self._flow_chunk
         )
@@ -471,7 +455,8 @@ class Engine(Admission, Outputs, Recovery):
         positions = tuple(r.stream.written_in(node.name) for r in rows)
         try:  # from here on an error must give back what admit claimed
             plan = node.runner.plan(sub)[node.key]
-            inputs = batch.step_inputs(bucket, rows)
+            layout = node.manager.plan_rows(sub.steps[node.key], sub.ctx) if self.mesh is not None else None
+            inputs = batch.step_inputs(bucket, rows, layout)
             with warn_on_compilations(f"engine step {bucket}") as counter:
                 cache, outputs = self.programs.steps[bucket.graph_walk].replay(
                     bucket, params, node.manager.cache, node.manager.bank, plan, *inputs
@@ -496,15 +481,25 @@ class Engine(Admission, Outputs, Recovery):
             )
         )
         if node.name == "talker":
-            self._after_talker(rows, bucket, outputs, now)
+            self._after_talker(rows, bucket, outputs, now, layout)
         else:
-            self._after_flow(rows, outputs, now)
+            self._after_flow(rows, bucket, outputs, now, layout)
         return True
 
     def _declare(self, node: _Node, rows: Sequence) -> tuple[SubmoduleStep, BucketKey, list]:
-        """The step of `rows` padded to its tightest bucket, its rows in the bucket's order."""
-        walk, bucket = batch.choose_bucket(self.programs.buckets, node.name, rows)
-        step, ctx, ordered = batch.declare(walk, bucket, rows, written=lambda s: s.written_in(node.name))
+        """The step of `rows` padded to its tightest bucket, its rows in the bucket's order.
+
+        On a mesh a bucket's rows are per data shard: the tightest holds the most rows any shard gets
+        (`placement`), and the caches pad each shard to it themselves.
+        """
+        width = None
+        if self.mesh is not None:
+            placed = node.manager.placement([r.stream.request_id for r in rows])
+            width = max(collections.Counter(placed.values()).values(), default=1)
+        walk, bucket = batch.choose_bucket(self.programs.buckets, node.name, rows, rows_per_shard=width)
+        step, ctx, ordered = batch.declare(
+            walk, bucket, rows, written=lambda s: s.written_in(node.name), pad=self.mesh is None
+        )
         return self._submodule(node, step, ctx), bucket, ordered
 
     @staticmethod

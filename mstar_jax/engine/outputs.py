@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from mstar_jax.engine import batch
+from mstar_jax.engine.batch import Layout
 from mstar_jax.engine.request import AudioChunk, Phase, ReplayMismatchError, RequestError, Stream
 from mstar_jax.engine.scheduler import FlowRow, TalkerRow
 from mstar_jax.models.streaming_tts.model import SAMPLES_PER_FRAME
@@ -17,8 +18,10 @@ __all__ = ["Outputs"]
 class Outputs:
     """The part of `Engine` that hands a step's outputs to its streams."""
 
-    def _after_talker(self, rows: list[TalkerRow], bucket: BucketKey, codes: np.ndarray, now: float) -> None:
-        for row, code in zip(rows, batch.row_outputs(bucket, rows, codes), strict=True):
+    def _after_talker(
+        self, rows: list[TalkerRow], bucket: BucketKey, codes: np.ndarray, now: float, layout: Layout | None
+    ) -> None:
+        for row, code in zip(rows, batch.row_outputs(bucket, rows, codes, layout), strict=True):
             stream = row.stream
             stream.talker_written += row.span
             stream.last_step_at = now
@@ -46,15 +49,18 @@ class Outputs:
         stream.codes.append(code)
         return True
 
-    def _after_flow(self, rows: list[FlowRow], outputs: tuple[np.ndarray, np.ndarray], now: float) -> None:
-        mel, samples = outputs
+    def _after_flow(
+        self, rows: list[FlowRow], bucket: BucketKey, outputs: tuple[np.ndarray, np.ndarray], now: float,
+        layout: Layout | None,
+    ) -> None:  # fmt: skip
+        mel, samples = (batch.row_outputs(bucket, rows, x, layout) for x in outputs)
         for i, row in enumerate(rows):
             stream, span = row.stream, row.span
             if stream.phase.finished:  # cancelled by an earlier row's callback during this step
                 continue
             chunk = AudioChunk(
-                first_frame=row.start, codes=np.asarray(row.codes, np.int32), mel=mel[i, :span],
-                samples=samples[i, : span * SAMPLES_PER_FRAME],
+                first_frame=row.start, codes=np.asarray(row.codes, np.int32), mel=mel[i][:span],
+                samples=samples[i][: span * SAMPLES_PER_FRAME],
             )  # fmt: skip
             stream.flow_written += span
             stream.last_step_at = now

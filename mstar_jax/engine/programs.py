@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.compile import Buckets, BucketSet, CapturedStep, CaptureReport, CombinedRows, capture
@@ -34,6 +36,7 @@ from mstar_jax.models.streaming_tts.model import (
 )
 from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+from mstar_jax.resources.kv.bounded.sharding import DATA
 from mstar_jax.resources.step import BucketKey
 
 __all__ = ["TTSPrograms", "tts_buckets"]
@@ -47,8 +50,9 @@ def tts_buckets(
     token_counts: Sequence[int],
     flow_chunk: int,
     max_prefill_rows_in_combined: int | None = 1,
+    combined: bool = True,
 ) -> Buckets:
-    """The buckets of the four walks.
+    """The buckets of the four walks (three without the combined walk).
 
     Args:
       batch_sizes: rows per program, strictly increasing (the largest is the engine's max batch).
@@ -56,6 +60,7 @@ def tts_buckets(
       flow_chunk: frames per flow chunk; the flow compiles at the smallest token count holding it.
       max_prefill_rows_in_combined: prefill rows a combined step makes room for (None: as many as it
         has rows).
+      combined: whether to capture the combined walk (a mesh runs decode and prefill as separate steps).
 
     Raises:
       ValueError: when no token count holds a flow chunk.
@@ -67,27 +72,31 @@ def tts_buckets(
             f"token_counts={list(token_counts)} has no bucket of >= flow_chunk={flow_chunk} frames; add "
             f"{flow_chunk} to compile.token_counts"
         )
+    mixed = BucketSet.combined(
+        MIXED_SPLIT,
+        batch_sizes=batch_sizes,
+        token_counts=prefill_tokens,
+        max_rows_in_combined={TALKER_PREFILL: max_prefill_rows_in_combined},
+    )
     return Buckets(
         (
             BucketSet(graph_walk=TALKER_DECODE, batch_sizes=tuple(batch_sizes), token_counts=(1,)),
             BucketSet(graph_walk=TALKER_PREFILL, batch_sizes=tuple(batch_sizes), token_counts=prefill_tokens),
-            BucketSet.combined(
-                MIXED_SPLIT,
-                batch_sizes=batch_sizes,
-                token_counts=prefill_tokens,
-                max_rows_in_combined={TALKER_PREFILL: max_prefill_rows_in_combined},
-            ),
+            *((mixed,) if combined else ()),
             BucketSet(graph_walk=FLOW_CHUNK, batch_sizes=tuple(batch_sizes), token_counts=(flow_tokens[0],)),
         )
     )
 
 
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+def _abstract(tree, sharded: bool = False):
+    """`tree` as `ShapeDtypeStruct`s, keeping each array's sharding when `sharded` (a mesh's arrays)."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if sharded else None), tree
+    )
 
 
-def _s(shape, dtype) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, dtype)
+def _s(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -120,20 +129,22 @@ class TTSPrograms:
           progress: one tqdm bar per walk.
           max_workers: buckets compiled at once (threads; XLA compiles without the GIL).
         """
-        talker_state = (_abstract(model.talker_params), _abstract(talker.cache), _abstract(talker.bank))
-        flow_state = (_abstract(model.flow_params), _abstract(flow.cache), _abstract(flow.bank))
+        mesh = model.mesh
+        sharded = mesh is not None
+        # On a mesh a bucket's rows are per data shard: its arrays hold every shard's, split on `data`.
+        shards = 1 if mesh is None else mesh.shape[DATA]
+        rows_sharding = None if mesh is None else NamedSharding(mesh, P(DATA))
+        talker_state = tuple(_abstract(x, sharded) for x in (model.talker_params, talker.cache, talker.bank))
+        flow_state = tuple(_abstract(x, sharded) for x in (model.flow_params, flow.cache, flow.bank))
         i32, u32 = jnp.int32, jnp.uint32
-        plan = lambda rows: BoundedKVPlan(_s((rows, tbl.ROW_INTS), i32))  # noqa: E731
+        plan = lambda rows: BoundedKVPlan(_s((shards * rows, tbl.ROW_INTS), i32, rows_sharding))  # noqa: E731
+
+        def rows_of(bs: int, *shape: int, dtype=i32) -> jax.ShapeDtypeStruct:
+            return _s((shards * bs, *shape), dtype, rows_sharding)
 
         def plain(key: BucketKey) -> tuple:
             bs, t = key.bs, key.num_tokens
-            return (
-                *talker_state,
-                plan(bs),
-                _s((bs, t), i32),
-                _s((bs,), i32),
-                _s((bs,), u32),
-            )
+            return (*talker_state, plan(bs), rows_of(bs, t), rows_of(bs), rows_of(bs, dtype=u32))
 
         def mixed(key: BucketKey) -> tuple:
             rows: CombinedRows = key.cg_key_info
@@ -145,7 +156,7 @@ class TTSPrograms:
 
         def chunk(key: BucketKey) -> tuple:
             bs, t = key.bs, key.num_tokens
-            return (*flow_state, plan(bs), _s((bs, t), i32), _s((bs,), u32))
+            return (*flow_state, plan(bs), rows_of(bs, t), rows_of(bs, dtype=u32))
 
         plans = {
             TALKER_DECODE: (model.talker_step, plain),

@@ -13,11 +13,13 @@ Definitions (streaming TTS convention, see the survey's metrics section):
 
 from __future__ import annotations
 
+import collections
 import json
 import pathlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
 from mstar_jax.engine.engine import Engine
@@ -98,6 +100,7 @@ def summarize(
         "step_latency_ms": _percentiles(latencies, 1e3),
         "step_latency_ms_by_walk": by_walk,
         "steps": len(engine.records),
+        "mesh": _mesh_report(engine),
         "memory": {
             "bytes_per_stream": slot_bytes,
             "talker_slot_bytes": talker_kv.slot_bytes,
@@ -152,6 +155,15 @@ def format_summary(report: dict[str, Any]) -> str:
         f"{c['compilations_after_warmup']} compilations after warm-up",
         f"admission            {report['admission'] or 'no refusals'}",
     ]
+    mesh = report["mesh"]
+    if mesh["devices"] > 1:
+        caches = mesh["caches"]
+        lines.append(
+            f"mesh                 data {mesh['data']} x model {mesh['model']} ({mesh['devices']} devices); "
+            f"cache bytes per device: talker {_mib(max(caches['talker']['bytes_per_device']))}, flow "
+            f"{_mib(max(caches['flow']['bytes_per_device']))}; requests per data shard: talker "
+            f"{caches['talker']['requests_per_data_shard']}, flow {caches['flow']['requests_per_data_shard']}"
+        )
     return "\n".join(lines)
 
 
@@ -211,3 +223,22 @@ def write_report(
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     plot_step_latency(engine, png_path)
     return json_path, png_path
+
+
+def _mesh_report(engine: Engine) -> dict[str, Any]:
+    """The mesh, each device's bytes of every cache, and the requests each data shard took."""
+    mesh = engine.mesh
+    shape = {"data": 1, "model": 1} if mesh is None else dict(mesh.shape)
+    caches = {}
+    for name, manager in (("talker", engine.talker), ("flow", engine.flow)):
+        leaves = jax.tree.leaves(manager.cache)
+        per_device = collections.Counter()
+        for leaf in leaves:
+            for shard in leaf.addressable_shards:
+                per_device[shard.device.id] += shard.data.nbytes
+        caches[name] = {
+            "bytes_per_device": sorted(set(per_device.values())),
+            "total_bytes": sum(leaf.nbytes for leaf in leaves),
+            "requests_per_data_shard": list(manager.placed),
+        }
+    return {**shape, "devices": shape["data"] * shape["model"], "caches": caches}

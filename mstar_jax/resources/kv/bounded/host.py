@@ -107,10 +107,14 @@ class HostCopies:
         request goes back to its slot, so to its data shard.
         """
         lost = [rid for rid, r in self._requests.items() if r.slot is not None]
+        shardings = jax.tree.map(lambda x: x.sharding, self.cache)  # where the lost cache lived (a mesh)
         if snapshot is None:
-            self.cache = BoundedKVCache.create(self.config)
+            fresh = BoundedKVCache.abstract(self.config, self._slots.shards)
+            self.cache = jax.tree.map(
+                lambda s, where: jnp.zeros(s.shape, s.dtype, device=where), fresh, shardings
+            )
         else:
-            self.cache = jax.device_put(snapshot.cache)
+            self.cache = jax.device_put(snapshot.cache, shardings)
         for rid in lost:
             saved = snapshot.requests.get(rid) if snapshot is not None and rid in restore else None
             if saved is None:

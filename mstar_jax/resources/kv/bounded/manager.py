@@ -94,6 +94,7 @@ class BoundedKVManager(HostCopies, Resource):
         self.spec = spec
         self.config = spec.config
         self._slots = SlotPools(self.config.max_slots, data_shards)
+        self.placed = [0] * data_shards  # requests whose first step ran on each data shard (reports)
         self.cache = BoundedKVCache.create(self.config, data_shards=data_shards)
         self.bank = SourceBank.create(self.config, num_sources)
         self._requests: dict[str, _Request] = {}
@@ -125,6 +126,15 @@ class BoundedKVManager(HostCopies, Resource):
         """The data shard holding the request's slot (None while it holds none)."""
         slot = self.slot_of(request_id)
         return None if slot is None else self._slots.shard_of(slot)
+
+    def placement(self, request_ids: Sequence[str]) -> dict[str, int]:
+        """The data shard each request would run on if a step of them were admitted now: its slot's,
+        or, for those without one (new or offloaded), where admission would place them, in order.
+        Requests beyond the free slots are left out (admission would refuse them)."""
+        placed = {rid: self.shard_of(rid) for rid in request_ids}
+        waiting = [rid for rid, shard in placed.items() if shard is None]
+        placed.update(zip(waiting, self._slots.preview(len(waiting)), strict=False))
+        return {rid: shard for rid, shard in placed.items() if shard is not None}
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -452,6 +462,8 @@ class BoundedKVManager(HostCopies, Resource):
         for seg in self._admitted_segments(step, ctx):
             request = self._requests[seg.request_id]
             position, span = request.admitted
+            if position.written == 0:  # its first step: count where it runs
+                self.placed[self._slots.shard_of(request.slot)] += 1
             request.written = position.written + span
             request.admitted = None
         self._claimed_in_step = []

@@ -59,6 +59,7 @@ __all__ = [
     "abstract_cache",
     "check_heads",
     "make_mesh",
+    "place_on_mesh",
     "repeat_kv_heads",
     "sharded_attend",
     "sharded_config",
@@ -323,3 +324,23 @@ def _attend_shard(cache_k, cache_v, bank_k, bank_v, table, q, k, v, *, config, w
     bank = SourceBank(k=(bank_k,), v=(bank_v,))
     out, cache = attend(cache, bank, BoundedKVPlan(table), 0, q, k, v, config=config, **options)
     return out, cache.k[0], cache.v[0]
+
+
+def place_on_mesh(manager: Any, mesh: Mesh) -> None:
+    """Move a `BoundedKVManager(data_shards=mesh data)`'s cache and source bank onto `mesh`.
+
+    Raises:
+      ValueError: when the manager's data shards are not the mesh's, or its KV heads would need copies
+        on the model axis (`sharded_attend` takes replicated heads; the manager's cache does not yet).
+    """
+    data, model = _mesh_sizes(mesh)
+    config = manager.config
+    if manager.data_shards != data:
+        raise ValueError(f"the manager has data_shards={manager.data_shards}; the mesh has data={data}")
+    if config.num_heads % model:
+        raise ValueError(
+            f"mesh model={model} must divide the cache's {config.num_heads} KV heads to serve on it "
+            "(copies of heads across model shards are not held by the manager yet)"
+        )
+    manager.cache = jax.device_put(manager.cache, NamedSharding(mesh, CACHE_SPEC))
+    manager.bank = jax.device_put(manager.bank, NamedSharding(mesh, BANK_SPEC))

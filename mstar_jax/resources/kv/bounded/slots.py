@@ -55,6 +55,16 @@ class SlotPools:
         """The shard with the most free slots (the lowest such index)."""
         return max(range(self.shards), key=lambda shard: (len(self._pools[shard]), -shard))
 
+    def preview(self, count: int) -> list[int]:
+        """The shards the next `count` `take()`s would hand slots out from (as far as slots last)."""
+        free = [len(pool) for pool in self._pools]
+        shards = []
+        for _ in range(min(count, sum(free))):
+            shard = max(range(self.shards), key=lambda s: (free[s], -s))
+            free[shard] -= 1
+            shards.append(shard)
+        return shards
+
     def take(self, shard: int | None = None) -> int:
         """Hand out a free slot of `shard` (None: of the least loaded shard); returns its global index."""
         pool = self._pools[self.least_loaded() if shard is None else shard]

@@ -1,0 +1,73 @@
+"""Building an `Engine` from a `Deployment`: the caches (on the deployment's mesh, if any), the model,
+every bucket's captured program, then warm-up."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from mstar_jax.compile import cap_batch_sizes, configure_persistent_cache
+from mstar_jax.engine.engine import FLOW_KV, TALKER_KV
+from mstar_jax.engine.programs import TTSPrograms, tts_buckets
+from mstar_jax.memory import num_sources
+from mstar_jax.models.streaming_tts.model import StreamingTTSModel
+from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+from mstar_jax.resources.kv.bounded.sharding import make_mesh, place_on_mesh
+
+__all__ = ["build_from_deployment"]
+
+
+def build_from_deployment(
+    cls: type,
+    deployment: Any,
+    *,
+    progress: bool,
+    implementation: str,
+    interpret: Any,
+    max_workers: int | None,
+    num_voices: int | None,
+    max_prefill_rows_in_combined: int | None,
+    history: int | None,
+) -> Any:
+    """`Engine.from_deployment` (its arguments are documented there); `cls` is the engine class."""
+    config = deployment.model_config
+    sources = num_voices or num_sources(deployment)
+    mesh = None
+    if deployment.mesh.devices > 1:  # docs/design.md §10
+        deployment.check_devices()
+        mesh = make_mesh(deployment.mesh.data, deployment.mesh.model)
+    shards = deployment.mesh.data
+    talker = BoundedKVManager(deployment.spec(TALKER_KV), num_sources=sources, data_shards=shards)
+    flow = BoundedKVManager(deployment.spec(FLOW_KV), num_sources=sources, data_shards=shards)
+    if mesh is not None:
+        place_on_mesh(talker, mesh)
+        place_on_mesh(flow, mesh)
+    model = StreamingTTSModel(
+        config,
+        talker_kv=talker.config,
+        flow_kv=flow.config,
+        implementation=implementation,
+        interpret=interpret,
+        mesh=mesh,
+    )
+    max_batch = deployment.engine.max_batch
+    buckets = tts_buckets(
+        batch_sizes=cap_batch_sizes(deployment.batch_sizes, max_batch),
+        token_counts=deployment.token_counts,
+        flow_chunk=config.flow_chunk,
+        max_prefill_rows_in_combined=max_prefill_rows_in_combined,
+        combined=mesh is None,
+    )
+    configure_persistent_cache(deployment.compile)
+    workers = max_workers or max(1, min(8, os.cpu_count() or 1))
+    programs = TTSPrograms.capture(
+        model, buckets, talker=talker, flow=flow, progress=progress, max_workers=workers
+    )
+    engine = cls(
+        model, talker=talker, flow=flow, programs=programs, max_batch=max_batch,
+        hold_backoff_s=deployment.engine.hold_backoff_s,
+        offload_idle_after_s=deployment.engine.offload_idle_after_s,
+        snapshot_every=deployment.engine.snapshot_every, history=history,
+    )  # fmt: skip
+    engine.warm_up()
+    return engine

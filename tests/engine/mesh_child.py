@@ -1,0 +1,68 @@
+"""Child process of `test_mesh_engine.py`: one workload served by the engine on one device and on meshes
+of 8 simulated CPU devices. Prints one JSON line: per mesh, whether each request's codes equal the
+single-device engine's, the largest audio difference, compilations after warm-up, and the report's mesh.
+
+Run with `XLA_FLAGS=--xla_force_host_platform_device_count=8` (the parent sets it).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from mstar_jax.deployment import parse_deployment
+from mstar_jax.engine import Engine, TTSRequest
+from mstar_jax.engine.report import summarize
+
+# Eight KV heads in both caches and eight slots, so every split of 8 devices divides them.
+MODEL = {
+    "text_vocab_size": 16, "codec_vocab_size": 16, "d_model": 32, "talker_layers": 2, "talker_heads": 8,
+    "talker_kv_heads": 8, "talker_head_dim": 4, "talker_ffn_dim": 32, "min_voice_frames": 3,
+    "max_voice_frames": 6, "talker_sink_extra": 2, "talker_window": 6, "query_window": 7,
+    "flow_d_model": 32, "flow_layers": 1, "flow_heads": 8, "flow_head_dim": 4, "flow_chunk": 4,
+    "flow_window": 5, "flow_steps": 2, "mel_bins": 4, "max_slots": 8,
+}  # fmt: skip
+MESHES = {"1x1": (1, 1), "8x1": (8, 1), "4x2": (4, 2), "2x4": (2, 4), "1x8": (1, 8)}
+REQUESTS = 6
+
+
+def serve(data: int, model: int) -> tuple[Engine, dict[str, tuple[list[int], np.ndarray]]]:
+    deployment = parse_deployment({
+        "model": {"name": "streaming_tts", "config": MODEL},
+        "compile": {"batch_sizes": [1, 2], "token_counts": [1, 4]},
+        "engine": {"max_batch": 2},
+        "mesh": {"data": data, "model": model},
+    })  # fmt: skip
+    engine = Engine.from_deployment(deployment, progress=False, max_workers=2)
+    voices = [engine.add_voice(i, frames=3 + i, seed=10 + i) for i in range(2)]
+    rng = np.random.default_rng(0)
+    streams = []
+    for i in range(REQUESTS):
+        text = rng.integers(0, 16, 3 + i).tolist()
+        frames = int(rng.integers(5, 15))
+        streams.append(engine.submit(TTSRequest(f"r{i}", text, voices[i % 2], frames, seed=i)))
+    engine.run_until_idle()
+    return engine, {s.request_id: (s.codes, s.audio) for s in streams}
+
+
+def main() -> None:
+    _, alone = serve(1, 1)
+    results = {}
+    for name, (data, model) in MESHES.items():
+        engine, served = serve(data, model)
+        report = summarize(engine, wall_secs=1.0, capture_secs=1.0, warmup_compilations=0)
+        results[name] = {
+            "done": report["streams"]["done"],
+            "codes_equal": all(served[rid][0] == codes for rid, (codes, _) in alone.items()),
+            "max_audio_diff": max(
+                float(np.abs(served[rid][1] - audio).max()) for rid, (_, audio) in alone.items()
+            ),
+            "compilations": engine.compilations,
+            "mesh": report["mesh"],
+        }
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

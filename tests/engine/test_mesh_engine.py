@@ -1,0 +1,82 @@
+"""The engine on meshes of 8 simulated CPU devices (docs/design.md §10): one workload gives every request
+the codes it gets on one device, the same audio (to the bit with one model shard; within float rounding
+with several, whose row-parallel projections sum in another order), nothing compiles after warm-up, and
+each device holds an even share of every cache.
+
+The meshes need the device-count flag set before jax starts, so they run in a child process
+(`mesh_child.py`), which prints its findings as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.engine.mesh_child import MESHES, REQUESTS
+
+CHILD = Path(__file__).with_name("mesh_child.py")
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip()}
+    child = subprocess.run(
+        [sys.executable, str(CHILD)], env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    assert child.returncode == 0, f"{CHILD.name} failed:\n{child.stderr[-6000:]}"
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_every_request_hears_what_it_hears_on_one_device(results, mesh):
+    found = results[mesh]
+    assert found["done"] == REQUESTS
+    assert found["codes_equal"]
+    assert found["compilations"] == 0
+    if MESHES[mesh][1] == 1:
+        assert found["max_audio_diff"] == 0.0
+    else:
+        assert found["max_audio_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_each_device_holds_an_even_share_of_every_cache(results, mesh):
+    data, model = MESHES[mesh]
+    report = results[mesh]["mesh"]
+    assert (report["data"], report["model"], report["devices"]) == (data, model, data * model)
+    for cache in report["caches"].values():
+        assert cache["bytes_per_device"] == [cache["total_bytes"] // (data * model)]
+        assert len(cache["requests_per_data_shard"]) == data
+        assert sum(cache["requests_per_data_shard"]) == REQUESTS
+
+
+def test_mstar_jax_run_serves_the_mesh_config_to_a_report(tmp_path):
+    """The README's command: `configs/mesh_cpu8.yaml` on 8 simulated devices, from the CLI to report.json."""
+    config = Path(__file__).resolve().parents[2] / "configs" / "mesh_cpu8.yaml"
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip()}
+    command = [sys.executable, "-m", "mstar_jax.cli", "run", "--config", str(config), "--no-progress"]
+    done = subprocess.run(
+        [*command, "--output", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "mesh                 data 4 x model 2 (8 devices)" in done.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["streams"]["done"] == report["streams"]["submitted"] == 16
+    assert report["compile"]["compilations_after_warmup"] == 0
+    mesh = report["mesh"]
+    assert (mesh["data"], mesh["model"], mesh["devices"]) == (4, 2, 8)
+    for cache in mesh["caches"].values():
+        assert cache["bytes_per_device"] == [cache["total_bytes"] // 8]
+        assert sum(cache["requests_per_data_shard"]) == 16
