@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 import traceback
-from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -299,7 +298,7 @@ def child() -> dict:
     from jax.experimental import multihost_utils
 
     from mstar_jax.resources.kv.bounded import sharding as sh
-    from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan
+    from mstar_jax.resources.kv.bounded.cache import BoundedKVCache
     from tests.resources.kv.bounded import sharding_child as oracle_child
 
     data, model = MESH
@@ -336,16 +335,7 @@ def child() -> dict:
         oracle["bank"],
     )  # replicated over data shards: every process holds all of it
 
-    @partial(jax.jit, donate_argnums=0)
-    def sharded_step(cache, bank, table, q, k, v):
-        outs = []
-        for layer in range(L):
-            out, cache = sh.sharded_attend(
-                mesh, cache, bank, BoundedKVPlan(table), layer, q[layer], k[layer], v[layer], config=config,
-                implementation="xla",
-            )  # fmt: skip
-            outs.append(out)
-        return cache, tuple(outs)
+    sharded_step = oracle_child.sharded_steps(mesh, config)
 
     def step_args(step: int):
         table = global_array([oracle["tables"][d][step] for d in local], shardings.table)

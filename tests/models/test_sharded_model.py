@@ -8,28 +8,19 @@ The meshes need the device-count flag set before jax starts, so they run in a ch
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.models.mesh_child import CONFIG, MESHES
+from tests.simulated_devices import run_child
 
 CHILD = Path(__file__).with_name("mesh_child.py")
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip()}
-    child = subprocess.run(
-        [sys.executable, str(CHILD)], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert child.returncode == 0, f"{CHILD.name} failed:\n{child.stderr[-6000:]}"
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    return run_child(CHILD, devices=8)
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))

@@ -53,6 +53,24 @@ CASES = {
 }
 
 
+def sharded_steps(mesh, config):
+    """The jitted step over every layer through `sharded_attend`: (cache, bank, table, q, k, v) ->
+    (cache, per-layer outputs), the cache donated."""
+
+    @partial(jax.jit, donate_argnums=0)
+    def sharded_step(cache, bank, table, q, k, v):
+        outs = []
+        for layer in range(config.num_layers):
+            out, cache = sh.sharded_attend(
+                mesh, cache, bank, BoundedKVPlan(table), layer, q[layer], k[layer], v[layer], config=config,
+                implementation="xla",
+            )  # fmt: skip
+            outs.append(out)
+        return cache, tuple(outs)
+
+    return sharded_step
+
+
 def shard_config(kv_heads: int) -> BoundedKVConfig:
     """One data shard's (and the oracle's) config: S slots, rows_per_request 2, a sink past the source."""
     return BoundedKVConfig(
@@ -186,16 +204,7 @@ def run_case(name: str, oracle: dict) -> dict:
     bank = jax.tree.map(lambda x: sh.repeat_kv_heads(x, model, axis=2), oracle["bank"])
     bank = jax.device_put(bank, shardings.bank)
 
-    @partial(jax.jit, donate_argnums=0)
-    def sharded_step(cache, bank, table, q, k, v):
-        outs = []
-        for layer in range(L):
-            out, cache = sh.sharded_attend(
-                mesh, cache, bank, BoundedKVPlan(table), layer, q[layer], k[layer], v[layer], config=config,
-                implementation="xla",
-            )  # fmt: skip
-            outs.append(out)
-        return cache, tuple(outs)
+    sharded_step = sharded_steps(mesh, config)
 
     def step_args(step: int):
         table = np.concatenate([oracle["tables"][d][step] for d in range(data)])

@@ -8,11 +8,7 @@ a v5e 2x2 topology's compile-only devices (`mstar_jax.compile.offline_tpu`), in 
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -27,6 +23,7 @@ from mstar_jax.resources.kv.bounded import sharding as sh
 from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, SinkWindow
 from tests.resources.kv.bounded.sharding_child import CASES, COLLECTIVES
+from tests.simulated_devices import run_child
 
 CHILD = Path(__file__).with_name("sharding_child.py")
 DEVICES = 8
@@ -34,13 +31,7 @@ DEVICES = 8
 
 @pytest.fixture(scope="module")
 def mesh_results() -> dict:
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip()}
-    child = subprocess.run(
-        [sys.executable, str(CHILD)], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert child.returncode == 0, f"{CHILD.name} failed:\n{child.stderr[-6000:]}"
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    return run_child(CHILD, devices=DEVICES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
