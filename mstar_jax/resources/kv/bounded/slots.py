@@ -4,7 +4,8 @@ A cache split over `shards` data shards holds, on its slot axis, `shards` blocks
 each followed by that shard's padding slot: global slot `g` is local slot `g % (per_shard + 1)` of shard
 `g // (per_shard + 1)`, and local slot `per_shard` is the shard's padding slot, never handed out. With one
 shard this is the single-device layout: slots `0 .. max_slots - 1`, then the padding slot `max_slots`.
-Each pool hands out its lowest free slot first and reuses the last one given back (a stack).
+Each pool hands out its lowest free slot first and reuses the last one given back (a stack); new
+requests go to the shard with the most free slots, ties taken in turn.
 """
 
 from __future__ import annotations
@@ -52,24 +53,27 @@ class SlotPools:
         return tuple(tuple(pool) for pool in self._pools)
 
     def least_loaded(self) -> int:
-        """The shard with the most free slots (the lowest such index)."""
-        return max(range(self.shards), key=lambda shard: (len(self._pools[shard]), -shard))
+        """The shard with the most free slots; among equals, the next after the last one chosen (so a
+        light load spreads over the shards instead of piling onto the first)."""
+        return _least_loaded([len(pool) for pool in self._pools], self._next)
 
     def preview(self, count: int) -> list[int]:
         """The shards the next `count` `take()`s would hand slots out from (as far as slots last)."""
-        free = [len(pool) for pool in self._pools]
-        shards = []
+        free, after, shards = [len(pool) for pool in self._pools], self._next, []
         for _ in range(min(count, sum(free))):
-            shard = max(range(self.shards), key=lambda s: (free[s], -s))
+            shard = _least_loaded(free, after)
             free[shard] -= 1
+            after = (shard + 1) % self.shards
             shards.append(shard)
         return shards
 
     def take(self, shard: int | None = None) -> int:
         """Hand out a free slot of `shard` (None: of the least loaded shard); returns its global index."""
-        pool = self._pools[self.least_loaded() if shard is None else shard]
+        shard = self.least_loaded() if shard is None else shard
+        pool = self._pools[shard]
         if not pool:
             raise ValueError(f"data shard {shard} has no free slot")
+        self._next = (shard + 1) % self.shards
         return pool.pop()
 
     def give(self, slot: int) -> None:
@@ -78,7 +82,14 @@ class SlotPools:
     def reset(self, held: Collection[int] = ()) -> None:
         """Every slot free except those in `held`."""
         width = self.per_shard + 1
+        self._next = 0
         self._pools = [
             [g for g in reversed(range(s * width, s * width + self.per_shard)) if g not in held]
             for s in range(self.shards)
         ]
+
+
+def _least_loaded(free: list[int], after: int) -> int:
+    """The index of the largest of `free`, ties going to the first at or after `after` (cyclically)."""
+    shards = len(free)
+    return max(range(shards), key=lambda shard: (free[shard], -((shard - after) % shards)))

@@ -133,3 +133,28 @@ def test_offload_and_reload_keep_each_shards_count():
     assert (m._slots.free_in(0), m._slots.free_in(1)) == (3, 2)
     assert m.reload("a")
     assert m.shard_of("a") == 0  # the least loaded shard again
+
+
+def test_a_light_load_takes_the_shards_in_turn():
+    pools = SlotPools(8, 4)
+    shards = []
+    for _ in range(6):  # one request at a time, each gone before the next arrives
+        slot = pools.take()
+        shards.append(pools.shard_of(slot))
+        pools.give(slot)
+    assert shards == [0, 1, 2, 3, 0, 1]
+
+
+def test_preview_says_where_the_next_takes_go(rng):
+    pools = SlotPools(12, 4)
+    held = []
+    for _ in range(200):
+        if held and rng.random() < 0.45:
+            pools.give(held.pop(int(rng.integers(len(held)))))
+        elif len(pools):
+            count = int(rng.integers(1, len(pools) + 1))
+            expected = pools.preview(count)
+            taken = [pools.take() for _ in range(count)]
+            assert [pools.shard_of(slot) for slot in taken] == expected
+            held += taken
+    assert pools.preview(len(pools) + 5) == pools.preview(len(pools))  # no further than the free slots
