@@ -13,6 +13,7 @@ inputs and finds its outputs; padding rows are then not declared at all.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -24,7 +25,16 @@ from mstar_jax.models.streaming_tts.model import FLOW_CHUNK, TALKER_DECODE, TALK
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep
 from mstar_jax.resources.step import BucketKey, Segment, SlotLease, StepContext
 
-__all__ = ["PAD", "Layout", "choose_bucket", "declare", "row_groups", "row_outputs", "step_inputs"]
+__all__ = [
+    "PAD",
+    "Layout",
+    "choose_bucket",
+    "declare",
+    "fit_shards",
+    "row_groups",
+    "row_outputs",
+    "step_inputs",
+]
 
 Layout = tuple[int, dict[str, int]]
 """A step's rows as the caches plan them on a mesh: how many, and each request's row."""
@@ -52,6 +62,18 @@ def choose_bucket(
     if not prefill:
         return TALKER_DECODE, buckets.bucket_for(TALKER_DECODE, size, 1)
     return TALKER_PREFILL, buckets.bucket_for(TALKER_PREFILL, size, max(r.span for r in rows))
+
+
+def fit_shards(rows: Sequence, placement: dict[str, int], most: int) -> tuple[list, int]:
+    """`rows` with at most `most` per data shard (the first ones, in order), and the most any shard
+    keeps; rows without a placement (admission would refuse them anyway) are kept and counted apart."""
+    kept, per_shard = [], collections.Counter()
+    for row in rows:
+        shard = placement.get(row.stream.request_id)
+        if per_shard[shard] < most:
+            per_shard[shard] += 1
+            kept.append(row)
+    return kept, max((n for shard, n in per_shard.items() if shard is not None), default=1)
 
 
 def row_groups(bucket: BucketKey, rows: Sequence) -> list[tuple[list, int]]:

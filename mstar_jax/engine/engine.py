@@ -493,9 +493,10 @@ class Engine(Admission, Outputs, Recovery):
         (`placement`), and the caches pad each shard to it themselves.
         """
         width = None
-        if self.mesh is not None:
+        if self.mesh is not None:  # a shard's rows beyond the largest bucket wait for the next step
             placed = node.manager.placement([r.stream.request_id for r in rows])
-            width = max(collections.Counter(placed.values()).values(), default=1)
+            largest = min(self.programs.buckets.max_batch(walk) for walk in self.programs.buckets.walks)
+            rows, width = batch.fit_shards(rows, placed, largest)
         walk, bucket = batch.choose_bucket(self.programs.buckets, node.name, rows, rows_per_shard=width)
         step, ctx, ordered = batch.declare(
             walk, bucket, rows, written=lambda s: s.written_in(node.name), pad=self.mesh is None
