@@ -20,10 +20,11 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from mstar_jax.deployment import DEFAULT_CONFIG, Deployment, DeploymentError, ResourceCosts, load_deployment
+from mstar_jax.deployment import DEFAULT_CONFIG, Deployment, DeploymentError, load_deployment
 from mstar_jax.memory import (
     DeviceMemory,
     MemoryBudget,
+    ResourceCosts,
     device_memory,
     format_bytes,
     memory_budget,

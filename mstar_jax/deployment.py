@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from mstar_jax.models import MODELS, model_config
-from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, SinkWindow, store_capacity
+from mstar_jax.resources.kv.bounded.config import BoundedKVSpec
 from mstar_jax.resources.spec import NodeResourceSpec, apply_yaml_overrides
 from mstar_jax.settings import CompileSettings, EngineSettings, MeshSettings, WorkloadSettings
 
@@ -33,11 +33,9 @@ __all__ = [
     "DeploymentError",
     "DeploymentTypeError",
     "EngineSettings",
-    "ResourceCosts",
     "WorkloadSettings",
     "load_deployment",
     "parse_deployment",
-    "resource_costs",
 ]
 
 DEFAULT_CONFIG: Path = Path(str(importlib.resources.files("mstar_jax") / "configs" / "streaming_tts.yaml"))
@@ -172,83 +170,11 @@ class Deployment:
                 return spec
         raise KeyError(f"no resource {resource_key!r}; declared: {[s.resource_key for s in self.specs]}")
 
-    def costs(self) -> tuple[ResourceCosts, ...]:
-        """`resource_costs` of every spec, in declaration order."""
+    def costs(self) -> tuple[Any, ...]:
+        """`memory.resource_costs` of every spec, in declaration order."""
+        from mstar_jax.memory import resource_costs  # memory builds on deployments: import it on use
+
         return tuple(resource_costs(spec) for spec in self.specs)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ResourceCosts:
-    """What one bounded KV resource is and what it costs in device memory.
-
-    Attributes:
-      key: the resource key.
-      nodes: the nodes that use it, sorted.
-      layers, kv_heads, head_dim, rows_per_request, dtype: the cache's geometry.
-      min_source_len, max_source_len: the source (voice prompt) lengths a request may read.
-      retention_at_min, retention_at_max: retention at those two lengths.
-      max_slots: requests held at once.
-      sink_capacity, window_capacity, slot_tokens, max_retained: the config's derived sizes.
-      slot_bytes: bytes of one slot (K and V, every layer and row).
-      all_slots_bytes: bytes of all `max_slots` slots.
-      source_bytes: bytes one registered source (a voice prompt of `max_source_len`) takes in the
-        source bank, shared by every request that reads it.
-    """
-
-    key: str
-    nodes: tuple[str, ...]
-    layers: int
-    kv_heads: int
-    head_dim: int
-    rows_per_request: int
-    dtype: str
-    min_source_len: int
-    max_source_len: int
-    retention_at_min: SinkWindow
-    retention_at_max: SinkWindow
-    max_slots: int
-    sink_capacity: int
-    window_capacity: int
-    slot_tokens: int
-    max_retained: int
-    slot_bytes: int
-    all_slots_bytes: int
-    source_bytes: int
-
-
-def resource_costs(spec: NodeResourceSpec) -> ResourceCosts:
-    """The geometry and device-memory cost of a bounded KV spec.
-
-    Raises:
-      TypeError: for a spec that is not a `BoundedKVSpec` (the only resource with a slot geometry).
-    """
-    if not isinstance(spec, BoundedKVSpec):
-        raise TypeError(
-            f"resource_costs needs a BoundedKVSpec; {spec.resource_key!r} is a {type(spec).__name__}"
-        )
-    config = spec.config
-    per_entry = config.rows_per_request * config.num_heads * 2 * config.head_dim * config.dtype.itemsize
-    return ResourceCosts(
-        key=spec.resource_key,
-        nodes=tuple(sorted(spec.nodes)),
-        layers=config.num_layers,
-        kv_heads=config.num_heads,
-        head_dim=config.head_dim,
-        rows_per_request=config.rows_per_request,
-        dtype=config.dtype.name,
-        min_source_len=config.min_source_len,
-        max_source_len=config.max_source_len,
-        retention_at_min=config.retention_for(config.min_source_len),
-        retention_at_max=config.retention_for(config.max_source_len),
-        max_slots=config.max_slots,
-        sink_capacity=config.sink_capacity,
-        window_capacity=config.window_capacity,
-        slot_tokens=config.slot_tokens,
-        max_retained=config.max_retained,
-        slot_bytes=config.slot_bytes,
-        all_slots_bytes=config.slot_bytes * config.max_slots,
-        source_bytes=config.num_layers * store_capacity(config.max_source_len, config.head_dim) * per_entry,
-    )
 
 
 # -- loading ----------------------------------------------------------------------------------------

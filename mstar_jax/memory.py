@@ -20,26 +20,33 @@ command line (`mstar-jax check --device-memory 16GiB`).
 from __future__ import annotations
 
 import dataclasses
-import fractions
-import os
-import re
-from pathlib import Path
 
-from mstar_jax.deployment import Deployment, DeploymentError
+from mstar_jax.deployment import Deployment
+from mstar_jax.devices import (
+    DeviceMemory,
+    DeviceMemoryError,
+    device_memory,
+    format_bytes,
+    host_memory,
+    parse_size,
+)
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
-from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, store_capacity
+from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, SinkWindow, store_capacity
+from mstar_jax.resources.spec import NodeResourceSpec
 
 __all__ = [
     "BudgetPart",
     "DeviceMemory",
     "DeviceMemoryError",
     "MemoryBudget",
+    "ResourceCosts",
     "device_memory",
     "format_bytes",
     "host_memory",
     "memory_budget",
     "num_sources",
     "parse_size",
+    "resource_costs",
     "source_bytes",
     "weight_bytes",
     "weight_count",
@@ -51,10 +58,6 @@ MIN_SOURCES = 8
 SAMPLES_PER_FRAME = 1920
 """Audio samples per codec frame (24 kHz at 12.5 Hz): the vocoder's width, `model.SAMPLES_PER_FRAME`."""
 _FLOW_FEATURES = 32  # the flow's time and frame-index sinusoid features (`flow._FEATURES`)
-
-
-class DeviceMemoryError(DeploymentError):
-    """A deployment that does not fit its device's memory, or a device whose memory cannot be read."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,19 +73,6 @@ class BudgetPart:
     label: str
     nbytes: int
     remedy: str
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class DeviceMemory:
-    """The memory of the device a deployment runs on.
-
-    Attributes:
-      nbytes: bytes a deployment may allocate there.
-      source: where the number comes from, e.g. `host RAM` or `--device-memory`.
-    """
-
-    nbytes: int
-    source: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -144,6 +134,80 @@ class MemoryBudget:
                 f"{self.blocker.label} ({format_bytes(self.blocker.nbytes)}): {self.blocker.remedy}"
             )
         raise DeviceMemoryError(message)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ResourceCosts:
+    """What one bounded KV resource is and what it costs in device memory.
+
+    Attributes:
+      key: the resource key.
+      nodes: the nodes that use it, sorted.
+      layers, kv_heads, head_dim, rows_per_request, dtype: the cache's geometry.
+      min_source_len, max_source_len: the source (voice prompt) lengths a request may read.
+      retention_at_min, retention_at_max: retention at those two lengths.
+      max_slots: requests held at once.
+      sink_capacity, window_capacity, slot_tokens, max_retained: the config's derived sizes.
+      slot_bytes: bytes of one slot (K and V, every layer and row).
+      all_slots_bytes: bytes of all `max_slots` slots.
+      source_bytes: bytes one registered source (a voice prompt of `max_source_len`) takes in the
+        source bank, shared by every request that reads it.
+    """
+
+    key: str
+    nodes: tuple[str, ...]
+    layers: int
+    kv_heads: int
+    head_dim: int
+    rows_per_request: int
+    dtype: str
+    min_source_len: int
+    max_source_len: int
+    retention_at_min: SinkWindow
+    retention_at_max: SinkWindow
+    max_slots: int
+    sink_capacity: int
+    window_capacity: int
+    slot_tokens: int
+    max_retained: int
+    slot_bytes: int
+    all_slots_bytes: int
+    source_bytes: int
+
+
+def resource_costs(spec: NodeResourceSpec) -> ResourceCosts:
+    """The geometry and device-memory cost of a bounded KV spec.
+
+    Raises:
+      TypeError: for a spec that is not a `BoundedKVSpec` (the only resource with a slot geometry).
+    """
+    if not isinstance(spec, BoundedKVSpec):
+        raise TypeError(
+            f"resource_costs needs a BoundedKVSpec; {spec.resource_key!r} is a {type(spec).__name__}"
+        )
+    config = spec.config
+    per_entry = config.rows_per_request * config.num_heads * 2 * config.head_dim * config.dtype.itemsize
+    return ResourceCosts(
+        key=spec.resource_key,
+        nodes=tuple(sorted(spec.nodes)),
+        layers=config.num_layers,
+        kv_heads=config.num_heads,
+        head_dim=config.head_dim,
+        rows_per_request=config.rows_per_request,
+        dtype=config.dtype.name,
+        min_source_len=config.min_source_len,
+        max_source_len=config.max_source_len,
+        retention_at_min=config.retention_for(config.min_source_len),
+        retention_at_max=config.retention_for(config.max_source_len),
+        max_slots=config.max_slots,
+        sink_capacity=config.sink_capacity,
+        window_capacity=config.window_capacity,
+        slot_tokens=config.slot_tokens,
+        max_retained=config.max_retained,
+        slot_bytes=config.slot_bytes,
+        all_slots_bytes=config.slot_bytes * config.max_slots,
+        source_bytes=config.num_layers * store_capacity(config.max_source_len, config.head_dim) * per_entry,
+    )
 
 
 def memory_budget(deployment: Deployment, device: DeviceMemory) -> MemoryBudget:
@@ -352,86 +416,6 @@ def _gathered_keys(config: BoundedKVConfig) -> int:
 
 
 # -- the device -------------------------------------------------------------------------------------
-
-
-def device_memory() -> DeviceMemory:
-    """The memory of the device the engine would run on (JAX's default device).
-
-    An accelerator's allocator `bytes_limit` where it reports one (what JAX may allocate there, after
-    its reserved fraction), else the host's RAM (`host_memory`), where a CPU device allocates.
-
-    Raises:
-      DeviceMemoryError: when JAX cannot start its backend (the device busy, say); the message says
-        to give the size with `--device-memory`.
-    """
-    import jax
-
-    try:
-        device = jax.devices()[0]
-        stats = device.memory_stats() if device.platform != "cpu" else None
-    except RuntimeError as err:
-        raise DeviceMemoryError(
-            f"cannot read the device's memory ({err}); give it with --device-memory, e.g. 16GiB"
-        ) from None
-    limit = (stats or {}).get("bytes_limit")
-    if limit:
-        return DeviceMemory(nbytes=int(limit), source=f"{device.device_kind} bytes_limit")
-    return DeviceMemory(nbytes=host_memory(), source="host RAM")
-
-
-def host_memory() -> int:
-    """The host's RAM in bytes, or the container's cgroup memory limit where that is lower."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(limit).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():  # cgroup v2 writes "max" for no limit
-            total = min(total, int(text))
-    return total
-
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
-}  # fmt: skip
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size such as `16GiB`, `1.5 TiB`, `80GB` or `1073741824` (binary or decimal units).
-
-    Raises:
-      ValueError: naming the text and the units allowed, for anything else or a size below 1 byte.
-    """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
-    if match is None or match[2].lower() not in _UNITS:
-        raise ValueError(
-            f"size={text!r} must be a number with an optional unit (B, KiB, MiB, GiB, TiB, PiB, or "
-            "kB, MB, GB, TB, PB), e.g. 16GiB"
-        )
-    nbytes = int(fractions.Fraction(match[1]) * _UNITS[match[2].lower()])
-    if nbytes < 1:
-        raise ValueError(f"size={text!r} must be at least 1 byte")
-    return nbytes
-
-
-# -- helpers ----------------------------------------------------------------------------------------
-
-_BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def format_bytes(n: int) -> str:
-    """`n` bytes in binary units with one decimal, e.g. `1.5 MiB`; below 1 KiB, exact (`512 B`)."""
-    if n < 1024:
-        return f"{n} B"
-    unit = 0
-    value = float(n)
-    while value >= 1024 and unit < len(_BYTE_UNITS) - 1:
-        value /= 1024
-        unit += 1
-    return f"{value:.1f} {_BYTE_UNITS[unit]}"
 
 
 def _streaming_tts(deployment: Deployment) -> StreamingTTSConfig:

@@ -16,8 +16,8 @@ from mstar_jax.deployment import (
     DeploymentTypeError,
     load_deployment,
     parse_deployment,
-    resource_costs,
 )
+from mstar_jax.memory import resource_costs
 from mstar_jax.models import MODELS, StreamingTTSConfig, model_config
 from mstar_jax.resources.kv.bounded.config import SinkWindow
 from mstar_jax.resources.spec import NodeResourceSpec

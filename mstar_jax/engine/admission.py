@@ -25,7 +25,7 @@ from mstar_jax.resources.step import (
 )
 
 if TYPE_CHECKING:
-    from mstar_jax.engine.engine import _Node
+    from mstar_jax.engine.records import Node
 
 __all__ = ["Admission"]
 
@@ -33,7 +33,7 @@ __all__ = ["Admission"]
 class Admission:
     """The part of `Engine` that admits a step's rows and answers refusals (module doc)."""
 
-    def _admit(self, node: _Node, rows: list) -> tuple[SubmoduleStep, BucketKey, list] | None:
+    def _admit(self, node: Node, rows: list) -> tuple[SubmoduleStep, BucketKey, list] | None:
         """Admit the largest part of `rows` the resources accept, handling each refusal (module doc)."""
         while rows:
             sub, bucket, rows = self._declare(node, rows)
@@ -67,7 +67,7 @@ class Admission:
                 rows = self._hold(rows, rids)
         return None
 
-    def _terminal_rows(self, node: _Node, rows: list) -> dict[str, str]:
+    def _terminal_rows(self, node: Node, rows: list) -> dict[str, str]:
         """Admit each row alone (then abort it) to find those refused for good, with their messages."""
         culprits = {}
         for row in rows:
@@ -80,7 +80,7 @@ class Admission:
         return culprits
 
     @staticmethod
-    def _try_admit(node: _Node, sub: SubmoduleStep) -> FullAdmitOutcome:
+    def _try_admit(node: Node, sub: SubmoduleStep) -> FullAdmitOutcome:
         """`admit`, with an exception read as a terminal refusal: one malformed request must not wedge
         the engine (the refusal is then pinned on the rows that raise alone)."""
         try:
@@ -97,7 +97,7 @@ class Admission:
             self.counters["holds"] += 1
         return [r for r in rows if r.stream.request_id not in rids]
 
-    def _evict(self, node: _Node, key: str | None, *, exclude: set[str]) -> bool:
+    def _evict(self, node: Node, key: str | None, *, exclude: set[str]) -> bool:
         """Offload the least recently stepped paused stream holding a slot of `key`; True if one was."""
         manager = node.runner[key or node.key]
         victims = [

@@ -22,7 +22,6 @@ cache, only the requests that held a slot in it are affected, restored from the 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -30,13 +29,13 @@ from typing import Any
 import jax
 
 from mstar_jax.compile import (
-    count_compilations,
     warn_on_compilations,
 )
 from mstar_jax.engine import batch, recovery
 from mstar_jax.engine.admission import Admission
 from mstar_jax.engine.outputs import Outputs
 from mstar_jax.engine.programs import TTSPrograms
+from mstar_jax.engine.records import Node, StepRecord
 from mstar_jax.engine.recovery import Recovery
 from mstar_jax.engine.request import (
     AudioChunk,
@@ -47,19 +46,19 @@ from mstar_jax.engine.request import (
     TTSRequest,
 )
 from mstar_jax.engine.scheduler import flow_rows, talker_rows
+from mstar_jax.engine.warmup import VoicesAndWarmUp
 from mstar_jax.models.streaming_tts.model import (
     FLOW_CHUNK,
     TALKER_MIXED,
     TALKER_PREFILL,
     StreamingTTSModel,
 )
-from mstar_jax.models.streaming_tts.voices import Voice, VoiceBank
+from mstar_jax.models.streaming_tts.voices import VoiceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import (
     BucketKey,
-    Segment,
     StepContext,
     SubmoduleStep,
     UnknownRequestError,
@@ -70,42 +69,7 @@ __all__ = ["FLOW_KV", "TALKER_KV", "Engine", "StepRecord"]
 TALKER_KV, FLOW_KV = "talker_kv", "flow_kv"
 
 
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """One engine step, for reports.
-
-    Attributes:
-      walk: the graph walk.
-      bucket: the bucket it replayed.
-      rows: real rows.
-      started: clock time at its start.
-      latency: seconds from forming the batch to its outputs on the host.
-      positions: each real row's stream length (entries written) when the step started.
-      compilations: programs compiled during it (0 after warm-up).
-      request_ids: the real rows' requests.
-    """
-
-    walk: str
-    bucket: BucketKey
-    rows: int
-    started: float
-    latency: float
-    positions: tuple[int, ...]
-    compilations: int
-    request_ids: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Node:
-    """One graph node: its runner and the one bounded cache it uses."""
-
-    name: str
-    key: str
-    runner: ResourceRunner
-    manager: BoundedKVManager
-
-
-class Engine(Admission, Outputs, Recovery):
+class Engine(Admission, Outputs, Recovery, VoicesAndWarmUp):
     """Serves streaming TTS requests on one host.
 
     Args:
@@ -177,8 +141,8 @@ class Engine(Admission, Outputs, Recovery):
         )
         self.talker, self.flow = talker, flow
         self.nodes = {
-            "talker": _Node("talker", TALKER_KV, ResourceRunner({TALKER_KV: talker}), talker),
-            "flow": _Node("flow", FLOW_KV, ResourceRunner({FLOW_KV: flow}), flow),
+            "talker": Node("talker", TALKER_KV, ResourceRunner({TALKER_KV: talker}), talker),
+            "flow": Node("flow", FLOW_KV, ResourceRunner({FLOW_KV: flow}), flow),
         }
         self.voices = VoiceBank(model, talker, flow)
         self.streams: dict[str, Stream] = {}  # live, in arrival order
@@ -224,64 +188,6 @@ class Engine(Admission, Outputs, Recovery):
             max_workers=max_workers, num_voices=num_voices,
             max_prefill_rows_in_combined=max_prefill_rows_in_combined, history=history,
         )  # fmt: skip
-
-    # -- voices and warm-up -------------------------------------------------------------------------
-
-    def add_voice(self, index: int, *, frames: int, seed: int) -> Voice:
-        """Register a random voice prompt (see `VoiceBank.add`); after warm-up this compiles nothing.
-
-        Raises:
-          ValueError: when a live request names voice `index`, admitted or still queued (it would
-            otherwise start speaking with the replacement).
-        """
-        waiting = sorted(rid for rid, s in self.streams.items() if s.request.voice.index == index)
-        if waiting:
-            raise ValueError(
-                f"voice {index} is named by live request(s) {waiting}; replace it once they finish"
-            )
-        with count_compilations() as counter:
-            voice = self.voices.add(index, frames=frames, seed=seed)
-        if self.warmed_up:
-            self.compilations += counter.count
-        return voice
-
-    def warm_up(self) -> int:
-        """Compile what serving calls besides the captured steps: voice registration, offload, reload,
-        snapshots.
-
-        Runs on an idle engine (it borrows a slot of each cache). Returns the compilations it caused;
-        from here on `compilations` counts any compilation a step causes.
-        """
-        if self.streams:
-            raise RuntimeError("warm_up() runs on an idle engine; call it before submitting requests")
-        with count_compilations() as counter:
-            temporary = None
-            voice = next(iter(self.voices.voices.values()), None)
-            if voice is None:
-                temporary = self.voices.capacity - 1
-                voice = self.add_voice(temporary, frames=self.model.config.min_voice_frames, seed=0)
-            rid = f"{batch.PAD}warmup"
-            for node in self.nodes.values():
-                node.runner.ingest_request(rid)
-                step = BoundedKVStep((Segment(rid, "main", 0),), {rid: voice.position(0)}, {rid: 1})
-                sub = self._submodule(node, step, StepContext([rid], "warmup", 0, capture=False))
-                if not node.runner.admit(sub).ok:
-                    raise RuntimeError(f"warm_up could not borrow a {node.key} slot; is the engine idle?")
-                node.runner.commit(sub)
-                node.runner.offload(rid)
-                node.runner.reload(rid)
-                node.runner.remove_request(rid)
-            if temporary is not None:
-                self.voices.remove(temporary)
-            if self.snapshot_every is not None:
-                self.snapshot()  # compiles the cache copies a snapshot reads through
-                self.last_snapshot, self.counters["snapshots"] = None, 0
-        for node in self.nodes.values():
-            node.manager.placed = [0] * node.manager.data_shards  # the borrowed slots were no request's
-        self.warmed_up = True
-        self.compilations = 0
-        self.warmup_compilations = counter.count
-        return counter.count
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -445,7 +351,7 @@ class Engine(Admission, Outputs, Recovery):
 
     # -- one step -----------------------------------------------------------------------------------
 
-    def _run(self, node: _Node, rows: list) -> bool:
+    def _run(self, node: Node, rows: list) -> bool:
         started = self.clock()
         admitted = self._admit(node, rows)
         if admitted is None:
@@ -486,7 +392,7 @@ class Engine(Admission, Outputs, Recovery):
             self._after_flow(rows, bucket, outputs, now, layout)
         return True
 
-    def _declare(self, node: _Node, rows: Sequence) -> tuple[SubmoduleStep, BucketKey, list]:
+    def _declare(self, node: Node, rows: Sequence) -> tuple[SubmoduleStep, BucketKey, list]:
         """The step of `rows` padded to its tightest bucket, its rows in the bucket's order.
 
         On a mesh a bucket's rows are per data shard: the tightest holds the most rows any shard gets
@@ -504,7 +410,7 @@ class Engine(Admission, Outputs, Recovery):
         return self._submodule(node, step, ctx), bucket, ordered
 
     @staticmethod
-    def _submodule(node: _Node, step: BoundedKVStep, ctx: StepContext) -> SubmoduleStep:
+    def _submodule(node: Node, step: BoundedKVStep, ctx: StepContext) -> SubmoduleStep:
         sub = SubmoduleStep({node.key: step})
         sub.set_ctx(ctx)
         return sub

@@ -22,7 +22,7 @@ from mstar_jax.resources.kv.bounded.host import BoundedKVSnapshot
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 
 if TYPE_CHECKING:
-    from mstar_jax.engine.engine import _Node
+    from mstar_jax.engine.records import Node
 
 __all__ = ["EngineSnapshot", "Mark", "Recovery", "rewind", "take_snapshot"]
 
@@ -86,7 +86,7 @@ def rewind(stream: Stream, node: str, mark: Mark | None) -> None:
 class Recovery:
     """The part of `Engine` that serves on after a step raised (module doc)."""
 
-    def _recover(self, node: _Node, rows: list, err: Exception) -> None:
+    def _recover(self, node: Node, rows: list, err: Exception) -> None:
         """Serve on after `node`'s step raised `err` (module doc; docs/design.md §11)."""
         self.counters["faults"] += 1
         manager = node.manager

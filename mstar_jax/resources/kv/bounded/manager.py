@@ -10,10 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Sequence
-from functools import partial
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mstar_jax.resources.base import Resource
@@ -22,6 +19,7 @@ from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, 
 from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, BoundedKVStep, SinkWindow, StreamPosition
 from mstar_jax.resources.kv.bounded.host import HostCopies
 from mstar_jax.resources.kv.bounded.slots import SlotPools
+from mstar_jax.resources.kv.bounded.sources import Sources
 from mstar_jax.resources.spec import NodeResourceSpec, ResourceReqConfig
 from mstar_jax.resources.step import (
     ADMIT_OK,
@@ -66,16 +64,7 @@ def _refuse(reason) -> AdmitOutcome:
     )
 
 
-@partial(jax.jit, donate_argnums=0)
-def _store_source(bank: SourceBank, index, k, v) -> SourceBank:
-    """bank[:, index] = (k, v), per layer; k/v are [layers, R, G, L, D] padded to the bank length L."""
-    return SourceBank(
-        k=tuple(layer.at[index].set(new) for layer, new in zip(bank.k, k, strict=True)),
-        v=tuple(layer.at[index].set(new) for layer, new in zip(bank.v, v, strict=True)),
-    )
-
-
-class BoundedKVManager(HostCopies, Resource):
+class BoundedKVManager(HostCopies, Sources, Resource):
     """Serves a `BoundedKVSpec`: one slot per live request, sources read in place.
 
     Admission is atomic: a refused `admit` claims nothing. `plan` is a pure function of the step and
@@ -148,61 +137,6 @@ class BoundedKVManager(HostCopies, Resource):
     def written(self, request_id: str) -> int:
         """Entries the request has committed."""
         return self._requests[request_id].written
-
-    # Source bank.
-    def register_source(self, index: int, k: Sequence[jax.Array], v: Sequence[jax.Array]) -> None:
-        """Register (or replace) source `index`: per layer K and V of shape [R, G, length, D].
-
-        Raises:
-          ValueError: for a bad index, shapes or dtype, a length outside [min_source_len, max_source_len],
-            or replacing a source a live request reads (its stream would change under it).
-        """
-        cfg = self.config
-        self._check_source_index(index)
-        if self._readers[index]:
-            raise ValueError(
-                f"source {index} is read by {self._readers[index]} live request(s); "
-                "remove them before replacing it"
-            )
-        k, v = _stack_source("k", k), _stack_source("v", v)
-        expected = (cfg.num_layers, cfg.rows_per_request, cfg.num_heads)
-        if k.shape != v.shape or k.ndim != 5 or k.shape[:3] != expected or k.shape[4] != cfg.head_dim:
-            raise ValueError(
-                f"source k/v shapes {k.shape}/{v.shape} must both be [layers={cfg.num_layers}] x "
-                f"[rows={cfg.rows_per_request}, kv_heads={cfg.num_heads}, length, head_dim={cfg.head_dim}]"
-            )
-        length = k.shape[3]
-        if not cfg.min_source_len <= length <= cfg.max_source_len:
-            raise ValueError(
-                f"source length {length} is outside [min_source_len={cfg.min_source_len}, "
-                f"max_source_len={cfg.max_source_len}]"
-            )
-        pad = [(0, 0)] * 3 + [(0, self.bank.k[0].shape[3] - length), (0, 0)]
-        k, v = np.pad(k, pad).astype(cfg.dtype), np.pad(v, pad).astype(cfg.dtype)
-        self.bank = _store_source(self.bank, np.int32(index), k, v)
-        self._source_lengths[index] = length
-
-    def remove_source(self, index: int) -> None:
-        """Forget source `index`. Raises ValueError if it is unknown or a live request reads it."""
-        self._check_source_index(index)
-        if index not in self._source_lengths:
-            raise ValueError(f"source {index} is not registered; registered: {sorted(self._source_lengths)}")
-        if self._readers[index]:
-            raise ValueError(
-                f"source {index} is read by {self._readers[index]} live request(s); cannot remove it"
-            )
-        del self._source_lengths[index]
-
-    def source_length(self, index: int) -> int | None:
-        return self._source_lengths.get(index)
-
-    def readers(self, index: int) -> int:
-        """Live requests reading source `index` (offloaded ones included)."""
-        return self._readers[index]
-
-    def _check_source_index(self, index: int) -> None:
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.bank.num_sources:
-            raise ValueError(f"source index={index!r} must be an int in [0, {self.bank.num_sources})")
 
     # Request lifecycle.
     def ingest_request(self, request_id: str, req_config: ResourceReqConfig | None = None) -> None:
@@ -493,29 +427,6 @@ def _as_bounded_step(step: ResourceStep) -> BoundedKVStep:
     if not isinstance(step, BoundedKVStep):
         raise TypeError(f"the bounded KV cache takes a BoundedKVStep, got {type(step).__name__}")
     return step
-
-
-def _stack_source(name: str, layers) -> np.ndarray:
-    """Per-layer source arrays stacked into one [layers, R, G, length, D] array of real numbers.
-
-    Raises:
-      ValueError: naming `name` ("k" or "v"), for no layers, layers of different shapes or a dtype that
-        is not a float or an int.
-    """
-    try:
-        arrays = [np.asarray(x) for x in layers]
-    except (TypeError, ValueError):
-        arrays = None
-    if not arrays or len({a.shape for a in arrays}) != 1:
-        got = type(layers).__name__ if arrays is None else f"layer shapes {[a.shape for a in arrays]}"
-        raise ValueError(
-            f"source {name} must be a non-empty sequence of per-layer arrays of one shape "
-            f"[rows, kv_heads, length, head_dim], got {got}"
-        )
-    stacked = np.stack(arrays)
-    if not (jnp.issubdtype(stacked.dtype, jnp.floating) or jnp.issubdtype(stacked.dtype, jnp.integer)):
-        raise ValueError(f"source {name} has dtype {stacked.dtype}; it must hold real numbers (float or int)")
-    return stacked
 
 
 def _is_int(value) -> bool:
