@@ -36,9 +36,9 @@ def build_from_deployment(
     if deployment.mesh.devices > 1:  # docs/design.md §10
         deployment.check_devices()
         mesh = make_mesh(deployment.mesh.data, deployment.mesh.model)
-    shards = deployment.mesh.data
-    talker = BoundedKVManager(deployment.spec(TALKER_KV), num_sources=sources, data_shards=shards)
-    flow = BoundedKVManager(deployment.spec(FLOW_KV), num_sources=sources, data_shards=shards)
+    shards = {"data_shards": deployment.mesh.data, "model_shards": deployment.mesh.model}
+    talker = BoundedKVManager(deployment.spec(TALKER_KV), num_sources=sources, **shards)
+    flow = BoundedKVManager(deployment.spec(FLOW_KV), num_sources=sources, **shards)
     if mesh is not None:
         place_on_mesh(talker, mesh)
         place_on_mesh(flow, mesh)

@@ -23,13 +23,19 @@ MODEL = {
     "flow_d_model": 32, "flow_layers": 1, "flow_heads": 8, "flow_head_dim": 4, "flow_chunk": 4,
     "flow_window": 5, "flow_steps": 2, "mel_bins": 4, "max_slots": 8,
 }  # fmt: skip
-MESHES = {"1x1": (1, 1), "8x1": (8, 1), "4x2": (4, 2), "2x4": (2, 4), "1x8": (1, 8)}
+# The talker with 2 KV heads: on 4 model shards each holds a copy of one.
+REPLICATED = {**MODEL, "talker_kv_heads": 2}
+# (data, model, model config) per case; "1x1" cases are the single-device references.
+MESHES = {
+    "1x1": (1, 1, "MODEL"), "8x1": (8, 1, "MODEL"), "4x2": (4, 2, "MODEL"), "2x4": (2, 4, "MODEL"),
+    "1x8": (1, 8, "MODEL"), "2x4_replicated_kv": (2, 4, "REPLICATED"),
+}  # fmt: skip
 REQUESTS = 6
 
 
-def serve(data: int, model: int) -> tuple[Engine, dict[str, tuple[list[int], np.ndarray]]]:
+def serve(data: int, model: int, config: dict) -> tuple[Engine, dict[str, tuple[list[int], np.ndarray]]]:
     deployment = parse_deployment({
-        "model": {"name": "streaming_tts", "config": MODEL},
+        "model": {"name": "streaming_tts", "config": config},
         "compile": {"batch_sizes": [1, 2], "token_counts": [1, 4]},
         "engine": {"max_batch": 2},
         "mesh": {"data": data, "model": model},
@@ -47,16 +53,18 @@ def serve(data: int, model: int) -> tuple[Engine, dict[str, tuple[list[int], np.
 
 
 def main() -> None:
-    _, alone = serve(1, 1)
+    configs = {"MODEL": MODEL, "REPLICATED": REPLICATED}
+    alone = {name: serve(1, 1, config)[1] for name, config in configs.items()}
     results = {}
-    for name, (data, model) in MESHES.items():
-        engine, served = serve(data, model)
+    for name, (data, model, config) in MESHES.items():
+        engine, served = serve(data, model, configs[config])
+        reference = alone[config]
         report = summarize(engine, wall_secs=1.0, capture_secs=1.0, warmup_compilations=0)
         results[name] = {
             "done": report["streams"]["done"],
-            "codes_equal": all(served[rid][0] == codes for rid, (codes, _) in alone.items()),
+            "codes_equal": all(served[rid][0] == codes for rid, (codes, _) in reference.items()),
             "max_audio_diff": max(
-                float(np.abs(served[rid][1] - audio).max()) for rid, (_, audio) in alone.items()
+                float(np.abs(served[rid][1] - audio).max()) for rid, (_, audio) in reference.items()
             ),
             "compilations": engine.compilations,
             "mesh": report["mesh"],

@@ -42,7 +42,7 @@ def test_every_request_hears_what_it_hears_on_one_device(results, mesh):
 
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_each_device_holds_an_even_share_of_every_cache(results, mesh):
-    data, model = MESHES[mesh]
+    data, model, _ = MESHES[mesh]
     report = results[mesh]["mesh"]
     assert (report["data"], report["model"], report["devices"]) == (data, model, data * model)
     for cache in report["caches"].values():

@@ -15,10 +15,29 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache
+from mstar_jax.resources.kv.bounded.config import SinkWindow, StreamPosition
 
-__all__ = ["BoundedKVSnapshot", "HostCopies"]
+__all__ = ["BoundedKVSnapshot", "HostCopies", "RequestRecord"]
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """One request's host record. `slot` is None until its first admitted step (and while offloaded).
+
+    `admitted` is the (position, span) of its admitted step not yet committed or aborted: the only
+    step `plan` and `commit` accept for it.
+    """
+
+    slot: int | None = None
+    written: int = 0
+    source: int | None = None
+    source_len: int | None = None
+    policy: SinkWindow | None = None
+    host_copy: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # (k, v) per layer, when offloaded
+    admitted: tuple[StreamPosition, int] | None = None
 
 
 @partial(jax.jit, donate_argnums=0)

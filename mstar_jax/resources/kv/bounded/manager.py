@@ -16,8 +16,9 @@ import numpy as np
 from mstar_jax.resources.base import Resource
 from mstar_jax.resources.kv.bounded import layout
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
-from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, BoundedKVStep, SinkWindow, StreamPosition
-from mstar_jax.resources.kv.bounded.host import HostCopies
+from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, BoundedKVStep, StreamPosition
+from mstar_jax.resources.kv.bounded.host import HostCopies, RequestRecord
+from mstar_jax.resources.kv.bounded.sharding import stored_heads
 from mstar_jax.resources.kv.bounded.slots import SlotPools
 from mstar_jax.resources.kv.bounded.sources import Sources
 from mstar_jax.resources.spec import NodeResourceSpec, ResourceReqConfig
@@ -39,23 +40,6 @@ __all__ = ["DEFAULT_NUM_SOURCES", "BoundedKVManager"]
 DEFAULT_NUM_SOURCES = 8
 
 
-@dataclasses.dataclass
-class _Request:
-    """One request's host record. `slot` is None until its first admitted step (and while offloaded).
-
-    `admitted` is the (position, span) of its admitted step not yet committed or aborted: the only
-    step `plan` and `commit` accept for it.
-    """
-
-    slot: int | None = None
-    written: int = 0
-    source: int | None = None
-    source_len: int | None = None
-    policy: SinkWindow | None = None
-    host_copy: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # (k, v) per layer, when offloaded
-    admitted: tuple[StreamPosition, int] | None = None
-
-
 def _refuse(reason) -> AdmitOutcome:
     return (
         AdmitOutcome(False, False, reason)
@@ -68,7 +52,9 @@ class BoundedKVManager(HostCopies, Sources, Resource):
     """Serves a `BoundedKVSpec`: one slot per live request, sources read in place.
 
     Admission is atomic: a refused `admit` claims nothing. `plan` is a pure function of the step and
-    the committed state; `commit` advances each request's `written` by its span.
+    the committed state; `commit` advances each request's `written` by its span. On a mesh
+    (docs/design.md §10) `data_shards` slot pools split the slots and `model_shards` the KV heads, the
+    store holding `stored_heads` of them (copies where the heads are fewer than the model shards).
 
     Attributes:
       cache: the device cache; the engine replaces it with each step's result.
@@ -77,16 +63,28 @@ class BoundedKVManager(HostCopies, Sources, Resource):
 
     supports_eviction = True
 
-    def __init__(self, spec: BoundedKVSpec, *, num_sources: int = DEFAULT_NUM_SOURCES, data_shards: int = 1):
+    def __init__(
+        self,
+        spec: BoundedKVSpec,
+        *,
+        num_sources: int = DEFAULT_NUM_SOURCES,
+        data_shards: int = 1,
+        model_shards: int = 1,
+    ):
         if isinstance(num_sources, bool) or not isinstance(num_sources, int) or num_sources < 1:
             raise ValueError(f"num_sources={num_sources!r} must be an int >= 1")
         self.spec = spec
         self.config = spec.config
         self._slots = SlotPools(self.config.max_slots, data_shards)
         self.placed = [0] * data_shards  # requests whose first step ran on each data shard (reports)
-        self.cache = BoundedKVCache.create(self.config, data_shards=data_shards)
-        self.bank = SourceBank.create(self.config, num_sources)
-        self._requests: dict[str, _Request] = {}
+        # With fewer KV heads than model shards every shard stores a copy of its head (docs/design.md §10).
+        self.stored_heads = stored_heads(self.config.num_heads, model_shards)
+        storage = self.config
+        if self.stored_heads != self.config.num_heads:
+            storage = dataclasses.replace(self.config, num_heads=self.stored_heads)
+        self.cache = BoundedKVCache.create(storage, data_shards=data_shards)
+        self.bank = SourceBank.create(storage, num_sources)
+        self._requests: dict[str, RequestRecord] = {}
         self._source_lengths: dict[int, int] = {}
         self._readers: Counter[int] = Counter()
         self._claimed_in_step: list[str] = []
@@ -146,7 +144,7 @@ class BoundedKVManager(HostCopies, Sources, Resource):
             if not isinstance(req_config, ResourceReqConfig):
                 raise TypeError(f"req_config={req_config!r} must be a ResourceReqConfig or None")
             req_config.validate(self.spec)
-        self._requests.setdefault(request_id, _Request())
+        self._requests.setdefault(request_id, RequestRecord())
 
     def remove_request(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
@@ -414,7 +412,7 @@ class BoundedKVManager(HostCopies, Sources, Resource):
                 self._slots.give(request.slot)
                 if request.source_len:
                     self._readers[request.source] -= 1
-                self._requests[rid] = _Request()
+                self._requests[rid] = RequestRecord()
         self._claimed_in_step = []
 
     def cleanup(self) -> None:

@@ -327,20 +327,20 @@ def _attend_shard(cache_k, cache_v, bank_k, bank_v, table, q, k, v, *, config, w
 
 
 def place_on_mesh(manager: Any, mesh: Mesh) -> None:
-    """Move a `BoundedKVManager(data_shards=mesh data)`'s cache and source bank onto `mesh`.
+    """Move a `BoundedKVManager(data_shards=data, model_shards=model)`'s cache and bank onto `mesh`.
 
     Raises:
-      ValueError: when the manager's data shards are not the mesh's, or its KV heads would need copies
-        on the model axis (`sharded_attend` takes replicated heads; the manager's cache does not yet).
+      ValueError: when the manager's data shards or stored KV heads are not what the mesh needs
+        (`BoundedKVManager(data_shards=data, model_shards=model)`).
     """
     data, model = _mesh_sizes(mesh)
     config = manager.config
     if manager.data_shards != data:
         raise ValueError(f"the manager has data_shards={manager.data_shards}; the mesh has data={data}")
-    if config.num_heads % model:
+    if manager.stored_heads != stored_heads(config.num_heads, model):
         raise ValueError(
-            f"mesh model={model} must divide the cache's {config.num_heads} KV heads to serve on it "
-            "(copies of heads across model shards are not held by the manager yet)"
+            f"the manager stores {manager.stored_heads} KV heads; mesh model={model} needs "
+            f"{stored_heads(config.num_heads, model)} (build it with model_shards={model})"
         )
     manager.cache = jax.device_put(manager.cache, NamedSharding(mesh, CACHE_SPEC))
     manager.bank = jax.device_put(manager.bank, NamedSharding(mesh, BANK_SPEC))

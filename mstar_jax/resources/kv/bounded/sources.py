@@ -59,7 +59,8 @@ class Sources:
                 f"max_source_len={cfg.max_source_len}]"
             )
         pad = [(0, 0)] * 3 + [(0, self.bank.k[0].shape[3] - length), (0, 0)]
-        k, v = np.pad(k, pad).astype(cfg.dtype), np.pad(v, pad).astype(cfg.dtype)
+        copies = self.stored_heads // cfg.num_heads  # head j of the store is head j // copies
+        k, v = (np.repeat(np.pad(x, pad), copies, axis=2).astype(cfg.dtype) for x in (k, v))
         self.bank = _store_source(self.bank, np.int32(index), k, v)
         self._source_lengths[index] = length
 

@@ -158,3 +158,17 @@ def test_preview_says_where_the_next_takes_go(rng):
             assert [pools.shard_of(slot) for slot in taken] == expected
             held += taken
     assert pools.preview(len(pools) + 5) == pools.preview(len(pools))  # no further than the free slots
+
+
+def test_fewer_kv_heads_than_model_shards_are_stored_as_copies():
+    m = BoundedKVManager(BoundedKVSpec("kv", {"node"}, CFG), num_sources=2, data_shards=2, model_shards=4)
+    assert m.stored_heads == 4
+    assert m.cache.k[0].shape == (8, 1, 4, CFG.slot_capacity, 8)  # 2 pools of (3 + 1 padding) slots
+    rng = np.random.default_rng(1)
+    k = [rng.standard_normal((1, 2, 3, 8)).astype(np.float32)]  # 2 heads, as the model computes them
+    m.register_source(1, k, k)
+    bank = np.asarray(m.bank.k[0])[1, 0, :, :3]
+    for head in range(4):  # stored head j is a copy of head j // 2
+        np.testing.assert_array_equal(bank[head], k[0][0, head // 2])
+    with pytest.raises(ValueError, match=r"kv_heads=2 cannot be split over model=3 shards"):
+        BoundedKVManager(BoundedKVSpec("kv", {"node"}, CFG), model_shards=3)
