@@ -8,7 +8,9 @@ never a traceback.
     mstar-jax check [CONFIG] [--device-memory SIZE]
                                 validate a deployment and print what it costs in device memory
     mstar-jax run [--config CONFIG] [--output DIR] [--device-memory SIZE]
-                                serve the deployment's synthetic workload and report on it
+                  [--coordinator-address HOST:PORT --num-processes N --process-id I]
+                                serve the deployment's synthetic workload and report on it (in one
+                                process, or in each of the N of a multi-process job)
 """
 
 from __future__ import annotations
@@ -125,6 +127,41 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_device_memory_argument(parser)
+    group = parser.add_argument_group(
+        "multi-process (a TPU pod: one process per host)",
+        "join a job of N processes over one mesh; each flag overrides its MSTAR_* variable "
+        "(MSTAR_COORDINATOR_ADDRESS, MSTAR_NUM_PROCESSES, MSTAR_PROCESS_ID)",
+    )
+    group.add_argument(
+        "--coordinator-address", metavar="HOST:PORT", help="process 0's address, in every process"
+    )
+    group.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
+    group.add_argument("--process-id", type=int, metavar="I", help="this process, in [0, N)")
+
+
+def _join(args: argparse.Namespace) -> None:
+    """Join the multi-process job the flags and `MSTAR_*` variables describe, if any, before anything
+    asks JAX about devices."""
+    from mstar_jax import distributed
+
+    flags = {
+        name: getattr(args, name)
+        for name in ("coordinator_address", "num_processes", "process_id")
+        if getattr(args, name) is not None
+    }
+    try:
+        settings = distributed.DistributedSettings.from_env(**flags)
+        if settings is None and flags:
+            settings = distributed.DistributedSettings(**flags)
+    except TypeError as error:  # a missing setting
+        raise CommandLineError(
+            f"{error}: a multi-process run needs --coordinator-address, --num-processes and --process-id "
+            "(or their MSTAR_* variables)"
+        ) from None
+    except ValueError as error:
+        raise CommandLineError(str(error)) from None
+    if settings is not None:
+        distributed.initialize(settings)
 
 
 def _check_output(output: str) -> None:
@@ -151,6 +188,7 @@ def _check_output(output: str) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     _check_output(args.output)
+    _join(args)
     deployment = load_deployment(DEFAULT_CONFIG if args.config is None else args.config)
     deployment.check_devices()
     _budget(deployment, args).require_fit()  # before anything is built or compiled

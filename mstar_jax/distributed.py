@@ -37,8 +37,11 @@ __all__ = [
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
     "DistributedSettings",
+    "host_local",
     "initialize",
     "local_data_shards",
+    "most_of_all",
+    "spans_processes",
 ]
 
 ENV_COORDINATOR_ADDRESS = "MSTAR_COORDINATOR_ADDRESS"
@@ -204,6 +207,45 @@ def local_data_shards(mesh: Any, process_index: int | None = None) -> tuple[int,
             "with each process's devices consecutive along model (make_mesh over jax.devices() does that)"
         )
     return tuple(local)
+
+
+def spans_processes(mesh: Any) -> bool:
+    """True when some of `mesh`'s devices belong to another process (a multi-process deployment)."""
+    this = jax.process_index()
+    return any(device.process_index != this for device in np.asarray(mesh.devices, dtype=object).flat)
+
+
+def most_of_all(value: int) -> int:
+    """The largest `value` any process passes: how processes agree, e.g. on the next step's size.
+
+    A collective over every process (gloo on CPU): each must call it, as often and in the same order.
+    With one process it is `value`.
+    """
+    if jax.process_count() == 1:
+        return int(value)
+    from jax.experimental import multihost_utils  # imported here: only a multi-process job needs it
+
+    return int(np.max(multihost_utils.process_allgather(np.int32(value))))
+
+
+def host_local(tree: Any) -> Any:
+    """`tree`'s arrays in host memory at their global shapes, holding what this process's devices hold.
+
+    Fully addressable arrays (every array of a single-process job) come back whole, as
+    `jax.device_get` gives them; elsewhere entries only another process holds are zero. A process
+    holds whole data shards (`local_data_shards`), so it gets every row of its own shards and every
+    entry of an array replicated over `data`.
+    """
+
+    def fetch(array: Any) -> Any:
+        if not isinstance(array, jax.Array) or array.is_fully_addressable:
+            return jax.device_get(array)
+        out = np.zeros(array.shape, array.dtype)
+        for shard in array.addressable_shards:
+            out[shard.index] = np.asarray(shard.data)
+        return out
+
+    return jax.tree.map(fetch, tree)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

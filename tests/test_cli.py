@@ -434,3 +434,64 @@ def test_a_mesh_larger_than_this_host_is_refused_before_anything_runs(tmp_path, 
         f"mstar-jax check: error: {path}: mesh: mesh data=2 x model=2 needs 4 devices; 1 cpu device(s) are "
         "present (on a CPU host, XLA_FLAGS=--xla_force_host_platform_device_count=4 simulates 4 devices)\n"
     )
+
+
+# -- run in a multi-process job ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def joined(monkeypatch):
+    """What `run` would join (`distributed.initialize` recorded, not called), with no MSTAR_* set."""
+    from mstar_jax import distributed
+
+    for name in (
+        "MSTAR_COORDINATOR_ADDRESS",
+        "MSTAR_NUM_PROCESSES",
+        "MSTAR_PROCESS_ID",
+        "MSTAR_LOCAL_DEVICE_IDS",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    settings = []
+    monkeypatch.setattr(distributed, "initialize", settings.append)
+    _forbid_building(monkeypatch)
+    return settings
+
+
+def test_run_joins_the_job_its_flags_describe_overriding_the_environment(joined, monkeypatch, tmp_path):
+    from mstar_jax.distributed import DistributedSettings
+
+    flags = ["--coordinator-address", "10.0.0.1:1234", "--num-processes", "4", "--process-id", "3"]
+    with pytest.raises(AssertionError, match="run_deployment was called"):  # joined, then built
+        main(["run", "--output", str(tmp_path), *flags])
+    monkeypatch.setenv("MSTAR_COORDINATOR_ADDRESS", "10.0.0.9:99")
+    monkeypatch.setenv("MSTAR_NUM_PROCESSES", "4")
+    monkeypatch.setenv("MSTAR_PROCESS_ID", "1")
+    with pytest.raises(AssertionError, match="run_deployment was called"):
+        main(["run", "--output", str(tmp_path), "--process-id", "2"])
+    assert joined == [
+        DistributedSettings(coordinator_address="10.0.0.1:1234", num_processes=4, process_id=3),
+        DistributedSettings(coordinator_address="10.0.0.9:99", num_processes=4, process_id=2),
+    ]
+    for name in ("MSTAR_PROCESS_ID", "MSTAR_NUM_PROCESSES", "MSTAR_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(name)
+    with pytest.raises(AssertionError, match="run_deployment was called"):
+        main(["run", "--output", str(tmp_path)])  # one process: nothing to join
+    assert len(joined) == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--num-processes", "2"], r"missing 2 required keyword-only arguments: 'coordinator_address' and "
+         r"'process_id': a multi-process run needs --coordinator-address, --num-processes and --process-id"),
+        (["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "2"],
+         r"process_id=2 must be < num_processes=2"),
+        (["--coordinator-address", "nohost", "--num-processes", "2", "--process-id", "0"],
+         r"coordinator_address='nohost' must be 'host:port'"),
+    ],
+)  # fmt: skip
+def test_run_refuses_an_incomplete_or_bad_job_before_joining(joined, tmp_path, capsys, flags, message):
+    assert main(["run", "--output", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"mstar-jax run: error: .*" + message, err), err
+    assert joined == []

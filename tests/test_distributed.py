@@ -15,13 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
-import traceback
-from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -30,8 +24,8 @@ import pytest
 
 from mstar_jax import distributed
 from mstar_jax.distributed import DistributedSettings, initialize, local_data_shards
+from tests.simulated_devices import report_as_process, run_processes
 
-ROOT = Path(__file__).resolve().parents[1]
 PROCESSES = 2
 LOCAL_DEVICES = 4
 MESH = (4, 2)  # (data, model): data shards 0-1 on process 0, 2-3 on process 1
@@ -203,63 +197,14 @@ def test_local_data_shards_of_a_single_process_mesh_are_all_of_them():
 # --- two processes ----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_children(tmp_path: Path) -> list[str]:
-    """Start the two children and wait for both; returns their stdouts.
-
-    A child that fails leaves the other waiting for it (at the coordinator or a collective), so the
-    first failure, or the timeout, ends them all and fails with every child's stderr.
-    """
-    address = f"127.0.0.1:{free_port()}"
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={LOCAL_DEVICES}"
-    # gRPC honours proxy variables, which would route the coordinator's localhost traffic elsewhere.
-    base = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower() and not k.startswith("MSTAR_")}
-    base.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip(), MSTAR_COORDINATOR_ADDRESS=address)
-    base.update(MSTAR_NUM_PROCESSES=str(PROCESSES))
-    logs = [(tmp_path / f"child{p}.out", tmp_path / f"child{p}.err") for p in range(PROCESSES)]
-    children = []
-    try:
-        for p, (out, err) in enumerate(logs):
-            with out.open("w") as stdout, err.open("w") as stderr:  # files: a full pipe would block
-                children.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "tests.test_distributed"],
-                        cwd=ROOT,
-                        env={**base, "MSTAR_PROCESS_ID": str(p)},
-                        stdout=stdout,
-                        stderr=stderr,
-                    )
-                )
-        deadline = time.monotonic() + CHILD_TIMEOUT_S
-        while time.monotonic() < deadline:
-            codes = [c.poll() for c in children]
-            if None not in codes or any(codes):  # all done, or one failed
-                break
-            time.sleep(0.1)
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-    failed = [
-        f"process {p} {'was ended by the test' if c.returncode < 0 else 'exited'} with {c.returncode}:\n"
-        f"{err.read_text()[-4000:]}"
-        for p, (c, (_, err)) in enumerate(zip(children, logs, strict=True))
-        if c.returncode
-    ]
-    if failed:
-        timeout = f"timed out after {CHILD_TIMEOUT_S} s; " if time.monotonic() >= deadline else ""
-        pytest.fail(timeout + "\n".join(failed))
-    return [out.read_text() for out, _ in logs]
-
-
 def test_two_processes_run_the_sharded_step_on_their_own_shards(tmp_path):
-    outputs = run_children(tmp_path)
+    outputs = run_processes(
+        ["-m", "tests.test_distributed"],
+        tmp_path,
+        processes=PROCESSES,
+        devices=LOCAL_DEVICES,
+        timeout=CHILD_TIMEOUT_S,
+    )
     results = [json.loads(stdout.strip().splitlines()[-1]) for stdout in outputs]
     for p, result in enumerate(results):
         assert result["process"] == p
@@ -385,11 +330,4 @@ def child() -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        report = child()
-    except BaseException:
-        # Exit at once: a normal exit would wait at JAX's shutdown barrier for the other process.
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    print(json.dumps(report), flush=True)
+    report_as_process(child)

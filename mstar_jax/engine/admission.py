@@ -33,13 +33,16 @@ __all__ = ["Admission"]
 class Admission:
     """The part of `Engine` that admits a step's rows and answers refusals (module doc)."""
 
-    def _admit(self, node: Node, rows: list) -> tuple[SubmoduleStep, BucketKey, list] | None:
-        """Admit the largest part of `rows` the resources accept, handling each refusal (module doc)."""
+    def _admit(
+        self, node: Node, rows: list, bucket: BucketKey | None = None
+    ) -> tuple[SubmoduleStep, BucketKey, list] | None:
+        """Admit the largest part of `rows` the resources accept, handling each refusal (module doc);
+        in `bucket` when one is given (the bucket every process agreed on), else the tightest."""
         while rows:
-            sub, bucket, rows = self._declare(node, rows)
+            sub, chosen, rows = self._declare(node, rows, bucket)
             full = self._try_admit(node, sub)
             if full.ok and full.ready:
-                return sub, bucket, rows
+                return sub, chosen, rows
             reason, rids = full.reason, {r.stream.request_id for r in rows}
             if not full.ok and isinstance(reason, AllocationFailed):
                 self.counters["allocation_failed"] += 1
@@ -98,7 +101,10 @@ class Admission:
         return [r for r in rows if r.stream.request_id not in rids]
 
     def _evict(self, node: Node, key: str | None, *, exclude: set[str]) -> bool:
-        """Offload the least recently stepped paused stream holding a slot of `key`; True if one was."""
+        """Offload the least recently stepped paused stream holding a slot of `key`; True if one was
+        (never in a multi-process deployment, which keeps streams on device)."""
+        if self.lockstep:
+            return False
         manager = node.runner[key or node.key]
         victims = [
             s for s in self.streams.values()

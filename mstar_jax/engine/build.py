@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from mstar_jax.compile import cap_batch_sizes, configure_persistent_cache
+from mstar_jax.distributed import local_data_shards, spans_processes
 from mstar_jax.engine.engine import FLOW_KV, TALKER_KV
 from mstar_jax.engine.programs import TTSPrograms, tts_buckets
 from mstar_jax.memory import num_sources
@@ -32,11 +33,14 @@ def build_from_deployment(
     """`Engine.from_deployment` (its arguments are documented there); `cls` is the engine class."""
     config = deployment.model_config
     sources = num_voices or num_sources(deployment)
-    mesh = None
+    mesh, local = None, None
     if deployment.mesh.devices > 1:  # docs/design.md §10
         deployment.check_devices()
         mesh = make_mesh(deployment.mesh.data, deployment.mesh.model)
-    shards = {"data_shards": deployment.mesh.data, "model_shards": deployment.mesh.model}
+        local = local_data_shards(mesh) if spans_processes(mesh) else None  # lockstep.py
+    shards = {
+        "data_shards": deployment.mesh.data, "model_shards": deployment.mesh.model, "local_data_shards": local
+    }  # fmt: skip
     talker = BoundedKVManager(deployment.spec(TALKER_KV), num_sources=sources, **shards)
     flow = BoundedKVManager(deployment.spec(FLOW_KV), num_sources=sources, **shards)
     if mesh is not None:

@@ -26,13 +26,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import jax
-
-from mstar_jax.compile import (
-    warn_on_compilations,
-)
+from mstar_jax.compile import warn_on_compilations
+from mstar_jax.distributed import host_local
 from mstar_jax.engine import batch, recovery
 from mstar_jax.engine.admission import Admission
+from mstar_jax.engine.lockstep import Lockstep, MultiProcessError
 from mstar_jax.engine.outputs import Outputs
 from mstar_jax.engine.programs import TTSPrograms
 from mstar_jax.engine.records import Node, StepRecord
@@ -49,6 +47,7 @@ from mstar_jax.engine.scheduler import flow_rows, talker_rows
 from mstar_jax.engine.warmup import VoicesAndWarmUp
 from mstar_jax.models.streaming_tts.model import (
     FLOW_CHUNK,
+    TALKER_DECODE,
     TALKER_MIXED,
     TALKER_PREFILL,
     StreamingTTSModel,
@@ -69,8 +68,9 @@ __all__ = ["FLOW_KV", "TALKER_KV", "Engine", "StepRecord"]
 TALKER_KV, FLOW_KV = "talker_kv", "flow_kv"
 
 
-class Engine(Admission, Outputs, Recovery, VoicesAndWarmUp):
-    """Serves streaming TTS requests on one host.
+class Engine(Admission, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
+    """Serves streaming TTS requests: on one host, or in every process of a multi-process mesh
+    (`lockstep`).
 
     Args:
       model: the step functions and weights.
@@ -156,6 +156,7 @@ class Engine(Admission, Outputs, Recovery, VoicesAndWarmUp):
         self._prefill_tokens = buckets.max_tokens(TALKER_PREFILL)
         self._prefill_room = buckets[TALKER_MIXED].prefill_rows[-1] if TALKER_MIXED in buckets else 0
         self._flow_chunk = min(model.config.flow_chunk, buckets.max_tokens(FLOW_CHUNK))
+        self._check_lockstep(offload_idle_after_s, snapshot_every)
 
     @classmethod
     def from_deployment(
@@ -267,8 +268,17 @@ class Engine(Admission, Outputs, Recovery, VoicesAndWarmUp):
         self._live(request_id).paused = False
 
     def offload(self, request_id: str) -> int:
-        """Move a request's cache state to host memory now; return the device bytes freed."""
+        """Move a request's cache state to host memory now; return the device bytes freed.
+
+        Raises:
+          UnknownRequestError: `request_id` is not live.
+          MultiProcessError: in a multi-process deployment (`lockstep`), which keeps streams on device.
+        """
         self._live(request_id)
+        if self.lockstep:
+            raise MultiProcessError(
+                f"offload({request_id!r}): a multi-process deployment keeps every stream on its devices"
+            )
         freed = sum(node.runner.offload(request_id) for node in self.nodes.values())
         self.counters["offloads"] += freed > 0
         return freed
@@ -316,14 +326,17 @@ class Engine(Admission, Outputs, Recovery, VoicesAndWarmUp):
                 prefill_room=0, bos=self.model.bos, text_vocab=self.model.text_vocab,
             )  # fmt: skip
         ran = False
-        for rows in [decode, prefill] if not self._prefill_room else [decode + prefill]:
-            if rows:
-                ran |= self._run(self.nodes["talker"], rows)
+        programs = [(decode + prefill, None)] if self._prefill_room else [
+            (decode, TALKER_DECODE), (prefill, TALKER_PREFILL)
+        ]  # fmt: skip
+        for rows, walk in programs:
+            if rows or self.lockstep:  # in lockstep every process enters every program (lockstep.py)
+                ran |= self._run(self.nodes["talker"], rows, walk)
         rows = flow_rows(
             self.streams.values(), now=self.clock(), max_batch=self.max_batch, chunk=self._flow_chunk
         )
-        if rows:
-            ran |= self._run(self.nodes["flow"], rows)
+        if rows or self.lockstep:
+            ran |= self._run(self.nodes["flow"], rows, FLOW_CHUNK)
         if ran:
             self.steps_run += 1
             due = self.snapshot_every is not None and self.steps_run % self.snapshot_every == 0
@@ -335,8 +348,8 @@ class Engine(Admission, Outputs, Recovery, VoicesAndWarmUp):
     def run_until_idle(self, *, max_steps: int | None = None) -> int:
         """Step until every stream finished (paused ones excepted); return the steps run."""
         steps = 0
-        while self.streams and (max_steps is None or steps < max_steps):
-            if not any(not s.paused for s in self.streams.values()):
+        while max_steps is None or steps < max_steps:
+            if not self.busy_anywhere(any(not s.paused for s in self.streams.values())):
                 break
             if self.step():
                 steps += 1
@@ -351,11 +364,17 @@ class Engine(Admission, Outputs, Recovery, VoicesAndWarmUp):
 
     # -- one step -----------------------------------------------------------------------------------
 
-    def _run(self, node: Node, rows: list) -> bool:
+    def _run(self, node: Node, rows: list, walk: str | None = None) -> bool:
+        """Run one program on `rows` (of `walk`, where the rows alone do not say it); True if it ran."""
         started = self.clock()
-        admitted = self._admit(node, rows)
-        if admitted is None:
+        agreed = self._agreed_bucket(node, rows, walk) if self.lockstep else None
+        if self.lockstep and agreed is None:
             return False
+        admitted = self._admit(node, rows, agreed)
+        if admitted is None:
+            if agreed is None:
+                return False
+            admitted = self._declare(node, [], agreed)  # the others run it: enter it with no rows
         sub, bucket, rows = admitted
         params = self.model.talker_params if node.name == "talker" else self.model.flow_params
         positions = tuple(r.stream.written_in(node.name) for r in rows)
@@ -367,7 +386,7 @@ class Engine(Admission, Outputs, Recovery, VoicesAndWarmUp):
                 cache, outputs = self.programs.steps[bucket.graph_walk].replay(
                     bucket, params, node.manager.cache, node.manager.bank, plan, *inputs
                 )
-                outputs = jax.device_get(outputs)
+                outputs = host_local(outputs)  # this process's rows (every row, in one process)
         except Exception as err:
             node.runner.abort_step(sub)
             self._recover(node, rows, err)
@@ -377,6 +396,9 @@ class Engine(Admission, Outputs, Recovery, VoicesAndWarmUp):
             raise
         node.manager.cache = cache
         node.runner.commit(sub)
+        if not rows:
+            self.counters["lockstep_empty_steps"] += 1
+            return True
         now = self.clock()
         if self.warmed_up:
             self.compilations += counter.count
@@ -392,18 +414,23 @@ class Engine(Admission, Outputs, Recovery, VoicesAndWarmUp):
             self._after_flow(rows, bucket, outputs, now, layout)
         return True
 
-    def _declare(self, node: Node, rows: Sequence) -> tuple[SubmoduleStep, BucketKey, list]:
-        """The step of `rows` padded to its tightest bucket, its rows in the bucket's order.
+    def _declare(
+        self, node: Node, rows: Sequence, bucket: BucketKey | None = None
+    ) -> tuple[SubmoduleStep, BucketKey, list]:
+        """The step of `rows` padded to its tightest bucket (or to `bucket`), its rows in the bucket's
+        order.
 
         On a mesh a bucket's rows are per data shard: the tightest holds the most rows any shard gets
         (`placement`), and the caches pad each shard to it themselves.
         """
         width = None
-        if self.mesh is not None:  # a shard's rows beyond the largest bucket wait for the next step
+        if self.mesh is not None:  # a shard's rows beyond the bucket wait for the next step
             placed = node.manager.placement([r.stream.request_id for r in rows])
             largest = min(self.programs.buckets.max_batch(walk) for walk in self.programs.buckets.walks)
-            rows, width = batch.fit_shards(rows, placed, largest)
-        walk, bucket = batch.choose_bucket(self.programs.buckets, node.name, rows, rows_per_shard=width)
+            rows, width = batch.fit_shards(rows, placed, largest if bucket is None else bucket.bs)
+        if bucket is None:
+            walk, bucket = batch.choose_bucket(self.programs.buckets, node.name, rows, rows_per_shard=width)
+        walk = bucket.graph_walk
         step, ctx, ordered = batch.declare(
             walk, bucket, rows, written=lambda s: s.written_in(node.name), pad=self.mesh is None
         )

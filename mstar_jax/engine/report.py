@@ -163,6 +163,12 @@ def format_summary(report: dict[str, Any]) -> str:
             f"cache bytes per device: talker {_mib(max(caches['talker']['bytes_per_device']))}, flow "
             f"{_mib(max(caches['flow']['bytes_per_device']))}; requests per data shard: talker "
             f"{caches['talker']['requests_per_data_shard']}, flow {caches['flow']['requests_per_data_shard']}"
+            + (
+                f"; process {mesh['process']} of {mesh['processes']} serves data shards "
+                f"{mesh['local_data_shards']}"
+                if mesh["processes"] > 1
+                else ""
+            )
         )
     return "\n".join(lines)
 
@@ -241,4 +247,9 @@ def _mesh_report(engine: Engine) -> dict[str, Any]:
             "total_bytes": sum(leaf.nbytes for leaf in leaves),
             "requests_per_data_shard": list(manager.placed),
         }
-    return {**shape, "devices": shape["data"] * shape["model"], "caches": caches}
+    processes = {
+        "processes": jax.process_count(),
+        "process": jax.process_index(),
+        "local_data_shards": list(engine.talker.local_data_shards),  # where this process admits
+    }
+    return {**shape, "devices": shape["data"] * shape["model"], **processes, "caches": caches}

@@ -3,6 +3,10 @@
 Capture (every bucket, with progress bars), warm-up, voice registration, then the workload in real
 time with live progress; finally the summary is printed and `report.json` plus `step_latency.png` are
 written to the output directory.
+
+In a multi-process deployment every process runs this with the same deployment: each serves every
+`processes`-th request of the one workload (its own share, admitted into its own data shards) and
+writes its report under `process-<index>/` of the output directory.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
+
+import jax
 
 from mstar_jax.engine.engine import Engine
 from mstar_jax.engine.report import format_summary, summarize, write_report
@@ -47,9 +53,13 @@ def run_deployment(
     # After warm-up on purpose: adding a voice at run time must compile nothing either (it is counted).
     voices = register_voices(engine, workload.voices, seed=workload.seed)
     arrivals = synthetic_workload(workload, voices, text_vocab=engine.model.config.text_vocab_size)
+    output = pathlib.Path(output)
+    if engine.lockstep:  # one workload over the processes: each serves its share (module doc)
+        arrivals = arrivals[jax.process_index() :: jax.process_count()]
+        output = output / f"process-{jax.process_index()}"
     wall = drive(engine, arrivals, progress=progress)
     report = summarize(engine, wall_secs=wall, capture_secs=capture_secs, warmup_compilations=warmup)
-    json_path, png_path = write_report(report, engine, pathlib.Path(output))
+    json_path, png_path = write_report(report, engine, output)
     print_fn(format_summary(report))
     print_fn(f"wrote {json_path} and {png_path}")
     return report

@@ -35,7 +35,7 @@ class VoicesAndWarmUp:
 
     def warm_up(self) -> int:
         """Compile what serving calls besides the captured steps: voice registration, offload, reload,
-        snapshots.
+        snapshots, the agreement between processes.
 
         Runs on an idle engine (it borrows a slot of each cache). Returns the compilations it caused;
         from here on `compilations` counts any compilation a step causes.
@@ -56,11 +56,13 @@ class VoicesAndWarmUp:
                 if not node.runner.admit(sub).ok:
                     raise RuntimeError(f"warm_up could not borrow a {node.key} slot; is the engine idle?")
                 node.runner.commit(sub)
-                node.runner.offload(rid)
-                node.runner.reload(rid)
+                if not self.lockstep:  # a multi-process engine never offloads (lockstep.py)
+                    node.runner.offload(rid)
+                    node.runner.reload(rid)
                 node.runner.remove_request(rid)
             if temporary is not None:
                 self.voices.remove(temporary)
+            self.busy_anywhere(False)  # compiles the processes' agreement (lockstep.py)
             if self.snapshot_every is not None:
                 self.snapshot()  # compiles the cache copies a snapshot reads through
                 self.last_snapshot, self.counters["snapshots"] = None, 0

@@ -80,7 +80,8 @@ def synthetic_workload(
 
 
 def drive(engine: Engine, arrivals: Sequence[Arrival], *, progress: bool = True) -> float:
-    """Serve `arrivals` in real time: submit each when its time comes, step until every stream is done.
+    """Serve `arrivals` in real time: submit each when its time comes, step until every stream is done
+    (in a multi-process deployment, until every process's are: each calls `step` as often).
 
     Returns:
       Serving wall time in seconds.
@@ -90,7 +91,8 @@ def drive(engine: Engine, arrivals: Sequence[Arrival], *, progress: bool = True)
     start = time.perf_counter()
     decoded = 0
     with tqdm(total=total, desc="serving", unit="frame", disable=not progress) as bar:
-        while pending or not engine.idle:
+        # Paused streams alone do not keep the run going (their clients stopped reading).
+        while engine.busy_anywhere(bool(pending) or any(not s.paused for s in engine.streams.values())):
             now = time.perf_counter() - start
             while pending and pending[0].at <= now:
                 engine.submit(pending.popleft().request)
@@ -104,7 +106,5 @@ def drive(engine: Engine, arrivals: Sequence[Arrival], *, progress: bool = True)
                 if engine.idle and pending:
                     time.sleep(max(0.0, pending[0].at - (time.perf_counter() - start)))
                 elif not engine.idle:
-                    if all(s.paused for s in engine.streams.values()) and not pending:
-                        break
                     time.sleep(engine.hold_backoff_s)
     return time.perf_counter() - start

@@ -33,7 +33,11 @@ MESHES = {
 REQUESTS = 6
 
 
-def serve(data: int, model: int, config: dict) -> tuple[Engine, dict[str, tuple[list[int], np.ndarray]]]:
+def serve(
+    data: int, model: int, config: dict, share: tuple[int, int] = (0, 1)
+) -> tuple[Engine, dict[str, tuple[list[int], np.ndarray]]]:
+    """The workload's requests `i` with `i % count == index` for `share = (index, count)`, served on a
+    `data x model` mesh; each request's codes and audio."""
     deployment = parse_deployment({
         "model": {"name": "streaming_tts", "config": config},
         "compile": {"batch_sizes": [1, 2], "token_counts": [1, 4]},
@@ -47,7 +51,8 @@ def serve(data: int, model: int, config: dict) -> tuple[Engine, dict[str, tuple[
     for i in range(REQUESTS):
         text = rng.integers(0, 16, 3 + i).tolist()
         frames = int(rng.integers(5, 15))
-        streams.append(engine.submit(TTSRequest(f"r{i}", text, voices[i % 2], frames, seed=i)))
+        if i % share[1] == share[0]:
+            streams.append(engine.submit(TTSRequest(f"r{i}", text, voices[i % 2], frames, seed=i)))
     engine.run_until_idle()
     return engine, {s.request_id: (s.codes, s.audio) for s in streams}
 

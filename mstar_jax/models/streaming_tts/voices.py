@@ -13,6 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from mstar_jax.distributed import host_local
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
 from mstar_jax.resources.kv.bounded.config import StreamPosition
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
@@ -91,7 +92,8 @@ class VoiceBank:
         talker_fn, flow_fn = self.model.jitted_voice_kv
         tk, tv = talker_fn(self.model.talker_params, self.model.code_tokens(codes), jnp.int32(length))
         fk, fv = flow_fn(self.model.flow_params, codes, mel, noise, jnp.int32(length))
-        cut = lambda x: list(np.asarray(x)[..., :length, :])  # noqa: E731  [L, R, G, P, D] -> per layer
+        # [L, R, G, P, D] -> per layer; on a mesh over processes each holds every entry (replicated on data)
+        cut = lambda x: list(host_local(x)[..., :length, :])  # noqa: E731
         self.talker.register_source(index, cut(tk), cut(tv))
         self.flow.register_source(index, cut(fk), cut(fv))
         voice = Voice(index, frames)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -54,7 +54,9 @@ class BoundedKVManager(HostCopies, Sources, Resource):
     Admission is atomic: a refused `admit` claims nothing. `plan` is a pure function of the step and
     the committed state; `commit` advances each request's `written` by its span. On a mesh
     (docs/design.md §10) `data_shards` slot pools split the slots and `model_shards` the KV heads, the
-    store holding `stored_heads` of them (copies where the heads are fewer than the model shards).
+    store holding `stored_heads` of them (copies where the heads are fewer than the model shards). In a
+    multi-process deployment a process admits only into its `local_data_shards`
+    (`mstar_jax.distributed.local_data_shards`); None admits into every shard.
 
     Attributes:
       cache: the device cache; the engine replaces it with each step's result.
@@ -70,12 +72,13 @@ class BoundedKVManager(HostCopies, Sources, Resource):
         num_sources: int = DEFAULT_NUM_SOURCES,
         data_shards: int = 1,
         model_shards: int = 1,
+        local_data_shards: Collection[int] | None = None,
     ):
         if isinstance(num_sources, bool) or not isinstance(num_sources, int) or num_sources < 1:
             raise ValueError(f"num_sources={num_sources!r} must be an int >= 1")
         self.spec = spec
         self.config = spec.config
-        self._slots = SlotPools(self.config.max_slots, data_shards)
+        self._slots = SlotPools(self.config.max_slots, data_shards, local_data_shards)
         self.placed = [0] * data_shards  # requests whose first step ran on each data shard (reports)
         # With fewer KV heads than model shards every shard stores a copy of its head (docs/design.md §10).
         self.stored_heads = stored_heads(self.config.num_heads, model_shards)
@@ -108,6 +111,11 @@ class BoundedKVManager(HostCopies, Sources, Resource):
     @property
     def data_shards(self) -> int:
         return self._slots.shards
+
+    @property
+    def local_data_shards(self) -> tuple[int, ...]:
+        """The data shards this manager admits into (every one, unless a process serves only some)."""
+        return self._slots.local_shards
 
     def shard_of(self, request_id: str) -> int | None:
         """The data shard holding the request's slot (None while it holds none)."""

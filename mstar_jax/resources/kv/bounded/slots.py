@@ -5,7 +5,9 @@ each followed by that shard's padding slot: global slot `g` is local slot `g % (
 `g // (per_shard + 1)`, and local slot `per_shard` is the shard's padding slot, never handed out. With one
 shard this is the single-device layout: slots `0 .. max_slots - 1`, then the padding slot `max_slots`.
 Each pool hands out its lowest free slot first and reuses the last one given back (a stack); new
-requests go to the shard with the most free slots, ties taken in turn.
+requests go to the shard with the most free slots, ties taken in turn. In a multi-process deployment a
+process hands out only the slots of its own shards (`local_shards`; the others' pools stay empty): it
+can write no other slots.
 """
 
 from __future__ import annotations
@@ -16,18 +18,28 @@ __all__ = ["SlotPools"]
 
 
 class SlotPools:
-    """`slots` slots split evenly into `shards` pools.
+    """`slots` slots split evenly into `shards` pools, of which those of the `local` shards hand slots out
+    (None: all of them).
 
     Raises:
-      ValueError: when `slots` is not a positive multiple of `shards`.
+      ValueError: when `slots` is not a positive multiple of `shards`, or `local` is not a non-empty
+        set of shard indices.
     """
 
-    def __init__(self, slots: int, shards: int = 1):
+    def __init__(self, slots: int, shards: int = 1, local: Collection[int] | None = None):
         if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1 or slots % shards:
             raise ValueError(
                 f"max_slots={slots} must split evenly over data_shards={shards!r} (an int >= 1 dividing it)"
             )
         self.shards, self.per_shard = shards, slots // shards
+        self.local_shards = tuple(range(shards)) if local is None else tuple(sorted(set(local)))
+        if not self.local_shards or not all(
+            isinstance(s, int) and 0 <= s < shards for s in self.local_shards
+        ):
+            raise ValueError(
+                f"local_data_shards={local!r} must be a non-empty collection of shard indices in "
+                f"[0, {shards}) (None: every shard)"
+            )
         self.reset()
 
     @property
@@ -80,11 +92,13 @@ class SlotPools:
         self._pools[self.shard_of(slot)].append(slot)
 
     def reset(self, held: Collection[int] = ()) -> None:
-        """Every slot free except those in `held`."""
+        """Every slot of the local shards free, except those in `held`."""
         width = self.per_shard + 1
-        self._next = 0
+        self._next = self.local_shards[0]
         self._pools = [
             [g for g in reversed(range(s * width, s * width + self.per_shard)) if g not in held]
+            if s in self.local_shards
+            else []
             for s in range(self.shards)
         ]
 

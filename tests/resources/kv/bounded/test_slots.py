@@ -172,3 +172,48 @@ def test_fewer_kv_heads_than_model_shards_are_stored_as_copies():
         np.testing.assert_array_equal(bank[head], k[0][0, head // 2])
     with pytest.raises(ValueError, match=r"kv_heads=2 cannot be split over model=3 shards"):
         BoundedKVManager(BoundedKVSpec("kv", {"node"}, CFG), model_shards=3)
+
+
+def test_a_process_hands_out_only_its_own_shards_slots():
+    pools = SlotPools(6, 3, local=[2, 1])
+    assert pools.local_shards == (1, 2)
+    assert pools.snapshot() == ((), (4, 3), (7, 6))  # shard 0 belongs to another process
+    assert (len(pools), pools.free_in(0)) == (4, 0)
+    assert pools.preview(5) == [1, 2, 1, 2]  # as far as its own slots last
+    assert [pools.take() for _ in range(4)] == [3, 6, 4, 7]
+    assert len(pools) == 0
+    pools.reset(held={3})
+    assert pools.snapshot() == ((), (4,), (7, 6))
+
+
+@pytest.mark.parametrize("local", [[], [3], [-1], [0.0]])
+def test_local_shards_must_be_shard_indices(local):
+    with pytest.raises(
+        ValueError, match=r"local_data_shards=.* must be a non-empty collection of shard indices in \[0, 3\)"
+    ):
+        SlotPools(6, 3, local=local)
+
+
+def test_a_manager_of_a_process_admits_into_its_own_shards_only():
+    config = dataclasses.replace(CFG, max_slots=4)
+    m = BoundedKVManager(
+        BoundedKVSpec("kv", {"node"}, config), num_sources=2, data_shards=2, local_data_shards=[1]
+    )
+    layers = [np.ones((1, 2, 3, 8), np.float32)]
+    m.register_source(0, layers, layers)
+    assert (m.local_data_shards, m.free_slots) == ((1,), 2)
+    for rid in ("a", "b", "c"):
+        m.ingest_request(rid)
+    entries = [(rid, Pos(3, 0, 0), 1) for rid in ("a", "b", "c")]
+    assert m.placement(["a", "b", "c"]) == {"a": 1, "b": 1}  # "c" finds no room on shard 1
+    full = m.admit(*step(entries, bucket_rows=2))
+    assert isinstance(full.reason, AllocationFailed)
+    assert m.free_slots == 2  # nothing claimed
+    s, ctx = step(entries[:2], bucket_rows=2)
+    assert m.admit(s, ctx).ok
+    assert {m.shard_of(rid) for rid in ("a", "b")} == {1}
+    rows, row_of = m.plan_rows(s, ctx)
+    assert rows == 4
+    assert sorted(row_of.values()) == [2, 3]  # shard 0's rows stay padding
+    table = m.plan(s, ctx).table
+    np.testing.assert_array_equal(table[:2], m.plan(*step([], bucket_rows=2)).table[:2])

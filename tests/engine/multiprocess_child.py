@@ -1,0 +1,55 @@
+"""One process of `test_multiprocess_engine.py`'s job: two processes of 4 simulated CPU devices serving one
+workload on one `(data=4, model=2)` mesh, each its own half of the requests (`mesh_child.serve`'s
+workload, request `i` on process `i % 2`). Prints one JSON line: its shards, each of its requests' codes
+and audio, compilations after warm-up, the steps it entered with no rows, and its report's mesh.
+
+Run as `python -m tests.engine.multiprocess_child` with the `MSTAR_*` variables set (the test does).
+"""
+
+from __future__ import annotations
+
+from mstar_jax.distributed import DistributedSettings, initialize
+from tests.simulated_devices import report_as_process
+
+
+def main() -> dict:
+    initialize(DistributedSettings.from_env(initialization_timeout_s=60))
+    # Imported after joining: nothing may start a JAX backend before `initialize`.
+    import jax
+
+    from mstar_jax.engine import TTSRequest
+    from mstar_jax.engine.lockstep import MultiProcessError
+    from mstar_jax.engine.report import summarize
+    from tests.engine.mesh_child import MODEL, serve
+
+    engine, served = serve(4, 2, MODEL, share=(jax.process_index(), jax.process_count()))
+    report = summarize(engine, wall_secs=1.0, capture_secs=1.0, warmup_compilations=0)
+    errors = sorted({s.error for s in engine.finished.values() if s.error})
+    refusals = []  # what needs one process alone to touch the whole cache
+    for offload_idle_after_s, snapshot_every in ((1.0, None), (None, 2)):
+        try:
+            engine._check_lockstep(offload_idle_after_s, snapshot_every)
+        except MultiProcessError as error:
+            refusals.append(str(error))
+    engine.submit(TTSRequest("late", [1, 2], next(iter(engine.voices.voices.values())), 4))
+    try:
+        engine.offload("late")
+    except MultiProcessError as error:
+        refusals.append(str(error))
+    engine.cancel("late")
+    return {
+        "process": jax.process_index(),
+        "lockstep": engine.lockstep,
+        "local_shards": list(engine.talker.local_data_shards),
+        "served": {rid: [codes, audio.tolist()] for rid, (codes, audio) in served.items()},
+        "done": report["streams"]["done"],
+        "errors": errors,
+        "compilations": engine.compilations,
+        "empty_steps": engine.counters["lockstep_empty_steps"],
+        "mesh": report["mesh"],
+        "refusals": refusals,
+    }
+
+
+if __name__ == "__main__":
+    report_as_process(main)

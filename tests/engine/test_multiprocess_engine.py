@@ -1,0 +1,94 @@
+"""One workload served by two processes over one mesh (docs/design.md §10, `engine/lockstep.py`).
+
+Two processes of 4 simulated CPU devices each form one `(data=4, model=2)` mesh on localhost (JAX's
+multi-controller runtime, gloo collectives). Each runs the engine on its own half of the requests,
+admitted into its own two data shards, and every request must get the codes it gets served alone on one
+device in this process, and the same audio within float rounding (two model shards sum the row-parallel
+projections in another order). `mstar-jax run` does the same from the command line, as the README's
+"Serving on a TPU pod" section shows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.engine.mesh_child import MODEL, REQUESTS, serve
+from tests.simulated_devices import ROOT, run_processes
+
+PROCESSES, LOCAL_DEVICES = 2, 4
+TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> list[dict]:
+    outputs = run_processes(
+        ["-m", "tests.engine.multiprocess_child"],
+        tmp_path_factory.mktemp("processes"),
+        processes=PROCESSES,
+        devices=LOCAL_DEVICES,
+        timeout=TIMEOUT_S,
+    )
+    return [json.loads(stdout.strip().splitlines()[-1]) for stdout in outputs]
+
+
+def test_each_process_serves_its_own_requests_on_its_own_shards(served):
+    for p, result in enumerate(served):
+        assert result["process"] == p
+        assert result["lockstep"]
+        assert result["local_shards"] == [2 * p, 2 * p + 1]
+        assert sorted(result["served"]) == [f"r{i}" for i in range(p, REQUESTS, PROCESSES)]
+        assert result["done"] == REQUESTS // PROCESSES
+        assert result["errors"] == []
+        assert result["compilations"] == 0
+        mesh = result["mesh"]
+        assert (mesh["processes"], mesh["process"], mesh["local_data_shards"]) == (2, p, [2 * p, 2 * p + 1])
+        for cache in mesh["caches"].values():
+            assert cache["bytes_per_device"] == [cache["total_bytes"] // (PROCESSES * LOCAL_DEVICES)]
+            placed = cache["requests_per_data_shard"]
+            assert sum(placed[2 * p : 2 * p + 2]) == REQUESTS // PROCESSES  # all on its own shards
+            assert sum(placed) == REQUESTS // PROCESSES
+        assert [message.split(":")[0] for message in result["refusals"]] == [
+            "engine.offload_idle_after_s=1.0",
+            "engine.snapshot_every=2",
+            "offload('late')",
+        ]
+        assert all("keeps every stream on its devices" in message for message in result["refusals"])
+    # The streams differ in length, so a process that finishes first keeps entering the others' steps.
+    assert sum(result["empty_steps"] for result in served) > 0
+
+
+def test_every_request_hears_what_it_hears_alone_on_one_device(served):
+    _, alone = serve(1, 1, MODEL)
+    for result in served:
+        for rid, (codes, audio) in result["served"].items():
+            assert codes == alone[rid][0], rid
+            np.testing.assert_allclose(np.asarray(audio, np.float32), alone[rid][1], rtol=0, atol=1e-5)
+
+
+def test_mstar_jax_run_serves_one_workload_from_two_processes(tmp_path):
+    """The README's "Serving on a TPU pod" commands, on one CPU host: `configs/mesh_cpu8.yaml` over two
+    processes of 4 devices, each writing its share's report."""
+    config = ROOT / "configs" / "mesh_cpu8.yaml"
+    output = tmp_path / "run"
+    stdouts = run_processes(
+        ["-m", "mstar_jax.cli", "run", "--config", str(config), "--output", str(output), "--no-progress"],
+        tmp_path,
+        processes=PROCESSES,
+        devices=LOCAL_DEVICES,
+        timeout=TIMEOUT_S,
+    )
+    streams = 0
+    for p, stdout in enumerate(stdouts):
+        report = json.loads((output / f"process-{p}" / "report.json").read_text())
+        assert report["mesh"]["processes"] == PROCESSES
+        assert report["mesh"]["local_data_shards"] == [2 * p, 2 * p + 1]
+        assert report["streams"]["done"] == report["streams"]["submitted"] == 8  # half of 16
+        assert report["compile"]["compilations_after_warmup"] == 0
+        assert f"process {p} of 2 serves data shards [{2 * p}, {2 * p + 1}]" in stdout
+        streams += report["streams"]["done"]
+    assert streams == 16
+    assert not Path(output / "report.json").exists()  # each process writes only its own
