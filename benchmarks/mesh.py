@@ -1,8 +1,7 @@
 """The bounded KV cache on a `(data, model)` mesh: what the layers that run on one cost (docs/design.md §10).
 
-The engine does not run on a mesh yet, so this measures the layers that do, on 8 simulated CPU devices
-(`XLA_FLAGS=--xla_force_host_platform_device_count=8`; the script reruns itself with it when it is not set).
-Prints, from one run, ratios against baselines measured in the same run:
+On 8 simulated CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=8`; the script reruns itself
+with it when it is not set). Prints, from one run, ratios against baselines measured in the same run:
   1. a decode step (attention + store on every layer, `sharded_attend`) at global batches 8 and 32 on
      meshes 8x1, 4x2, 2x4 and 1x8 (and 1x1), as tokens/s ÷ plain `attend` on one device. Simulated devices
      share the host's cores, so this measures what partitioning costs, not how it scales. Beside it, what
@@ -14,6 +13,8 @@ Prints, from one run, ratios against baselines measured in the same run:
   3. each device's cache bytes on each mesh, measured from the sharded arrays' addressable shards and counted
      from shapes, ÷ the single-device cache's bytes (each data shard adds its own padding slot; KV heads
      replicated on `model` cost `model / G` copies).
+  4. the engine serving one workload (`mesh_engine.py`) on meshes 4x2 and 8x1 (--quick: 4x2), as frames/s
+     ÷ the same workload on one device, at the same global batch.
 The timed variants run in alternation, their order rotated every repeat; each figure is the median of the
 per-repeat ratios, with their min-max over the repeat count.
 
@@ -35,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import mesh_engine
 from mstar_jax.resources.kv.bounded import sharding as sh
 from mstar_jax.resources.kv.bounded.attention import attend
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan
@@ -57,6 +59,7 @@ WRITTEN = 4096
 STEPS_PER_SAMPLE = 10  # one timed sample: this many steps back to back (a step takes milliseconds)
 HOST_STEPS_PER_SAMPLE = 20
 REPLICATED_KV_HEADS = 2  # section 3 also counts G = 2 heads, replicated on model = 4 and 8
+ENGINE_MESHES = ((4, 2), (8, 1))  # section 4; --quick: the first
 
 
 def make_config(
@@ -294,7 +297,9 @@ def cache_bytes(caches: dict[str, BoundedKVCache]) -> list[float]:
     return shares[: len(MESHES)]
 
 
-def readme_rows(steps: dict[int, list[Ratio]], host: list[Ratio], shares: list[float]) -> None:
+def readme_rows(
+    steps: dict[int, list[Ratio]], host: list[Ratio], shares: list[float], engine: dict[str, Ratio]
+) -> None:
     """The headline figures as rows of the README's benchmark table."""
     names = "/".join(f"{d}x{m}" for d, m in MESHES)
     rows = [
@@ -313,6 +318,13 @@ def readme_rows(steps: dict[int, list[Ratio]], host: list[Ratio], shares: list[f
         (
             f"cache bytes per device ÷ 1 device's, {names} (even share 0.125)",
             " / ".join(f"{x:.3f}" for x in shares),
+        )
+    )
+    rows.append(
+        (
+            f"engine frames/s, one workload of {mesh_engine.REQUESTS} requests, {'/'.join(engine)} ÷ 1 "
+            f"device (same global batch; simulated devices on {os.cpu_count()} cores)",
+            " / ".join(spread(ratio) for ratio in engine.values()),
         )
     )
     print("\n## README rows\n\n| script | figure | result |\n| --- | --- | --- |")
@@ -334,8 +346,9 @@ def rerun_with_simulated_devices(argv: list[str]) -> None:
     """Run this script again in a child whose jax starts with `DEVICES` CPU devices; relay its output."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} {DEVICE_FLAG}".strip()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-    command = [sys.executable, os.path.abspath(__file__), *argv]
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as child:
+    command = [sys.executable, "-m", "benchmarks.mesh", *argv]
+    root = Path(__file__).resolve().parents[1]
+    with subprocess.Popen(command, env=env, cwd=root, stdout=subprocess.PIPE, text=True) as child:
         for line in child.stdout:
             print(line, end="", flush=True)
     if child.returncode:
@@ -381,7 +394,12 @@ def main(argv: list[str] | None = None) -> None:
         steps[batch], caches = device_steps(batch, repeats)
     host = host_planning(repeats)
     shares = cache_bytes(caches)
-    readme_rows(steps, host, shares)
+    engine_meshes = ENGINE_MESHES[:1] if args.quick else ENGINE_MESHES
+    engine = mesh_engine.engine_section(
+        engine_meshes, repeats, rotated_times, ratios_to_first, spread, os.cpu_count()
+    )
+    names = [f"{d}x{m}" for d, m in engine_meshes]
+    readme_rows(steps, host, shares, dict(zip(names, engine, strict=True)))
     print(f"\n{time.perf_counter() - start:.0f} s")
 
 

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from benchmarks import mesh
+from benchmarks import mesh, mesh_engine
 
 RATIO = r"\d+\.\d\d \(\d+\.\d\d–\d+\.\d\d\)"  # median (min–max)
 
@@ -32,7 +32,7 @@ def sections() -> dict[str, str]:
 
 
 def test_prints_four_sections_and_the_shared_cores_note(sections):
-    assert list(sections) == ["1", "2", "3", "README"]
+    assert list(sections) == ["1", "2", "3", "4", "README"]
     assert "share this host's" in sections["1"]
     assert "not scaling" in sections["1"]
 
@@ -79,9 +79,20 @@ def test_cache_bytes_measured_equal_counted_and_follow_the_shapes(sections):
         assert row[6] == f"{1 / (data * model):.3f}"
 
 
+def test_engine_table_has_the_one_device_baseline_and_the_quick_mesh(sections):
+    rows = table(sections["4"])
+    data, model = mesh.ENGINE_MESHES[0]
+    batch = mesh_engine.GLOBAL_BATCH
+    assert [row[:2] for row in rows] == [["1 device", str(batch)], [f"{data}x{model}", str(batch // data)]]
+    assert rows[0][3] == "1.00 (1.00–1.00)"
+    assert re.fullmatch(RATIO, rows[1][3])
+    assert f"{mesh_engine.REQUESTS} requests, {mesh_engine.frames()} frames" in sections["4"]
+
+
 def test_readme_rows(sections):
     rows = table(sections["README"])
-    assert len(rows) == 3  # one decode batch, host planning, cache bytes
+    assert len(rows) == 4  # one decode batch, host planning, cache bytes, the engine
     assert rows[0][0] == "`benchmarks/mesh.py`"
     assert len(rows[0][2].split(" / ")) == len(mesh.MESHES)
     assert rows[2][2] == " / ".join(table(sections["3"])[i][5] for i in range(len(mesh.MESHES)))
+    assert rows[3][2] == table(sections["4"])[1][3]
