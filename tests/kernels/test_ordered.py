@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from kernels_pallas.sink_window_attention.ordered import ordered_sum
-from mstar_jax.models.streaming_tts.norm import RMSNorm
+from mstar_jax.models.norm import RMSNorm
 
 
 @pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 24, 64, 100])

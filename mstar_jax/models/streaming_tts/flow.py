@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mstar_jax.models.streaming_tts.norm import RMSNorm
+from mstar_jax.models.norm import RMSNorm
 from mstar_jax.models.streaming_tts.talker import AttendFn, ModuleList
 
 __all__ = ["CFG_RATE", "FlowBlock", "FlowDecoder", "sinusoid"]

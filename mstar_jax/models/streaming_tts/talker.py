@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mstar_jax.models.streaming_tts.norm import RMSNorm
-from mstar_jax.models.streaming_tts.rope import apply_rope
+from mstar_jax.models.norm import RMSNorm
+from mstar_jax.models.rope import apply_rope
 
 __all__ = ["AttendFn", "Talker", "TalkerBlock", "sample_codes"]
 
