@@ -1,0 +1,178 @@
+"""Gemma 3 in Flax NNX, its attention on two bounded KV caches.
+
+Gemma 3 interleaves five local layers (sliding-window attention over the last 512 positions, RoPE base
+10,000) with one global layer (every earlier position, RoPE base 1,000,000). Here each kind of layer
+reads and writes its own bounded cache (`mstar_jax.resources.kv.bounded`):
+
+- local layers: `SinkWindow(0, window - 1)` with `query_window = window`: a query at position i sees
+  keys j with 0 <= i - j < window, exactly Gemma's sliding window, in decode steps and prefill chunks
+  alike (the band reaches into the retained ring and across the chunk, causally);
+- global layers: any `SinkWindow(sink, w)` the user picks with `query_window = w + 1`: `w` at least the
+  stream's length is the dense model; smaller ones are the bounded variants StreamingLLM studies
+  (window only, or sinks + window).
+
+The block: RMSNorm before and after attention and before and after the MLP (sandwich norms), RMSNorm on
+each head's queries and keys (QK-norm), RoPE at absolute stream positions, a GeGLU MLP with tanh GELU,
+embeddings scaled by sqrt(d_model), the output projection tied to the embedding. Norm weights are used
+as stored (`x * w`): the GGUF conversion stores Gemma's `1 + w` already (see `gguf.py`).
+
+Shape legend: B requests, T step tokens, E d_model, H query heads, G K/V heads, D head dim, F MLP width,
+V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mstar_jax.models.gemma3.gguf import Gemma3Config
+from mstar_jax.models.norm import RMSNorm
+from mstar_jax.models.rope import apply_rope
+
+__all__ = ["AttendFn", "Gemma3", "Gemma3Block"]
+
+ModuleList = getattr(nnx, "List", list)
+"""A list of submodules: `nnx.List` where Flax has it (>= 0.12 requires it), a plain list before."""
+
+AttendFn = Callable[[object, bool, int, jax.Array, jax.Array, jax.Array], tuple[jax.Array, object]]
+"""`(state, is_global, index, q [B, T, H, D], k [B, T, G, D], v) -> (out [B, T, H, D], state)`: how a
+layer's queries meet their keys; `index` counts layers of its kind (local or global) from 0."""
+
+
+# A parameter's path (its attribute names) -> (its GGUF tensor name, whether to transpose it): GGUF and
+# PyTorch hold a linear weight as [out, in], nnx.Linear as [in, out]. Block tensors are `blk.{i}.` + name.
+_GGUF_NAMES = {
+    ("embed",): ("token_embd.weight", False),
+    ("norm", "scale"): ("output_norm.weight", False),
+    **{
+        ("blocks", attr, "scale"): (f"{name}.weight", False)
+        for attr, name in (
+            ("attn_norm", "attn_norm"), ("post_attn_norm", "post_attention_norm"), ("q_norm", "attn_q_norm"),
+            ("k_norm", "attn_k_norm"), ("mlp_norm", "ffn_norm"), ("post_mlp_norm", "post_ffw_norm"),
+        )
+    },
+    **{
+        ("blocks", attr, "kernel"): (f"{name}.weight", True)
+        for attr, name in (
+            ("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"), ("gate", "ffn_gate"),
+            ("up", "ffn_up"), ("down", "ffn_down"),
+        )
+    },
+}  # fmt: skip
+
+
+class Gemma3Block(nnx.Module):
+    """One decoder layer: QK-normed GQA attention with RoPE and a GeGLU MLP, sandwich-normed."""
+
+    def __init__(self, config: Gemma3Config, *, is_global: bool, dtype, rngs: nnx.Rngs):
+        c = config
+        self.is_global = is_global
+        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.rope_base = c.rope_global_base if is_global else c.rope_local_base
+        norm = lambda dim: RMSNorm(dim, epsilon=c.rms_eps, param_dtype=dtype, rngs=rngs)  # noqa: E731
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, param_dtype=dtype, rngs=rngs)  # noqa: E731
+        self.attn_norm, self.post_attn_norm = norm(c.d_model), norm(c.d_model)
+        self.q_norm, self.k_norm = norm(c.head_dim), norm(c.head_dim)
+        self.wq = linear(c.d_model, c.num_heads * c.head_dim)
+        self.wk = linear(c.d_model, c.num_kv_heads * c.head_dim)
+        self.wv = linear(c.d_model, c.num_kv_heads * c.head_dim)
+        self.wo = linear(c.num_heads * c.head_dim, c.d_model)
+        self.mlp_norm, self.post_mlp_norm = norm(c.d_model), norm(c.d_model)
+        self.gate, self.up = linear(c.d_model, c.ffn_dim), linear(c.d_model, c.ffn_dim)
+        self.down = linear(c.ffn_dim, c.d_model)
+
+    def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, E], positions i32[B, T] -> q [B, T, H, D], k and v [B, T, G, D] (q, k normed, rotated)."""
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q_norm(self.wq(h).reshape(b, t, self.heads, self.head_dim))
+        k = self.k_norm(self.wk(h).reshape(b, t, self.kv_heads, self.head_dim))
+        v = self.wv(h).reshape(b, t, self.kv_heads, self.head_dim)
+        rope = lambda y: apply_rope(y, positions, theta=self.rope_base)  # noqa: E731
+        return rope(q), rope(k), v
+
+    def finish(self, x: jax.Array, attended: jax.Array) -> jax.Array:
+        """The attention's residual, then the MLP's: x [B, T, E], attended [B, T, H, D] -> [B, T, E]."""
+        b, t, _ = x.shape
+        x = x + self.post_attn_norm(self.wo(attended.reshape(b, t, -1).astype(x.dtype)))
+        h = self.mlp_norm(x)
+        mlp = self.down(jax.nn.gelu(self.gate(h), approximate=True) * self.up(h))
+        return x + self.post_mlp_norm(mlp)
+
+
+class Gemma3(nnx.Module):
+    """Token ids in, hidden states and next-token logits out.
+
+    Args:
+      config: the geometry (`Gemma3Config`, e.g. from `load_gguf`).
+      dtype: parameter and activation dtype (float32 or bfloat16).
+      rngs: initialisation randomness (weights are usually replaced by `from_tensors`).
+    """
+
+    def __init__(self, config: Gemma3Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Param(jnp.zeros((config.vocab_size, config.d_model), dtype))
+        self.blocks = ModuleList(
+            [
+                Gemma3Block(config, is_global=config.is_global(i), dtype=dtype, rngs=rngs)
+                for i in range(config.num_layers)
+            ]
+        )
+        self.norm = RMSNorm(config.d_model, epsilon=config.rms_eps, param_dtype=dtype, rngs=rngs)
+
+    @classmethod
+    def from_tensors(
+        cls, config: Gemma3Config, tensors: Mapping[str, np.ndarray], *, dtype=jnp.float32
+    ) -> Gemma3:
+        """The model with the GGUF's weights (`load_gguf`'s tensors: names as in the file, PyTorch layout).
+
+        Raises:
+          KeyError: naming a tensor the file lacks.
+          ValueError: naming a tensor whose shape is not the config's.
+        """
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0))))
+
+        def load(path, leaf):
+            keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+            name, transpose = _GGUF_NAMES[tuple(k for k in keys if isinstance(k, str))]
+            if keys[0] == "blocks":
+                name = f"blk.{keys[1]}.{name}"
+            array = np.asarray(tensors[name])
+            array = array.T if transpose else array
+            if array.shape != leaf.shape:
+                raise ValueError(f"tensor {name!r} has shape {array.shape}; the config needs {leaf.shape}")
+            return jnp.asarray(array, dtype)
+
+        return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(load, abstract))
+
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, state: object, attend: AttendFn
+    ) -> tuple[jax.Array, object]:
+        """Run every layer over a step's tokens.
+
+        Args:
+          tokens: i32[B, T] token ids (padding may be any id: never attended).
+          positions: i32[B, T] absolute stream positions (RoPE).
+          state: threaded through `attend` (the two caches, or a collection of keys).
+          attend: how each layer's queries meet their keys.
+
+        Returns:
+          (hidden [B, T, E] after the final norm, state).
+        """
+        x = self.embed[...][tokens] * jnp.asarray(math.sqrt(self.config.d_model), self.embed[...].dtype)
+        counts = {False: 0, True: 0}
+        for block in self.blocks:
+            q, k, v = block.project(x, positions)
+            attended, state = attend(state, block.is_global, counts[block.is_global], q, k, v)
+            counts[block.is_global] += 1
+            x = block.finish(x, attended)
+        return self.norm(x), state
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., E] -> f32[..., V] (the output projection is the embedding, transposed)."""
+        return jnp.einsum("...e,ve->...v", hidden, self.embed[...], preferred_element_type=jnp.float32)

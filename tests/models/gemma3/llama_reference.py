@@ -1,0 +1,97 @@
+"""llama.cpp (through `llama_cpp`, the llama-cpp-python binding) as an independent Gemma 3 reference.
+
+`llama_cpp` is imported lazily, inside `load`, so this module imports without it. Every function
+below evaluates from an empty context (`llama.reset()` first): `Llama.eval` alone appends to what
+the context already holds.
+
+Numerics: the GGUF weights are quantized (Q4_K_M), and llama.cpp's CPU matmuls quantize the
+activations to 8 bits for quantized weights, so logits differ from a float implementation by more
+than rounding; compare argmaxes and log-probabilities with tolerances, not bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from os import PathLike
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import llama_cpp
+
+__all__ = ["greedy", "load", "log_probs", "logits", "tokenize"]
+
+SEED = 1234
+"""Fixed seed handed to `llama_cpp.Llama` (0 would mean random there; nothing here samples anyway)."""
+
+
+def load(path: str | PathLike[str], n_ctx: int = 2048, n_threads: int = 2) -> llama_cpp.Llama:
+    """A CPU `llama_cpp.Llama` for the GGUF at `path` that keeps the logits of every position.
+
+    `logits_all=True` is required: without it `Llama.eval` stores no logits at all. Its score buffer is
+    `n_ctx x vocab` float32 (2 GiB of address space for Gemma 3 at n_ctx=2048, touched only as used).
+    """
+    import llama_cpp
+
+    return llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=n_ctx,
+        n_threads=n_threads,
+        n_threads_batch=n_threads,
+        n_gpu_layers=0,
+        logits_all=True,
+        seed=SEED,
+        verbose=False,
+    )
+
+
+def tokenize(llama: llama_cpp.Llama, text: str, add_bos: bool = True) -> list[int]:
+    """llama.cpp's own token ids for `text` (UTF-8), BOS first iff `add_bos`; special tokens stay text."""
+    return list(llama.tokenize(text.encode("utf-8"), add_bos=add_bos, special=False))
+
+
+def _eval(llama: llama_cpp.Llama, tokens: Sequence[int]) -> None:
+    """Clear the context and evaluate `tokens` from position 0."""
+    if len(tokens) == 0:
+        raise ValueError("no tokens to evaluate")
+    if len(tokens) > llama.n_ctx():
+        raise ValueError(f"{len(tokens)} tokens exceed n_ctx={llama.n_ctx()}")
+    llama.reset()
+    llama.eval([int(t) for t in tokens])
+
+
+def logits(llama: llama_cpp.Llama, tokens: Sequence[int]) -> np.ndarray:
+    """float32 [len(tokens), vocab]: row i is the next-token logits after tokens[: i + 1]."""
+    _eval(llama, tokens)
+    return np.array(llama.scores[: len(tokens)], dtype=np.float32, copy=True)
+
+
+def log_probs(llama: llama_cpp.Llama, tokens: Sequence[int]) -> np.ndarray:
+    """float64 [len(tokens) - 1]: entry i - 1 is log p(tokens[i] | tokens[:i]) for i = 1 .. len - 1.
+
+    Log-softmax in float64 over the full vocabulary of the llama.cpp logits.
+    """
+    rows = logits(llama, tokens)[:-1].astype(np.float64)
+    rows -= rows.max(axis=-1, keepdims=True)
+    lse = np.log(np.exp(rows).sum(axis=-1))
+    targets = np.asarray(tokens[1:], dtype=np.int64)
+    return rows[np.arange(len(targets)), targets] - lse
+
+
+def greedy(llama: llama_cpp.Llama, tokens: Sequence[int], n: int) -> list[int]:
+    """The n tokens that follow `tokens` under plain argmax decoding (lowest id on ties).
+
+    Reads the raw logits after each step (no sampler, so no temperature or repetition penalty) and
+    feeds each chosen token back one at a time through the KV cache. Does not stop at EOS.
+    """
+    _eval(llama, tokens)
+    if len(tokens) + n - 1 > llama.n_ctx():
+        raise ValueError(f"{len(tokens)} + {n} tokens exceed n_ctx={llama.n_ctx()}")
+    out: list[int] = []
+    for step in range(n):
+        nxt = int(np.argmax(llama.scores[llama.n_tokens - 1]))
+        out.append(nxt)
+        if step + 1 < n:
+            llama.eval([nxt])
+    return out
