@@ -396,12 +396,12 @@ class Engine(Admission, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
             raise
         node.manager.cache = cache
         node.runner.commit(sub)
+        if self.warmed_up:
+            self.compilations += counter.count
         if not rows:
             self.counters["lockstep_empty_steps"] += 1
             return True
         now = self.clock()
-        if self.warmed_up:
-            self.compilations += counter.count
         rids = tuple(r.stream.request_id for r in rows)
         self.records.append(
             StepRecord(

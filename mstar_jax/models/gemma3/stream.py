@@ -3,14 +3,14 @@
 `Gemma3Streams` holds the model's weights and two `BoundedKVManager`s (local and global layers, see
 `model.py`), and runs requests through them: each step is admitted, planned and committed by both
 caches, and runs one jitted program per step shape (prefill chunks of `chunk` tokens, or one token),
-the caches donated. `score` streams a text through in chunks and returns every token's log-probability;
-`greedy` continues a prompt.
+the caches donated. `score` streams a text through in chunks and returns every token's log-probability,
+`logits` every position's logits (for short texts), `greedy` continues a prompt.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -197,24 +197,35 @@ class Gemma3Streams:
         for manager in self.managers:
             manager.remove_request(rid)
 
-    def score(self, tokens: Sequence[int]) -> np.ndarray:
-        """Stream `tokens` through in chunks; return f64[len - 1] the log-probability of each token after
-        the first given those before it (as the bounded caches retain them)."""
-        tokens = np.asarray(tokens, np.int32)
-        rid, scores = self._open(), []
+    def _stream(self, tokens: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+        """Stream `tokens` through one new request in chunks; yield each chunk's start and its logits at
+        every real position, f32[chunk length, V]. The request's slots are given back at the end."""
+        rid = self._open()
         try:
-            for start in range(0, len(tokens) - 1, self.chunk):
+            for start in range(0, len(tokens), self.chunk):
                 piece = tokens[start : start + self.chunk]
                 padded = np.zeros((1, self.chunk), np.int32)
                 padded[0, : len(piece)] = piece
-                logits = np.asarray(self._run([rid], [len(piece)], padded, all_logits=True), np.float64)[0]
-                targets = tokens[start + 1 : start + 1 + len(piece)]
-                logits = logits[: len(targets)]
-                top = logits.max(axis=-1, keepdims=True)
-                log_norm = top[:, 0] + np.log(np.exp(logits - top).sum(axis=-1))
-                scores.append(logits[np.arange(len(targets)), targets] - log_norm)
+                logits = self._run([rid], [len(piece)], padded, all_logits=True)
+                yield start, np.asarray(logits)[0, : len(piece)]
         finally:
             self._close(rid)
+
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """f32[len, V]: the next-token logits after each prefix of `tokens` (a short text: V floats each)."""
+        return np.concatenate([logits for _, logits in self._stream(np.asarray(tokens, np.int32))])
+
+    def score(self, tokens: Sequence[int]) -> np.ndarray:
+        """Stream `tokens` through in chunks; return f64[len - 1] the log-probability of each token after
+        the first given those before it (as the bounded caches retain them), at flat memory."""
+        tokens = np.asarray(tokens, np.int32)
+        scores = []
+        for start, logits in self._stream(tokens[:-1]):
+            targets = tokens[start + 1 : start + 1 + len(logits)]
+            logits = logits.astype(np.float64)
+            top = logits.max(axis=-1, keepdims=True)
+            log_norm = top[:, 0] + np.log(np.exp(logits - top).sum(axis=-1))
+            scores.append(logits[np.arange(len(targets)), targets] - log_norm)
         return np.concatenate(scores) if scores else np.zeros(0)
 
     def greedy(self, prompt: Sequence[int], count: int) -> list[int]:

@@ -6,7 +6,9 @@ the context already holds.
 
 Numerics: the GGUF weights are quantized (Q4_K_M), and llama.cpp's CPU matmuls quantize the
 activations to 8 bits for quantized weights, so logits differ from a float implementation by more
-than rounding; compare argmaxes and log-probabilities with tolerances, not bit for bit.
+than rounding; compare argmaxes and log-probabilities with tolerances, not bit for bit. The result
+also depends on how many tokens one `eval` call decodes (chunks under 8 tokens take other kernels), so
+the same sequence fed one token at a time does not give the logits of `logits`.
 """
 
 from __future__ import annotations
@@ -79,19 +81,27 @@ def log_probs(llama: llama_cpp.Llama, tokens: Sequence[int]) -> np.ndarray:
     return rows[np.arange(len(targets)), targets] - lse
 
 
-def greedy(llama: llama_cpp.Llama, tokens: Sequence[int], n: int) -> list[int]:
+def greedy(llama: llama_cpp.Llama, tokens: Sequence[int], n: int, incremental: bool = True) -> list[int]:
     """The n tokens that follow `tokens` under plain argmax decoding (lowest id on ties).
 
     Reads the raw logits after each step (no sampler, so no temperature or repetition penalty) and
-    feeds each chosen token back one at a time through the KV cache. Does not stop at EOS.
+    does not stop at EOS. `incremental=True` feeds each chosen token back alone through the KV cache,
+    as llama.cpp generation does; `incremental=False` re-evaluates the whole sequence each step, so
+    every step agrees with `logits`. The two can differ: llama.cpp's CPU matmul kernels for batches
+    under 8 tokens round differently from the batched ones (logits move by up to ~1).
     """
     _eval(llama, tokens)
     if len(tokens) + n - 1 > llama.n_ctx():
         raise ValueError(f"{len(tokens)} + {n} tokens exceed n_ctx={llama.n_ctx()}")
+    seq = [int(t) for t in tokens]
     out: list[int] = []
     for step in range(n):
         nxt = int(np.argmax(llama.scores[llama.n_tokens - 1]))
         out.append(nxt)
+        seq.append(nxt)
         if step + 1 < n:
-            llama.eval([nxt])
+            if incremental:
+                llama.eval([nxt])
+            else:
+                _eval(llama, seq)
     return out
