@@ -53,7 +53,10 @@ def cache_configs(
     if not isinstance(global_retention, SinkWindow) or global_retention.window < 1:
         raise ValueError(f"global_retention={global_retention!r} must be a SinkWindow(sink, window >= 1)")
     if global_retention.window_includes_step:
-        raise ValueError("global_retention must have window_includes_step=False (the band counts the step)")
+        raise ValueError(
+            f"global_retention={global_retention!r} has window_includes_step=True: it must be False (the "
+            "causal band of window + 1 already counts the step's own position)"
+        )
     layers = sum(config.is_global(i) for i in range(config.num_layers))
     common = {
         "num_heads": config.num_kv_heads, "head_dim": config.head_dim, "rows_per_request": 1,

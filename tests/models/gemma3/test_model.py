@@ -165,3 +165,19 @@ def test_bfloat16_weights_run_and_stay_close(tensors, tokens):
     got = Gemma3Streams(CONFIG, model, global_retention=SinkWindow(0, 256), chunk=16).score(tokens)
     want = oracle_log_probs(CONFIG, tensors, tokens, SinkWindow(0, 256))
     assert np.abs(got - want).mean() < 0.1
+
+
+@pytest.mark.parametrize(
+    ("retention", "match"),
+    [
+        ((0, 12), r"global_retention=\(0, 12\) must be a SinkWindow\(sink, window >= 1\)"),
+        (SinkWindow(4, 0), r"global_retention=SinkWindow\(sink=4, window=0.* must be a SinkWindow"),
+        (SinkWindow(0, 12, True), r"window_includes_step=True: .* must be False"),
+    ],
+)
+def test_a_bad_global_retention_is_refused_naming_it(tensors, retention, match):
+    model = Gemma3.from_tensors(CONFIG, tensors)
+    with pytest.raises(ValueError, match=match):
+        Gemma3Streams(CONFIG, model, global_retention=retention)
+    with pytest.raises(ValueError, match=r"chunk=0 must be an int >= 1"):
+        Gemma3Streams(CONFIG, model, global_retention=SinkWindow(0, 12), chunk=0)
