@@ -115,7 +115,7 @@ def test_num_sources_is_what_the_engine_gives_each_bank(monkeypatch):
     class StopError(Exception):
         """Raised by the fake manager: the engine is not built any further."""
 
-    def manager(spec, *, num_sources, data_shards):
+    def manager(spec, *, num_sources, **shards):
         seen.append(num_sources)
         raise StopError
 
