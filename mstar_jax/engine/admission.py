@@ -1,4 +1,5 @@
-"""Admission answers of the engine loop: what a step does when a resource refuses some of its rows.
+"""Admission in the engine loop: declaring a step of rows padded to a bucket (`_declare`), and what a
+step does when a resource refuses some of its rows.
 
 - `AllocationFailed` (no free slot): offload an idle stream (paused by its client) from the resource
   that ran out and retry; with none to offload, hold the refused request for `hold_backoff_s` and run
@@ -11,9 +12,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from mstar_jax.engine import batch
 from mstar_jax.engine.request import RequestError
+from mstar_jax.resources.kv.bounded.config import BoundedKVStep
 from mstar_jax.resources.step import (
     AdmitOutcome,
     AdmitRuntimeError,
@@ -21,6 +25,7 @@ from mstar_jax.resources.step import (
     BucketKey,
     FullAdmitOutcome,
     RequestOffloading,
+    StepContext,
     SubmoduleStep,
 )
 
@@ -69,6 +74,34 @@ class Admission:
             else:  # admitted but not ready (or an unknown refusal): everyone waits
                 rows = self._hold(rows, rids)
         return None
+
+    def _declare(
+        self, node: Node, rows: Sequence, bucket: BucketKey | None = None
+    ) -> tuple[SubmoduleStep, BucketKey, list]:
+        """The step of `rows` padded to its tightest bucket (or to `bucket`), its rows in the bucket's
+        order.
+
+        On a mesh a bucket's rows are per data shard: the tightest holds the most rows any shard gets
+        (`placement`), and the caches pad each shard to it themselves.
+        """
+        width = None
+        if self.mesh is not None:  # a shard's rows beyond the bucket wait for the next step
+            placed = node.manager.placement([r.stream.request_id for r in rows])
+            largest = min(self.programs.buckets.max_batch(walk) for walk in self.programs.buckets.walks)
+            rows, width = batch.fit_shards(rows, placed, largest if bucket is None else bucket.bs)
+        if bucket is None:
+            walk, bucket = batch.choose_bucket(self.programs.buckets, node.name, rows, rows_per_shard=width)
+        walk = bucket.graph_walk
+        step, ctx, ordered = batch.declare(
+            walk, bucket, rows, written=lambda s: s.written_in(node.name), pad=self.mesh is None
+        )
+        return self._submodule(node, step, ctx), bucket, ordered
+
+    @staticmethod
+    def _submodule(node: Node, step: BoundedKVStep, ctx: StepContext) -> SubmoduleStep:
+        sub = SubmoduleStep({node.key: step})
+        sub.set_ctx(ctx)
+        return sub
 
     def _terminal_rows(self, node: Node, rows: list) -> dict[str, str]:
         """Admit each row alone (then abort it) to find those refused for good, with their messages."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from mstar_jax.compile import warn_on_compilations
@@ -53,13 +53,9 @@ from mstar_jax.models.streaming_tts.model import (
     StreamingTTSModel,
 )
 from mstar_jax.models.streaming_tts.voices import VoiceBank
-from mstar_jax.resources.kv.bounded.config import BoundedKVStep
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import (
-    BucketKey,
-    StepContext,
-    SubmoduleStep,
     UnknownRequestError,
 )
 
@@ -413,34 +409,6 @@ class Engine(Admission, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
         else:
             self._after_flow(rows, bucket, outputs, now, layout)
         return True
-
-    def _declare(
-        self, node: Node, rows: Sequence, bucket: BucketKey | None = None
-    ) -> tuple[SubmoduleStep, BucketKey, list]:
-        """The step of `rows` padded to its tightest bucket (or to `bucket`), its rows in the bucket's
-        order.
-
-        On a mesh a bucket's rows are per data shard: the tightest holds the most rows any shard gets
-        (`placement`), and the caches pad each shard to it themselves.
-        """
-        width = None
-        if self.mesh is not None:  # a shard's rows beyond the bucket wait for the next step
-            placed = node.manager.placement([r.stream.request_id for r in rows])
-            largest = min(self.programs.buckets.max_batch(walk) for walk in self.programs.buckets.walks)
-            rows, width = batch.fit_shards(rows, placed, largest if bucket is None else bucket.bs)
-        if bucket is None:
-            walk, bucket = batch.choose_bucket(self.programs.buckets, node.name, rows, rows_per_shard=width)
-        walk = bucket.graph_walk
-        step, ctx, ordered = batch.declare(
-            walk, bucket, rows, written=lambda s: s.written_in(node.name), pad=self.mesh is None
-        )
-        return self._submodule(node, step, ctx), bucket, ordered
-
-    @staticmethod
-    def _submodule(node: Node, step: BoundedKVStep, ctx: StepContext) -> SubmoduleStep:
-        sub = SubmoduleStep({node.key: step})
-        sub.set_ctx(ctx)
-        return sub
 
     def _fail(self, stream: Stream, failure: RequestError) -> None:
         self._finish(stream, Phase.FAILED, failure)
