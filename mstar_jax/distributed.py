@@ -237,6 +237,10 @@ def host_local(tree: Any) -> Any:
     entry of an array replicated over `data`.
     """
 
+    leaves = jax.tree.leaves(tree)
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
+        return jax.device_get(tree)  # one transfer for the whole tree: the single-process step path
+
     def fetch(array: Any) -> Any:
         if not isinstance(array, jax.Array) or array.is_fully_addressable:
             return jax.device_get(array)
