@@ -11,6 +11,10 @@ never a traceback.
                   [--coordinator-address HOST:PORT --num-processes N --process-id I]
                                 serve the deployment's synthetic workload and report on it (in one
                                 process, or in each of the N of a multi-process job)
+    mstar-jax generate [PROMPT ...] [--prompt-file PATH] [--max-new-tokens N] [--global-sink S]
+                       [--global-window W | --dense] [--max-slots N] ...
+                                stream text from the real Gemma 3 270M on the bounded caches (the
+                                `gemma` extra)
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from mstar_jax.memory import (
     memory_budget,
     parse_size,
 )
+from mstar_jax.models.gemma3 import command as gemma3_command
 from mstar_jax.resources.kv.bounded.config import SinkWindow
 
 __all__ = [
@@ -199,6 +204,12 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if report["streams"]["done"] == report["streams"]["submitted"] else 1
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from mstar_jax.models.gemma3 import command  # the model loads only when generating
+
+    return command.run(args, CommandLineError)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "check": Subcommand(
         help="validate a deployment and print its resources and what they cost in device memory",
@@ -209,6 +220,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         help="serve the deployment's synthetic workload of concurrent streams and report on it",
         add_arguments=_add_run_arguments,
         run=_run,
+    ),
+    "generate": Subcommand(
+        help="stream text from the real Gemma 3 270M, its global layers on a bounded cache",
+        add_arguments=gemma3_command.add_arguments,
+        run=_generate,
     ),
 }
 

@@ -23,7 +23,7 @@ from mstar_jax.engine.request import Stream
 from mstar_jax.engine.scheduler import FlowRow
 from mstar_jax.models.streaming_tts.model import FLOW_CHUNK, TALKER_DECODE, TALKER_MIXED, TALKER_PREFILL
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep
-from mstar_jax.resources.step import BucketKey, Segment, SlotLease, StepContext
+from mstar_jax.resources.step import PAD, BucketKey, Segment, SlotLease, StepContext
 
 __all__ = [
     "PAD",
@@ -38,9 +38,6 @@ __all__ = [
 
 Layout = tuple[int, dict[str, int]]
 """A step's rows as the caches plan them on a mesh: how many, and each request's row."""
-
-PAD = "\x00pad"
-"""Prefix of padding rows' ids; no request id may start with it."""
 
 
 def choose_bucket(

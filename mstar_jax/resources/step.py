@@ -20,6 +20,7 @@ __all__ = [
     "ADMIT_OK",
     "FULL_ADMIT_NOT_READY",
     "FULL_ADMIT_OK",
+    "PAD",
     "AdmitFailedReason",
     "AdmitOutcome",
     "AdmitRuntimeError",
@@ -35,6 +36,10 @@ __all__ = [
     "SubmoduleStep",
     "UnknownRequestError",
 ]
+
+PAD = "\x00pad"
+"""Prefix of the ids of padding rows (which fill a bucket and read and write nothing); no request id may
+start with it."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,16 +1,22 @@
-"""Gemma 3 streams on the bounded caches: the two cache specs, their managers, and the step.
+"""Gemma 3 streams on the bounded caches: the two cache specs, their resource runner, the captured steps.
 
-`Gemma3Streams` holds the model's weights and two `BoundedKVManager`s (local and global layers, see
-`model.py`), and runs requests through them: each step is admitted, planned and committed by both
-caches, and runs one jitted program per step shape (prefill chunks of `chunk` tokens, or one token),
-the caches donated. `score` streams a text through in chunks and returns every token's log-probability,
-`logits` every position's logits (for short texts), `greedy` continues a prompt.
+`Gemma3Streams` holds the model's weights, two `BoundedKVManager`s (local and global layers, see
+`model.py`) behind one `ResourceRunner`, and the step compiled ahead of time for every bucket: prefill
+walks of `chunk` tokens a row and decode walks of one, at each batch size. A step of rows is padded to
+its tightest bucket, admitted and planned by both caches, replayed on the donated caches, and
+committed (`run`). What a step returns is its head: each row's next greedy token, every position's
+logits, or the log-probability of given target tokens (computed on the device, so a 262,144-word
+vocabulary never crosses to the host).
+
+On top: `score` streams a text through in chunks and returns every token's log-probability at flat
+memory, `logits` every position's logits (short texts), `greedy` continues a prompt. Several streams at
+once are `serve.generate`'s.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from kernels_pallas.sink_window_attention import table as tbl
+from mstar_jax.compile import Buckets, BucketSet, CapturedStep, CaptureReport, cap_batch_sizes, capture
 from mstar_jax.models.gemma3.gguf import Gemma3Config
 from mstar_jax.models.gemma3.model import Gemma3
 from mstar_jax.resources.kv.bounded.attention import attend
@@ -30,11 +37,24 @@ from mstar_jax.resources.kv.bounded.config import (
     StreamPosition,
 )
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
-from mstar_jax.resources.step import BucketKey, Segment, SlotLease, StepContext
+from mstar_jax.resources.runner import ResourceRunner
+from mstar_jax.resources.step import (
+    PAD,
+    BucketKey,
+    FullAdmitOutcome,
+    Segment,
+    SlotLease,
+    StepContext,
+    SubmoduleStep,
+)
 
-__all__ = ["GLOBAL_KV", "LOCAL_KV", "Gemma3Streams", "cache_configs"]
+__all__ = ["DECODE", "GLOBAL_KV", "HEADS", "LOCAL_KV", "PREFILL", "Gemma3Streams", "cache_configs"]
 
 LOCAL_KV, GLOBAL_KV = "gemma3_local_kv", "gemma3_global_kv"
+PREFILL, DECODE = "gemma3_prefill", "gemma3_decode"
+HEADS = ("next", "logits", "log_probs")
+"""What a step returns per row: `next` i32 (the argmax after its last real token), `logits`
+f32[T, V], `log_probs` f32[T] (of the step's `targets`)."""
 
 
 def cache_configs(
@@ -84,8 +104,15 @@ class Gemma3Streams:
       global_retention: what the global layers keep (`SinkWindow(0, n)` with `n` at least the stream's
         length is the dense model).
       max_slots: streams served at once.
-      chunk: prefill tokens per step.
+      chunk: prefill tokens per row and step.
+      batch_sizes: rows per compiled program (capped at `max_slots`, which is always one).
       implementation, interpret: the attention implementation (`sink_window_attention`).
+
+    Attributes:
+      runner: both caches' `ResourceRunner`; `local`, `global_` the managers.
+      buckets: the prefill and decode walks' buckets.
+      captures: the report of every capture so far; `late_captures` counts buckets captured while
+        serving, because `capture` had not been called for their head.
     """
 
     def __init__(
@@ -96,33 +123,43 @@ class Gemma3Streams:
         global_retention: SinkWindow,
         max_slots: int = 1,
         chunk: int = 128,
+        batch_sizes: Sequence[int] = (1,),
         implementation: str = "auto",
         interpret=False,
     ):
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk={chunk!r} must be an int >= 1")
         self.config, self.chunk = config, chunk
-        dtype = model.embed[...].dtype
         local, global_ = cache_configs(
-            config, global_retention=global_retention, max_slots=max_slots, dtype=dtype
+            config, global_retention=global_retention, max_slots=max_slots, dtype=model.embed[...].dtype
         )
         self.local = BoundedKVManager(BoundedKVSpec(LOCAL_KV, {"gemma3"}, local), num_sources=1)
         self.global_ = BoundedKVManager(BoundedKVSpec(GLOBAL_KV, {"gemma3"}, global_), num_sources=1)
+        self.runner = ResourceRunner({LOCAL_KV: self.local, GLOBAL_KV: self.global_})
+        sizes = cap_batch_sizes([b for b in batch_sizes if b < max_slots] or [max_slots], max_slots)
+        self.buckets = Buckets((
+            BucketSet(graph_walk=PREFILL, batch_sizes=sizes, token_counts=(chunk,)),
+            BucketSet(graph_walk=DECODE, batch_sizes=sizes, token_counts=(1,)),
+        ))  # fmt: skip
         self._graphdef, self.params = nnx.split(model)
-        self._step = jax.jit(
-            functools.partial(self.step, implementation=implementation, interpret=interpret),
-            donate_argnums=(1,),
-            static_argnames=("all_logits",),
-        )
+        self._fn = functools.partial(self.step, implementation=implementation, interpret=interpret)
+        self._programs: dict[tuple[str, BucketKey], CapturedStep] = {}
+        self.captures: list[CaptureReport] = []
+        self.late_captures = 0
         self._counter = 0
 
     @property
     def managers(self) -> tuple[BoundedKVManager, BoundedKVManager]:
         return self.local, self.global_
 
+    @property
+    def bytes_per_stream(self) -> int:
+        """Device bytes one stream's slot holds in both caches, whatever its length."""
+        return sum(m.cache.nbytes // m.cache.k[0].shape[0] for m in self.managers)
+
     def step(
-        self, params, caches, banks, tables, tokens: jax.Array, lengths: jax.Array, *, all_logits: bool,
-        implementation: str = "auto", interpret=False,
+        self, params, caches, banks, tables, tokens: jax.Array, lengths: jax.Array, targets: jax.Array, *,
+        head: str, implementation: str = "auto", interpret=False,
     ):  # fmt: skip
         """One step of every row: prefill chunks or one-token decode, the same code.
 
@@ -132,11 +169,11 @@ class Gemma3Streams:
           tables: (local, global) plan tables, i32[B, ROW_INTS] each.
           tokens: i32[B, T]; row b's first `lengths[b]` are real.
           lengths: i32[B].
-          all_logits: static; return every position's logits (f32[B, T, V]) rather than the last real
-            token's (f32[B, V]).
+          targets: i32[B, T], the token each position is scored on (head `log_probs`; ignored otherwise).
+          head: static, one of `HEADS`.
 
         Returns:
-          (caches, logits).
+          (caches, per-row output as `HEADS` says, with a leading B axis).
         """
         model = nnx.merge(self._graphdef, params)
         configs = (self.local.config, self.global_.config)
@@ -156,94 +193,164 @@ class Gemma3Streams:
             return out, caches
 
         hidden, caches = model(tokens, positions, caches, attend_fn)
-        if not all_logits:
+        if head == "next":
             last = jnp.maximum(lengths - 1, 0)
             hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-        return caches, model.logits(hidden)
+            return caches, jnp.argmax(model.logits(hidden), axis=-1).astype(jnp.int32)
+        logits = model.logits(hidden)
+        if head == "logits":
+            return caches, logits
+        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return caches, jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
 
-    def _run(self, rids: Sequence[str], spans: Sequence[int], tokens: np.ndarray, *, all_logits: bool):
-        """Admit, plan, run and commit one step of `rids` (each writing its `span` tokens) on both caches."""
-        b, t = tokens.shape
+    # -- capture -----------------------------------------------------------------------------------
+
+    def _abstract_args(self, bucket: BucketKey) -> tuple:
+        shapes = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+        rows, width = bucket.bs, bucket.num_tokens
+        table = jax.ShapeDtypeStruct((rows, tbl.ROW_INTS), jnp.int32)
+        ids = jax.ShapeDtypeStruct((rows, width), jnp.int32)
+        return (
+            shapes(self.params), shapes((self.local.cache, self.global_.cache)),
+            shapes((self.local.bank, self.global_.bank)), (table, table), ids,
+            jax.ShapeDtypeStruct((rows,), jnp.int32), ids,
+        )  # fmt: skip
+
+    def capture(self, heads: Iterable[str] = ("next",), *, progress: bool = False) -> list[CaptureReport]:
+        """Compile the step ahead of time for every bucket, once per head; serving then never compiles.
+
+        Raises:
+          ValueError: for a head not in `HEADS`.
+        """
+        reports, every_bucket = [], self.buckets.keys()
+        for head in heads:
+            if head not in HEADS:
+                raise ValueError(f"head={head!r} must be one of {HEADS}")
+            missing = [key for key in every_bucket if (head, key) not in self._programs]
+            reports.append(self._capture(head, missing, progress))
+        return [r for r in reports if r is not None]
+
+    def _capture(self, head: str, keys: list[BucketKey], progress: bool) -> CaptureReport | None:
+        if not keys:
+            return None
+        captured = capture(
+            self._fn, keys, self._abstract_args, static_kwargs={"head": head}, donate_argnums=(1,),
+            name=f"gemma3 {head}", progress=progress,
+        )  # fmt: skip
+        self._programs.update(dict.fromkeys(((head, k) for k in keys), captured))
+        self.captures.append(captured.report)
+        return captured.report
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def run(
+        self, rows: Sequence[tuple[str, Sequence[int]]], *, head: str = "next",
+        targets: Sequence[Sequence[int]] | None = None,
+    ) -> tuple[FullAdmitOutcome, list | None]:  # fmt: skip
+        """Admit, plan, run and commit one step of `rows` (request id, its step's tokens) on both caches.
+
+        Returns:
+          (the runner's admission outcome, each row's output as `HEADS` says); the outputs are None and
+          nothing changed when a cache refused the step (e.g. `AllocationFailed`: no free slot).
+        """
+        spans = [len(tokens) for _, tokens in rows]
+        walk = DECODE if max(spans) == 1 else PREFILL
+        bucket = self.buckets.bucket_for(walk, len(rows), max(spans))
+        rids = [rid for rid, _ in rows]
+        pads = [f"{PAD}{i}" for i in range(bucket.bs - len(rows))]
         step = BoundedKVStep(
-            tuple(Segment(rid, "main", span) for rid, span in zip(rids, spans, strict=True)),
+            tuple(
+                Segment(rid, "main", span)
+                for rid, span in zip([*rids, *pads], [*spans, *[0] * len(pads)], strict=True)
+            ),
             {rid: StreamPosition(0, self.local.written(rid)) for rid in rids},
             dict(zip(rids, spans, strict=True)),
         )
-        ctx = StepContext(
-            list(rids), "gemma3", 0, capture=False, slot_lease=SlotLease(0, BucketKey("gemma3", b, t))
-        )
-        tables = []
-        for manager in self.managers:
-            outcome = manager.admit(step, ctx)
-            if not outcome.ok:
-                raise RuntimeError(f"{manager.spec.resource_key} refused the step: {outcome.reason}")
-            tables.append(manager.plan(step, ctx).table)
-        caches = (self.local.cache, self.global_.cache)
-        banks = (self.local.bank, self.global_.bank)
-        lengths = np.asarray(spans, np.int32)
-        caches, logits = self._step(
-            self.params, caches, banks, tuple(tables), tokens, lengths, all_logits=all_logits
-        )
+        ctx = StepContext(rids, walk, 0, capture=False, slot_lease=SlotLease(0, bucket))
+        ctx.set_padded_rids(rids + pads)
+        sub = SubmoduleStep({LOCAL_KV: step, GLOBAL_KV: step})
+        sub.set_ctx(ctx)
+        outcome = self.runner.admit(sub)
+        if not (outcome.ok and outcome.ready):
+            if outcome.ok:
+                self.runner.abort_step(sub)
+            return outcome, None
+        plans = self.runner.plan(sub)
+        tokens = np.zeros((bucket.bs, bucket.num_tokens), np.int32)
+        goals = np.zeros_like(tokens)
+        for i, (_, ids) in enumerate(rows):
+            tokens[i, : spans[i]] = ids
+            if targets is not None:
+                goals[i, : spans[i]] = targets[i]
+        key = (head, bucket)
+        if key not in self._programs:
+            self.late_captures += 1
+            self._capture(head, [bucket], progress=False)
+        lengths = np.asarray(spans + [0] * len(pads), np.int32)
+        caches, out = self._programs[key].replay(
+            bucket, self.params, (self.local.cache, self.global_.cache), (self.local.bank, self.global_.bank),
+            (plans[LOCAL_KV].table, plans[GLOBAL_KV].table), tokens, lengths, goals,
+        )  # fmt: skip
         self.local.cache, self.global_.cache = caches
-        for manager in self.managers:
-            manager.commit(step, ctx)
-        return logits
+        self.runner.commit(sub)
+        out = np.asarray(out)
+        if head == "next":
+            return outcome, [int(x) for x in out[: len(rows)]]
+        return outcome, [out[i, : spans[i]] for i in range(len(rows))]
 
-    def _open(self) -> str:
+    def open(self) -> str:
+        """A new request id, ingested into both caches (its slot is claimed by its first step)."""
         self._counter += 1
         rid = f"stream{self._counter}"
-        for manager in self.managers:
-            manager.ingest_request(rid)
+        self.runner.ingest_request(rid)
         return rid
 
-    def _close(self, rid: str) -> None:
-        for manager in self.managers:
-            manager.remove_request(rid)
+    def close(self, rid: str) -> None:
+        """Give the request's slots back."""
+        self.runner.remove_request(rid)
 
-    def _stream(self, tokens: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-        """Stream `tokens` through one new request in chunks; yield each chunk's start and its logits at
-        every real position, f32[chunk length, V]. The request's slots are given back at the end."""
-        rid = self._open()
+    def _run_one(self, rid: str, tokens: Sequence[int], **kwargs):
+        outcome, out = self.run([(rid, tokens)], **kwargs)
+        if out is None:
+            raise RuntimeError(f"{outcome.failed_resource} refused the step: {outcome.reason}")
+        return out[0]
+
+    def _stream(self, tokens: np.ndarray, head: str, targets: np.ndarray | None = None) -> Iterator:
+        """Stream `tokens` through one new request in chunks; yield each chunk's output. The request's
+        slots are given back at the end."""
+        rid = self.open()
         try:
             for start in range(0, len(tokens), self.chunk):
-                piece = tokens[start : start + self.chunk]
-                padded = np.zeros((1, self.chunk), np.int32)
-                padded[0, : len(piece)] = piece
-                logits = self._run([rid], [len(piece)], padded, all_logits=True)
-                yield start, np.asarray(logits)[0, : len(piece)]
+                end = start + self.chunk
+                goals = None if targets is None else [targets[start:end]]
+                yield self._run_one(rid, tokens[start:end], head=head, targets=goals)
         finally:
-            self._close(rid)
+            self.close(rid)
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """f32[len, V]: the next-token logits after each prefix of `tokens` (a short text: V floats each)."""
-        return np.concatenate([logits for _, logits in self._stream(np.asarray(tokens, np.int32))])
+        return np.concatenate(list(self._stream(np.asarray(tokens, np.int32), "logits")))
 
     def score(self, tokens: Sequence[int]) -> np.ndarray:
         """Stream `tokens` through in chunks; return f64[len - 1] the log-probability of each token after
         the first given those before it (as the bounded caches retain them), at flat memory."""
         tokens = np.asarray(tokens, np.int32)
-        scores = []
-        for start, logits in self._stream(tokens[:-1]):
-            targets = tokens[start + 1 : start + 1 + len(logits)]
-            logits = logits.astype(np.float64)
-            top = logits.max(axis=-1, keepdims=True)
-            log_norm = top[:, 0] + np.log(np.exp(logits - top).sum(axis=-1))
-            scores.append(logits[np.arange(len(targets)), targets] - log_norm)
-        return np.concatenate(scores) if scores else np.zeros(0)
+        if len(tokens) < 2:
+            return np.zeros(0)
+        pieces = self._stream(tokens[:-1], "log_probs", tokens[1:])
+        return np.concatenate(list(pieces)).astype(np.float64)
 
     def greedy(self, prompt: Sequence[int], count: int) -> list[int]:
         """The `count` tokens greedy decoding appends to `prompt` (prefilled in chunks)."""
         prompt = np.asarray(prompt, np.int32)
-        rid, out = self._open(), []
+        rid, out = self.open(), []
         try:
             for start in range(0, len(prompt), self.chunk):
-                piece = prompt[start : start + self.chunk]
-                padded = np.zeros((1, self.chunk), np.int32)
-                padded[0, : len(piece)] = piece
-                logits = self._run([rid], [len(piece)], padded, all_logits=False)
+                nxt = self._run_one(rid, prompt[start : start + self.chunk])
             for _ in range(count):
-                out.append(int(np.argmax(np.asarray(logits)[0])))
-                logits = self._run([rid], [1], np.asarray([[out[-1]]], np.int32), all_logits=False)
+                out.append(nxt)
+                if len(out) < count:
+                    nxt = self._run_one(rid, [nxt])
         finally:
-            self._close(rid)
+            self.close(rid)
         return out
