@@ -205,9 +205,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from mstar_jax.models.gemma3 import command  # the model loads only when generating
-
-    return command.run(args, CommandLineError)
+    return gemma3_command.run(args, CommandLineError)
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {

@@ -43,13 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="per stream")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     retention = parser.add_argument_group("the global layers' cache (local layers keep their 512)")
-    retention.add_argument("--global-sink", type=_non_negative, default=4, metavar="S", help="(default 4)")
-    retention.add_argument(
-        "--global-window", type=_positive, default=1024, metavar="W", help="(default 1024)"
-    )
-    retention.add_argument(
-        "--dense", action="store_true", help="keep the model's whole context (32,768) instead"
-    )
+    retention.add_argument("--global-sink", type=_non_negative, metavar="S", help="sinks kept (default 4)")
+    size = retention.add_mutually_exclusive_group()
+    size.add_argument("--global-window", type=_positive, metavar="W", help="latest kept (default 1020)")
+    size.add_argument("--dense", action="store_true", help="keep the model's whole context (32,768)")
     parser.add_argument("--max-slots", type=_positive, metavar="N", help="streams at once (default: all)")
     parser.add_argument("--chunk", type=_positive, default=128, metavar="T", help="prefill tokens a step")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -82,13 +79,21 @@ class _Printer:
         self.last: int | None = None
 
     def __call__(self, index: int, token: int) -> None:
-        ids = self.ids.setdefault(index, [])
-        ids.append(token)
+        self.ids.setdefault(index, []).append(token)
+        self._show(index, final=False)
+
+    def finish(self) -> None:
+        """Print what every stream still holds back (a stream may end mid-character)."""
+        for index in self.ids:
+            self._show(index, final=True)
+
+    def _show(self, index: int, *, final: bool) -> None:
+        ids = self.ids[index]
         start, shown = self.offsets.get(index, (0, 0))
         text = self.decode(ids[start:])
-        if text.endswith("\ufffd"):
-            return
         new = text[len(self.decode(ids[start:shown])) :]
+        if not new or (text.endswith("\ufffd") and not final):
+            return
         self.offsets[index] = (shown, len(ids))
         if self.tagged and self.last != index:
             self.out.write(f"\n[{index}] ")
@@ -145,15 +150,18 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
 
     stops = () if args.ignore_eos else (tokenizer.eos_id,)
     result = generate(streams, prompts, args.max_new_tokens, stop_ids=stops, on_token=on_token)
+    if not args.quiet:
+        printer.finish()
     memory.append(resident_bytes())
     longest = max(len(p) + len(t) for p, t in zip(prompts, result.tokens, strict=True))
-    decode_s = result.seconds - min(result.first_token_s)
+    # Each stream's first token comes from its prefill; the rest are decoded.
+    decoded, decode_s = result.new_tokens - len(prompts), result.seconds - min(result.first_token_s)
     rss = " -> ".join(format_bytes(m) for m in memory) if None not in memory else "unknown"
     print(
         f"\n\n{len(prompts)} stream(s), {slots} at once; global cache {retention}; longest stream "
         f"{longest:,} tokens (context {config.context_length:,})\n"
         f"prompt {result.prompt_tokens:,} tokens, generated {result.new_tokens:,} in {result.seconds:.1f} s: "
-        f"{result.new_tokens / max(decode_s, 1e-9):.1f} tokens/s after the first token\n"
+        f"{decoded / max(decode_s, 1e-9):.1f} tokens/s decoded after the first token\n"
         f"memory per stream: {format_bytes(streams.bytes_per_stream)} of cache, fixed whatever the length; "
         f"process resident memory at the first token -> at the end: {rss}\n"
         f"captured {sum(len(r.buckets) for r in captures)} programs ahead of time in "

@@ -17,6 +17,7 @@ are an opt-in extra, imported only when a function here needs them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 import pathlib
@@ -25,7 +26,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["DTYPES", "Gemma3Config", "default_gguf_path", "load_gguf", "open_gguf"]
+__all__ = ["DTYPES", "Gemma3Config", "default_gguf_path", "load_gguf", "open_gguf", "read_config"]
 
 DTYPES: tuple[np.dtype, ...] = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
 """Dtypes `load_gguf` can return (bfloat16 is the ml_dtypes type that jax uses)."""
@@ -151,11 +152,18 @@ def _import_gguf():
     return require("gguf", "reading GGUF files")
 
 
+@functools.lru_cache(maxsize=4)
+def _reader(path: str, modified_ns: int, size: int) -> Any:
+    return _import_gguf().GGUFReader(path, "r")
+
+
 def open_gguf(path: str | os.PathLike[str] | Any) -> Any:
     """A `gguf.GGUFReader` on `path` (returned as is when it is one already).
 
     Opening parses all the metadata, the 262,144-token vocabulary included: tens of seconds on a small
-    CPU. Open once and pass the reader to both `load_gguf` and `Gemma3Tokenizer.from_gguf`.
+    CPU. So readers are kept per file (and its modification time and size): a process parses a file
+    once, however many times it opens it; pass the reader to both `load_gguf` and
+    `Gemma3Tokenizer.from_gguf`.
 
     Raises:
       ModuleNotFoundError: when the `gguf` package is not installed.
@@ -163,7 +171,9 @@ def open_gguf(path: str | os.PathLike[str] | Any) -> Any:
     gguf = _import_gguf()
     if isinstance(path, gguf.GGUFReader):
         return path
-    return gguf.GGUFReader(os.fspath(path), "r")
+    resolved = os.path.realpath(os.fspath(path))
+    stat = os.stat(resolved)
+    return _reader(resolved, stat.st_mtime_ns, stat.st_size)
 
 
 _REQUIRED = object()
@@ -178,7 +188,13 @@ def _field(reader: Any, key: str, *, default: Any = _REQUIRED) -> Any:
     return field.contents()
 
 
-def _config(reader: Any) -> Gemma3Config:
+def read_config(path: str | os.PathLike[str] | Any) -> Gemma3Config:
+    """The model's config from a GGUF file's metadata (a path or an open reader); no tensor is read.
+
+    Raises:
+      ValueError: for another architecture, a missing key, or geometry `Gemma3Config` refuses.
+    """
+    reader = open_gguf(path)
     architecture = _field(reader, "general.architecture")
     if architecture != "gemma3":
         raise ValueError(f"general.architecture={architecture!r} must be 'gemma3'")
@@ -253,6 +269,6 @@ def load_gguf(
         raise TypeError(f"dtype={dtype.name!r} must be one of {[d.name for d in DTYPES]}")
     gguf = _import_gguf()
     reader = open_gguf(path)
-    config = _config(reader)
+    config = read_config(reader)
     weights = {tensor.name: _dequantize(gguf, tensor, dtype) for tensor in reader.tensors}
     return config, weights

@@ -1,10 +1,10 @@
 """Several Gemma 3 streams at once: prompts admitted as slots free up, steps run in captured buckets.
 
 `generate` keeps every stream moving. Each round runs one prefill step (the prompts still being read, in
-chunks, joined by waiting prompts while the caches have free slots) and then decode steps of one token
-for every stream already generating, as many rows a step as the largest bucket holds. A waiting prompt
-claims its slots in the step that first carries it: when the caches refuse it (`AllocationFailed`), it
-waits for a stream to finish and give its slots back. Nothing compiles while serving once
+chunks, joined by waiting prompts) and then decode steps of one token for every stream already
+generating, as many rows a step as the largest bucket holds. A waiting prompt claims its slots in the
+step that first carries it: when the caches refuse it (`AllocationFailed`), it and the prompts behind it
+wait until a stream finishes and gives its slots back. Nothing compiles while serving once
 `Gemma3Streams.capture()` has run.
 """
 
@@ -23,7 +23,7 @@ from mstar_jax.resources.step import AllocationFailed
 __all__ = ["Generation", "generate"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Stream:
     index: int
     prompt: np.ndarray
@@ -47,7 +47,8 @@ class Generation:
       seconds: wall time of the whole run.
       first_token_s: per prompt, seconds from the start until its first generated token.
       steps: steps run, by walk (`PREFILL`, `DECODE`).
-      refusals: admissions refused for lack of a free slot (the prompt waited).
+      refusals: admissions refused for lack of a free slot (each sent a prompt waiting for a stream to
+        finish).
       late_captures: buckets compiled while serving (0 after `capture()`).
     """
 
@@ -110,8 +111,10 @@ def generate(
     done: list[_Stream] = []
     steps, refusals = collections.Counter(), 0
     late_before = streams.late_captures
+    full = False  # a prompt was refused a slot; none can join until a stream finishes
 
     def emit(stream: _Stream, token: int) -> None:
+        nonlocal full
         stream.tokens.append(token)
         if stream.first_token_s is None:
             stream.first_token_s = clock() - start
@@ -121,46 +124,56 @@ def generate(
             streams.close(stream.rid)
             active.remove(stream)
             done.append(stream)
+            full = False
 
-    while waiting or active:
-        reading = [s for s in active if s.prefilling][: streams.buckets.max_batch(PREFILL)]
-        joining = list(waiting)[: streams.buckets.max_batch(PREFILL) - len(reading)]
-        for stream in joining:
-            stream.rid = streams.open()
-        rows = reading + joining
-        while rows:
-            chunks = [s.prompt[s.read : s.read + streams.chunk] for s in rows]
-            outcome, out = streams.run([(s.rid, c) for s, c in zip(rows, chunks, strict=True)])
-            if out is not None:
-                break
-            if not isinstance(outcome.reason, AllocationFailed):
-                raise RuntimeError(f"{outcome.failed_resource} refused the step: {outcome.reason}")
-            # Slots go in order, so the refused prompt and every newcomer after it wait for a free one.
-            refusals += 1
-            refused = next(i for i, s in enumerate(rows) if s.rid == outcome.reason.request_id)
-            for stream in rows[refused:]:
-                streams.close(stream.rid)
-                stream.rid = None
-            rows = rows[:refused]
-        if rows:
-            steps[PREFILL if max(map(len, chunks)) > 1 else DECODE] += 1
-            for stream in rows:
-                if stream in joining:
-                    waiting.remove(stream)
-                    active.append(stream)
-            for stream, chunk, token in zip(rows, chunks, out, strict=True):
-                stream.read += len(chunk)
-                if not stream.prefilling:
+    try:
+        while waiting or active:
+            largest = streams.buckets.max_batch(PREFILL)
+            reading = [s for s in active if s.prefilling][:largest]
+            joining = [] if full else list(waiting)[: largest - len(reading)]
+            for stream in joining:
+                stream.rid = streams.open()
+            rows = reading + joining
+            while rows:
+                chunks = [s.prompt[s.read : s.read + streams.chunk] for s in rows]
+                outcome, out = streams.run([(s.rid, c) for s, c in zip(rows, chunks, strict=True)])
+                if out is not None:
+                    break
+                reason = outcome.reason
+                refused = next(
+                    (i for i, s in enumerate(rows) if s.rid == getattr(reason, "request_id", None)), 0
+                )
+                if not isinstance(reason, AllocationFailed) or not (refused or active):
+                    # Refused for another reason, or with no stream left to give a slot back.
+                    raise RuntimeError(f"{outcome.failed_resource} refused the step: {reason}")
+                # Slots go in order, so the refused prompt and every newcomer after it wait for a free one.
+                refusals, full = refusals + 1, True
+                for stream in rows[refused:]:
+                    streams.close(stream.rid)
+                    stream.rid = None
+                rows = rows[:refused]
+            if rows:
+                steps[PREFILL if max(map(len, chunks)) > 1 else DECODE] += 1
+                for stream in rows:
+                    if stream in joining:
+                        waiting.remove(stream)
+                        active.append(stream)
+                for stream, chunk, token in zip(rows, chunks, out, strict=True):
+                    stream.read += len(chunk)
+                    if not stream.prefilling:
+                        emit(stream, token)
+            decoding = [s for s in active if not s.prefilling]
+            largest = streams.buckets.max_batch(DECODE)
+            for group in (decoding[i : i + largest] for i in range(0, len(decoding), largest)):
+                outcome, out = streams.run([(s.rid, s.tokens[-1:]) for s in group])
+                if out is None:  # streams holding their slots are never refused for room
+                    raise RuntimeError(f"{outcome.failed_resource} refused a decode step: {outcome.reason}")
+                steps[DECODE] += 1
+                for stream, token in zip(group, out, strict=True):
                     emit(stream, token)
-        decoding = [s for s in active if not s.prefilling and s.tokens]
-        largest = streams.buckets.max_batch(DECODE)
-        for group in (decoding[i : i + largest] for i in range(0, len(decoding), largest)):
-            outcome, out = streams.run([(s.rid, s.tokens[-1:]) for s in group])
-            if out is None:  # streams holding their slots are never refused for room
-                raise RuntimeError(f"{outcome.failed_resource} refused a decode step: {outcome.reason}")
-            steps[DECODE] += 1
-            for stream, token in zip(group, out, strict=True):
-                emit(stream, token)
+    finally:  # an error (in on_token too) must not leave slots claimed on the shared caches
+        for stream in active:
+            streams.close(stream.rid)
     done.sort(key=lambda s: s.index)
     return Generation(
         tokens=[s.tokens for s in done],

