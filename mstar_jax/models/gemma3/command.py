@@ -72,8 +72,8 @@ class _Printer:
     holds no replacement character (the incremental detokenization vLLM and TGI use).
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], tagged: bool, out=sys.stdout):
-        self.decode, self.tagged, self.out = decode, tagged, out
+    def __init__(self, decode: Callable[[list[int]], str], tagged: bool, out=None):
+        self.decode, self.tagged, self.out = decode, tagged, out or sys.stdout
         self.ids: dict[int, list[int]] = {}
         self.offsets: dict[int, tuple[int, int]] = {}  # (tail start, tokens shown)
         self.last: int | None = None
