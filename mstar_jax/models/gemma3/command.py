@@ -154,14 +154,15 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
         printer.finish()
     memory.append(resident_bytes())
     longest = max(len(p) + len(t) for p, t in zip(prompts, result.tokens, strict=True))
-    # Each stream's first token comes from its prefill; the rest are decoded.
-    decoded, decode_s = result.new_tokens - len(prompts), result.seconds - min(result.first_token_s)
+    prompt_rate = result.prompt_tokens / max(result.prompt_seconds, 1e-9)
+    decode_rate = result.decoded_tokens / max(result.decode_seconds, 1e-9)
     rss = " -> ".join(format_bytes(m) for m in memory) if None not in memory else "unknown"
     print(
         f"\n\n{len(prompts)} stream(s), {slots} at once; global cache {retention}; longest stream "
         f"{longest:,} tokens (context {config.context_length:,})\n"
-        f"prompt {result.prompt_tokens:,} tokens, generated {result.new_tokens:,} in {result.seconds:.1f} s: "
-        f"{decoded / max(decode_s, 1e-9):.1f} tokens/s decoded after the first token\n"
+        f"generated {result.new_tokens:,} tokens in {result.seconds:.1f} s: prompts read at "
+        f"{prompt_rate:,.1f} tokens/s ({result.prompt_tokens:,}), tokens decoded at {decode_rate:.1f}/s "
+        f"({result.decoded_tokens:,}, all streams)\n"
         f"memory per stream: {format_bytes(streams.bytes_per_stream)} of cache, fixed whatever the length; "
         f"process resident memory at the first token -> at the end: {rss}\n"
         f"captured {sum(len(r.buckets) for r in captures)} programs ahead of time in "

@@ -47,6 +47,9 @@ class Generation:
       seconds: wall time of the whole run.
       first_token_s: per prompt, seconds from the start until its first generated token.
       steps: steps run, by walk (`PREFILL`, `DECODE`).
+      prompt_seconds: wall time of the steps reading prompts (each gives its streams' first tokens).
+      decode_seconds, decoded_tokens: wall time of the steps feeding generated tokens back, and the
+        tokens they fed (every generated token but each stream's last).
       refusals: admissions refused for lack of a free slot (each sent a prompt waiting for a stream to
         finish).
       late_captures: buckets compiled while serving (0 after `capture()`).
@@ -57,6 +60,9 @@ class Generation:
     seconds: float
     first_token_s: list[float]
     steps: dict[str, int]
+    prompt_seconds: float
+    decode_seconds: float
+    decoded_tokens: int
     refusals: int
     late_captures: int
 
@@ -109,9 +115,10 @@ def generate(
     waiting = collections.deque(_Stream(i, ids) for i, ids in enumerate(arrays))
     active: list[_Stream] = []
     done: list[_Stream] = []
-    steps, refusals = collections.Counter(), 0
+    steps, seconds, refusals = collections.Counter(), collections.Counter(), 0
     late_before = streams.late_captures
     full = False  # a prompt was refused a slot; none can join until a stream finishes
+    decoded = 0
 
     def emit(stream: _Stream, token: int) -> None:
         nonlocal full
@@ -136,8 +143,11 @@ def generate(
             rows = reading + joining
             while rows:
                 chunks = [s.prompt[s.read : s.read + streams.chunk] for s in rows]
+                began = clock()
                 outcome, out = streams.run([(s.rid, c) for s, c in zip(rows, chunks, strict=True)])
                 if out is not None:
+                    steps[PREFILL if max(map(len, chunks)) > 1 else DECODE] += 1
+                    seconds["prompt"] += clock() - began
                     break
                 reason = outcome.reason
                 refused = next(
@@ -153,7 +163,6 @@ def generate(
                     stream.rid = None
                 rows = rows[:refused]
             if rows:
-                steps[PREFILL if max(map(len, chunks)) > 1 else DECODE] += 1
                 for stream in rows:
                     if stream in joining:
                         waiting.remove(stream)
@@ -165,10 +174,13 @@ def generate(
             decoding = [s for s in active if not s.prefilling]
             largest = streams.buckets.max_batch(DECODE)
             for group in (decoding[i : i + largest] for i in range(0, len(decoding), largest)):
+                began = clock()
                 outcome, out = streams.run([(s.rid, s.tokens[-1:]) for s in group])
                 if out is None:  # streams holding their slots are never refused for room
                     raise RuntimeError(f"{outcome.failed_resource} refused a decode step: {outcome.reason}")
                 steps[DECODE] += 1
+                seconds["decode"] += clock() - began
+                decoded += len(group)
                 for stream, token in zip(group, out, strict=True):
                     emit(stream, token)
     finally:  # an error (in on_token too) must not leave slots claimed on the shared caches
@@ -181,6 +193,9 @@ def generate(
         seconds=clock() - start,
         first_token_s=[s.first_token_s for s in done],
         steps=dict(steps),
+        prompt_seconds=seconds["prompt"],
+        decode_seconds=seconds["decode"],
+        decoded_tokens=decoded,
         refusals=refusals,
         late_captures=streams.late_captures - late_before,
     )

@@ -40,7 +40,8 @@ def test_generate_streams_two_prompts_through_one_slot(reader, capsys):
     assert streamed["0"].split(",")[:2] == [" five", " six"]
     assert "Thursday" in streamed["1"]
     assert "2 stream(s), 1 at once; global cache SinkWindow(sink=4, window=60" in out
-    assert "generated 12 in" in out
+    assert "generated 12 tokens in" in out
+    assert "(10, all streams)" in out  # tokens decoded: all but each stream's last
     assert "0 compiled while serving; 1 admissions waited for a slot" in out
     config = read_config(reader)
     local, global_ = cache_configs(config, global_retention=SinkWindow(4, 60))

@@ -54,6 +54,7 @@ def test_concurrent_streams_equal_each_served_alone(model, prompts, alone):
     assert result.steps[DECODE] >= NEW_TOKENS
     assert result.prompt_tokens == sum(map(len, prompts))
     assert result.new_tokens == 4 * NEW_TOKENS
+    assert result.decoded_tokens == 4 * (NEW_TOKENS - 1)  # each stream's last token is never fed back
 
 
 def test_a_stop_token_ends_its_stream_only(model, prompts, alone):
