@@ -495,3 +495,31 @@ def test_run_refuses_an_incomplete_or_bad_job_before_joining(joined, tmp_path, c
     err = capsys.readouterr().err
     assert re.search(r"mstar-jax run: error: .*" + message, err), err
     assert joined == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dense", "--global-sink", "2"], "--global-sink 2 does not go with --dense"),
+        (
+            ["--prompt-file", "/nonexistent/prompt.txt"],
+            "--prompt-file '/nonexistent/prompt.txt' cannot be read",
+        ),
+    ],
+)
+def test_generate_refuses_bad_options_before_loading_the_model(argv, message, capsys):
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mstar-jax generate: error: ")
+    assert message in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--dense", "--global-window", "8"], ["--max-new-tokens", "0"], ["--global-sink", "-1"]],
+)
+def test_generate_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", *argv])
+    assert exit_info.value.code == 2
+    assert "usage: mstar-jax generate" in capsys.readouterr().err

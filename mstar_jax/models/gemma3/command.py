@@ -113,6 +113,8 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
     from mstar_jax.models.gemma3.stream import Gemma3Streams
     from mstar_jax.resources.kv.bounded.config import SinkWindow
 
+    if args.dense and args.global_sink is not None:
+        raise error(f"--global-sink {args.global_sink} does not go with --dense, which keeps every position")
     texts = list(args.prompt)
     for path in args.prompt_file:
         try:
@@ -127,11 +129,11 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
     config, tensors = load_gguf(reader)
     tokenizer = Gemma3Tokenizer.from_gguf(reader)
     prompts = [tokenizer.encode(text)[: args.max_prompt_tokens] for text in texts]
-    retention = (
-        SinkWindow(0, config.context_length)
-        if args.dense
-        else SinkWindow(args.global_sink, args.global_window)
-    )
+    if args.dense:
+        retention = SinkWindow(0, config.context_length)
+    else:
+        sink = 4 if args.global_sink is None else args.global_sink
+        retention = SinkWindow(sink, 1020 if args.global_window is None else args.global_window)
     slots = args.max_slots or len(prompts)
     model = Gemma3.from_tensors(config, tensors, dtype=jnp.dtype(args.dtype))
     streams = Gemma3Streams(
