@@ -65,25 +65,28 @@ def resident_bytes() -> int | None:
 
 
 class _Printer:
-    """Prints each stream's text as its tokens come, a `[i]` tag whenever the stream changes.
+    """Prints each stream's text as its tokens come: one stream's as it is, several streams' a line at a
+    time (at a newline, or once `LINE` characters wait), each line tagged `[i]`.
 
     A word's pieces (or a character's bytes) only make sense together, so each token's text is what
-    decoding the tail since the last shown token adds to decoding that tail without it, shown once it
+    decoding the tail since the last shown token adds to decoding that tail without it, taken once it
     holds no replacement character (the incremental detokenization vLLM and TGI use).
     """
+
+    LINE = 96
 
     def __init__(self, decode: Callable[[list[int]], str], tagged: bool, out=None):
         self.decode, self.tagged, self.out = decode, tagged, out or sys.stdout
         self.ids: dict[int, list[int]] = {}
         self.offsets: dict[int, tuple[int, int]] = {}  # (tail start, tokens shown)
-        self.last: int | None = None
+        self.pending: dict[int, str] = {}  # tagged: text not printed yet
 
     def __call__(self, index: int, token: int) -> None:
         self.ids.setdefault(index, []).append(token)
         self._show(index, final=False)
 
     def finish(self) -> None:
-        """Print what every stream still holds back (a stream may end mid-character)."""
+        """Print what every stream still holds back (a stream may end mid-character or mid-line)."""
         for index in self.ids:
             self._show(index, final=True)
 
@@ -92,13 +95,18 @@ class _Printer:
         start, shown = self.offsets.get(index, (0, 0))
         text = self.decode(ids[start:])
         new = text[len(self.decode(ids[start:shown])) :]
-        if not new or (text.endswith("\ufffd") and not final):
-            return
-        self.offsets[index] = (shown, len(ids))
-        if self.tagged and self.last != index:
-            self.out.write(f"\n[{index}] ")
-        self.last = index
-        self.out.write(new)
+        if new and (final or not text.endswith("\ufffd")):
+            self.offsets[index] = (shown, len(ids))
+        else:
+            new = ""
+        if not self.tagged:
+            self.out.write(new)
+        else:
+            *lines, rest = (self.pending.get(index, "") + new).split("\n")
+            if (final and rest) or len(rest) >= self.LINE:
+                lines, rest = [*lines, rest], ""
+            self.pending[index] = "" if final else rest
+            self.out.write("".join(f"[{index}] {line}\n" for line in lines))
         self.out.flush()
 
 

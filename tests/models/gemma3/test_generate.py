@@ -50,11 +50,24 @@ def test_generate_streams_two_prompts_through_one_slot(reader, capsys):
 
 def test_printed_text_is_the_decoded_text_even_mid_character(reader):
     tokenizer = Gemma3Tokenizer.from_gguf(reader)
-    text = "naïve café, 😀 ☃ 𝄞 and ünïcödé"
-    ids = tokenizer.encode(text, add_bos=False)
-    assert len(ids) > 10
+    texts = ["naïve café, 😀 ☃ 𝄞 and ünïcödé", "two lines:\nthe second one, 🎵 long enough " + "la " * 40]
+    streams = [tokenizer.encode(text, add_bos=False) for text in texts]
     out = io.StringIO()
     printer = _Printer(tokenizer.decode, tagged=False, out=out)
-    for token in ids:
+    for token in streams[0]:
         printer(0, token)
-    assert out.getvalue() == tokenizer.decode(ids) == text
+    assert out.getvalue() == tokenizer.decode(streams[0]) == texts[0]
+    # Several streams, interleaved: whole lines, each tagged; a stream's lines give back its text.
+    out = io.StringIO()
+    printer = _Printer(tokenizer.decode, tagged=True, out=out)
+    for step in range(max(map(len, streams))):
+        for index, ids in enumerate(streams):
+            if step < len(ids):
+                printer(index, ids[step])
+    printer.finish()
+    lines = out.getvalue().split("\n")
+    assert lines[-1] == ""
+    for index, text in enumerate(texts):
+        mine = [line[len(f"[{index}] ") :] for line in lines[:-1] if line.startswith(f"[{index}] ")]
+        assert max(map(len, mine)) < _Printer.LINE + 32  # a line waits for a newline or LINE characters
+        assert "".join(mine) == text.replace("\n", "")
