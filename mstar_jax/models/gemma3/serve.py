@@ -184,8 +184,9 @@ def generate(
                 for stream, token in zip(group, out, strict=True):
                     emit(stream, token)
     finally:  # an error (in on_token too) must not leave slots claimed on the shared caches
-        for stream in active:
-            streams.close(stream.rid)
+        for stream in (*active, *waiting):
+            if stream.rid is not None:  # a newcomer is open from its first try until it runs or waits
+                streams.close(stream.rid)
     done.sort(key=lambda s: s.index)
     return Generation(
         tokens=[s.tokens for s in done],

@@ -90,3 +90,20 @@ def test_bad_input_is_refused_before_anything_runs(model, prompts, count, match)
         generate(streams, prompts, count)
     assert streams.local.request_ids == ()
     assert streams.captures == []
+
+
+def test_an_error_mid_run_gives_every_slot_back(model, prompts, alone):
+    streams = Gemma3Streams(CONFIG, model, global_retention=RETENTION, max_slots=2, chunk=8)
+
+    seen = []
+
+    def fail_on_the_fifth_token(index, token):
+        seen.append(token)
+        if len(seen) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate(streams, prompts, NEW_TOKENS, on_token=fail_on_the_fifth_token)
+    assert streams.local.free_slots == streams.global_.free_slots == 2
+    assert streams.local.request_ids == streams.global_.request_ids == ()
+    assert generate(streams, prompts[:1], 3).tokens == [alone[0][:3]]  # the caches serve on
