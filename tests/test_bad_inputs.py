@@ -304,7 +304,7 @@ CLI_CASES = [
     ),
     _case(
         "unknown-command", ["serve"], True,
-        TOP + r"argument COMMAND: invalid choice: 'serve' \(choose from 'check', 'run'\)",
+        TOP + r"argument COMMAND: invalid choice: 'serve' \(choose from 'check', 'run', 'generate'\)",
     ),
     _case("unknown-option", ["check", "--bogus"], True, TOP + r"unrecognized arguments: --bogus"),
     _case(
