@@ -523,3 +523,12 @@ def test_generate_usage_errors_exit_2(argv, capsys):
         main(["generate", *argv])
     assert exit_info.value.code == 2
     assert "usage: mstar-jax generate" in capsys.readouterr().err
+
+
+def test_generate_names_a_gguf_file_it_cannot_read(capsys):
+    pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
+    assert main(["generate", "--gguf", "/nonexistent/model.gguf"]) == 2
+    assert (
+        "--gguf '/nonexistent/model.gguf' cannot be read: No such file or directory"
+        in capsys.readouterr().err
+    )

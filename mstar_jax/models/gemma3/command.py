@@ -134,6 +134,8 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
         reader = open_gguf(args.gguf or default_gguf_path())
     except ModuleNotFoundError as err:
         raise error(str(err)) from None
+    except OSError as err:
+        raise error(f"--gguf {str(args.gguf)!r} cannot be read: {err.strerror}") from None
     config, tensors = load_gguf(reader)
     tokenizer = Gemma3Tokenizer.from_gguf(reader)
     prompts = [tokenizer.encode(text)[: args.max_prompt_tokens] for text in texts]
