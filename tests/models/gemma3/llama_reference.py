@@ -4,25 +4,26 @@
 below evaluates from an empty context (`llama.reset()` first): `Llama.eval` alone appends to what
 the context already holds.
 
-Numerics: the GGUF weights are quantized (Q4_K_M), and llama.cpp's CPU matmuls quantize the
-activations to 8 bits for quantized weights, so logits differ from a float implementation by more
-than rounding; compare argmaxes and log-probabilities with tolerances, not bit for bit. The result
-also depends on how many tokens one `eval` call decodes (chunks under 8 tokens take other kernels), so
-the same sequence fed one token at a time does not give the logits of `logits`.
+Numerics: on the shipped Q4_K_M file llama.cpp's CPU matmuls quantize the activations to 8 bits,
+so its logits differ from a float implementation by more than rounding (up to ~1 logit), and even
+depend on how many tokens one `eval` call decodes (chunks under 8 tokens take other kernels).
+`write_float32_copy` writes the same weights dequantized to float32, for which ggml multiplies in
+float32 throughout: the reference then differs from this library's float32 model by summation order
+alone, and close calls are no longer lost to the reference's own rounding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from os import PathLike
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
     import llama_cpp
 
-__all__ = ["greedy", "load", "log_probs", "logits", "tokenize"]
+__all__ = ["greedy", "load", "log_probs", "logits", "tokenize", "write_float32_copy"]
 
 SEED = 1234
 """Fixed seed handed to `llama_cpp.Llama` (0 would mean random there; nothing here samples anyway)."""
@@ -33,6 +34,8 @@ def load(path: str | PathLike[str], n_ctx: int = 2048, n_threads: int = 2) -> ll
 
     `logits_all=True` is required: without it `Llama.eval` stores no logits at all. Its score buffer is
     `n_ctx x vocab` float32 (2 GiB of address space for Gemma 3 at n_ctx=2048, touched only as used).
+    Keys and values are cached in float32 (llama.cpp's default is float16, a rounding this library's
+    float32 model does not make).
     """
     import llama_cpp
 
@@ -43,9 +46,43 @@ def load(path: str | PathLike[str], n_ctx: int = 2048, n_threads: int = 2) -> ll
         n_threads_batch=n_threads,
         n_gpu_layers=0,
         logits_all=True,
+        type_k=llama_cpp.GGML_TYPE_F32,
+        type_v=llama_cpp.GGML_TYPE_F32,
         seed=SEED,
         verbose=False,
     )
+
+
+def write_float32_copy(reader: Any, weights: Mapping[str, np.ndarray], path: str | PathLike[str]) -> None:
+    """Write a GGUF at `path` with `reader`'s metadata and `weights` (its tensors, dequantized) as F32.
+
+    Args:
+      reader: a `gguf.GGUFReader` open on the original file.
+      weights: every tensor of that file by name, float32 in NumPy (outermost-first) layout, as
+        `mstar_jax.models.gemma3.load_gguf` returns them.
+      path: where to write; about 4 bytes per parameter.
+    """
+    import gguf
+
+    names = {tensor.name for tensor in reader.tensors}
+    if set(weights) != names:
+        differ = sorted(set(weights) ^ names)
+        raise ValueError(f"weights must hold exactly the file's tensors; they differ in {differ}")
+    writer = gguf.GGUFWriter(path, arch=reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
+    for field in reader.fields.values():
+        # The writer emits the header fields and the architecture itself.
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        value = gguf.LlamaFileType.ALL_F32 if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
+        writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
+    for tensor in reader.tensors:  # the file's order
+        writer.add_tensor(tensor.name, np.ascontiguousarray(weights[tensor.name], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def tokenize(llama: llama_cpp.Llama, text: str, add_bos: bool = True) -> list[int]:
