@@ -310,7 +310,9 @@ def test_resource_key_errors_are_type_errors():
 
 
 @pytest.mark.parametrize(
-    ("key", "value", "fragments"), BAD_VALUES, ids=[f"{c[0]}={c[1]!r}" for c in BAD_VALUES]
+    ("key", "value", "fragments"),
+    BAD_VALUES,
+    ids=[f"{c[0]}=<deleted>" if c[1] is _DELETE else f"{c[0]}={c[1]!r}" for c in BAD_VALUES],
 )
 def test_bad_values_are_refused_naming_field_value_and_allowed(key, value, fragments):
     with pytest.raises(DeploymentError) as info:
