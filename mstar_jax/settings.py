@@ -25,7 +25,8 @@ class CompileSettings:
       min_batch: smallest derived batch bucket (only with `batch_sizes` None).
       min_tokens: smallest derived token bucket (only with `token_counts` None).
       max_tokens: largest derived token bucket (only with `token_counts` None).
-      persistent_cache_dir: directory of JAX's persistent compilation cache; None turns it off.
+      persistent_cache_dir: directory of JAX's persistent compilation cache and, in its `executables`
+        folder, of the engine's `ExecutableStore` (a second start loads every program); None: neither.
       persistent_cache_min_compile_secs: programs that compiled faster than this are not persisted.
     """
 

@@ -1,4 +1,5 @@
-"""Bucketed ahead-of-time compilation: buckets, capture and replay, and the recompile guard."""
+"""Bucketed ahead-of-time compilation: buckets, capture and replay, the executable store, and the recompile
+guard."""
 
 from mstar_jax.compile.buckets import (
     BatchChunk,
@@ -28,6 +29,7 @@ from mstar_jax.compile.recompile import (
     count_compilations,
     warn_on_compilations,
 )
+from mstar_jax.compile.store import ExecutableStore
 
 __all__ = [
     "BatchChunk",
@@ -39,6 +41,7 @@ __all__ = [
     "CapturedStep",
     "CombinedRows",
     "CompilationCounter",
+    "ExecutableStore",
     "NoBucketError",
     "PadAxes",
     "RecompileError",

@@ -7,8 +7,11 @@ time and compiled memory per bucket. `CapturedStep.replay(bucket, *args)` calls 
 call with the wrong shapes raises `ReplayError` and never compiles. `replay_padded` pads host arrays up
 to the bucket, replays, and slices the padding off the outputs (see `padding`).
 
-JAX's persistent compilation cache (`enable_persistent_cache`, or `configure_persistent_cache` from a
-deployment's `CompileSettings`) makes a second start load the programs instead of compiling them.
+A second start can skip work two ways. JAX's persistent compilation cache (`enable_persistent_cache`,
+or `configure_persistent_cache` from a deployment's `CompileSettings`) skips the XLA compile but still
+traces and lowers every bucket; an `ExecutableStore` (`capture(..., store=)`) loads each bucket's
+serialized executable and skips all three, falling back to compiling wherever an entry is missing or
+does not fit.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tqdm.auto import tqdm
 from mstar_jax.compile.buckets import NoBucketError
 from mstar_jax.compile.padding import bucket_sizes, measure, pad, unpad
 from mstar_jax.compile.recompile import count_compilations
+from mstar_jax.compile.store import ExecutableStore
 from mstar_jax.resources.step import BucketKey
 
 __all__ = [
@@ -68,9 +72,10 @@ class BucketReport:
 
     Attributes:
       bucket: the bucket.
-      lower_secs: tracing and lowering to StableHLO (never cached across starts).
-      compile_secs: the XLA compile, or the load from the persistent cache.
-      from_cache: whether the program came from the persistent compilation cache.
+      lower_secs: tracing and lowering to StableHLO (0 for a program loaded from a store).
+      compile_secs: the XLA compile, or the load from the persistent cache or the store.
+      from_cache: whether the program came from JAX's persistent compilation cache.
+      loaded: whether the program was loaded from an `ExecutableStore` (nothing traced or compiled).
       argument_bytes, output_bytes, alias_bytes, temp_bytes, generated_code_bytes: the compiled
         program's `memory_analysis()`, or None where the backend does not report it. Aliased bytes
         are outputs that reuse a donated argument's buffer; temp bytes are allocated while it runs.
@@ -80,6 +85,7 @@ class BucketReport:
     lower_secs: float
     compile_secs: float
     from_cache: bool
+    loaded: bool = False
     argument_bytes: int | None
     output_bytes: int | None
     alias_bytes: int | None
@@ -137,6 +143,16 @@ class CaptureReport:
         return sum(b.from_cache for b in self.buckets)
 
     @property
+    def loaded(self) -> int:
+        """Programs loaded from an `ExecutableStore`."""
+        return sum(b.loaded for b in self.buckets)
+
+    @property
+    def compiled(self) -> int:
+        """Programs traced and compiled (from JAX's persistent cache or not)."""
+        return len(self.buckets) - self.loaded
+
+    @property
     def generated_code_bytes(self) -> int | None:
         """Code of every program: they stay loaded together."""
         return _total((b.generated_code_bytes for b in self.buckets), sum)
@@ -158,7 +174,7 @@ class CaptureReport:
                 str(b.bucket),
                 f"{b.lower_secs:.3f}",
                 f"{b.compile_secs:.3f}",
-                "hit" if b.from_cache else "",
+                "loaded" if b.loaded else "hit" if b.from_cache else "",
                 *(_size(getattr(b, field)) for field in _MEMORY_FIELDS),
             )
             for b in self.buckets
@@ -167,7 +183,7 @@ class CaptureReport:
             f"{len(self.buckets)} buckets (wall {self.wall_secs:.2f} s)",
             f"{self.lower_secs:.3f}",
             f"{self.compile_secs:.3f}",
-            f"{self.cache_hits} hits",
+            f"{self.cache_hits} hits, {self.loaded} loaded",
             f"max {_size(self.max_argument_bytes)}",
             "",
             "",
@@ -220,8 +236,10 @@ def capture(
     name: str | None = None,
     progress: bool = True,
     max_workers: int = 1,
+    store: ExecutableStore | None = None,
+    fingerprint: str = "",
 ) -> CapturedStep:
-    """Compile `fn` ahead of time for every bucket.
+    """Compile `fn` ahead of time for every bucket, or load it from `store`.
 
     Each bucket runs `jax.jit(fn, donate_argnums=..., static_argnames=...).lower(*abstract_args(bucket),
     **static_kwargs).compile()`.
@@ -236,6 +254,10 @@ def capture(
       name: for the progress bar and the report (default: `fn.__name__`).
       progress: show a tqdm progress bar.
       max_workers: compile this many buckets at once on threads (XLA compiles without the GIL).
+      store: where to load each bucket's program from, and to save the ones compiled (None: compile).
+      fingerprint: for the store's keys, every setting `fn` closes over that its arguments and
+        `static_kwargs` do not show (a bound method's model settings, say): programs are told apart by
+        it, so leaving one out would load a program built for another setting.
 
     Returns:
       The `CapturedStep`.
@@ -257,6 +279,18 @@ def capture(
 
     def build(bucket: BucketKey) -> tuple[jax.stages.Compiled, BucketReport]:
         args = _check_abstract(bucket, abstract_args(bucket))
+        if store is not None:
+            start = time.perf_counter()
+            key = store.key(
+                fn, bucket, args, static_kwargs=static, donate_argnums=donated, fingerprint=fingerprint
+            )
+            compiled = store.load(key, args)
+            if compiled is not None:
+                report = BucketReport(
+                    bucket=bucket, lower_secs=0.0, compile_secs=time.perf_counter() - start, from_cache=False,
+                    loaded=True, **_memory(compiled),
+                )  # fmt: skip
+                return compiled, report
         with count_compilations(current_thread_only=True) as counter:
             start = time.perf_counter()
             lowered = jitted.lower(*args, **static)
@@ -267,6 +301,8 @@ def capture(
             bucket=bucket, lower_secs=lowered_at - start, compile_secs=done - lowered_at,
             from_cache=counter.cache_hits > 0, **_memory(compiled),
         )  # fmt: skip
+        if store is not None:
+            store.save(key, compiled)
         return compiled, report
 
     start = time.perf_counter()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mstar_jax.compile import cap_batch_sizes, configure_persistent_cache
+from mstar_jax.compile import ExecutableStore, cap_batch_sizes, configure_persistent_cache
 from mstar_jax.distributed import local_data_shards, spans_processes
 from mstar_jax.engine.engine import FLOW_KV, TALKER_KV
 from mstar_jax.engine.programs import TTSPrograms, tts_buckets
@@ -15,7 +15,10 @@ from mstar_jax.models.streaming_tts.model import StreamingTTSModel
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.kv.bounded.sharding import make_mesh, place_on_mesh
 
-__all__ = ["build_from_deployment"]
+__all__ = ["EXECUTABLES", "build_from_deployment"]
+
+EXECUTABLES = "executables"
+"""The executable store's folder inside a deployment's `persistent_cache_dir`."""
 
 
 def build_from_deployment(
@@ -63,9 +66,13 @@ def build_from_deployment(
         combined=mesh is None,
     )
     configure_persistent_cache(deployment.compile)
+    cache_dir = deployment.compile.persistent_cache_dir
+    # A job of many processes compiles: untested there, a loaded program could pair with other devices.
+    stored = cache_dir is not None and local is None
+    store = ExecutableStore(os.path.join(cache_dir, EXECUTABLES)) if stored else None
     workers = max_workers or max(1, min(8, os.cpu_count() or 1))
     programs = TTSPrograms.capture(
-        model, buckets, talker=talker, flow=flow, progress=progress, max_workers=workers
+        model, buckets, talker=talker, flow=flow, progress=progress, max_workers=workers, store=store
     )
     engine = cls(
         model, talker=talker, flow=flow, programs=programs, max_batch=max_batch,

@@ -25,7 +25,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.sink_window_attention import table as tbl
-from mstar_jax.compile import Buckets, BucketSet, CapturedStep, CaptureReport, CombinedRows, capture
+from mstar_jax.compile import (
+    Buckets,
+    BucketSet,
+    CapturedStep,
+    CaptureReport,
+    CombinedRows,
+    ExecutableStore,
+    capture,
+)
 from mstar_jax.models.streaming_tts.model import (
     FLOW_CHUNK,
     MIXED_SPLIT,
@@ -99,6 +107,14 @@ def _s(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
+def _fingerprint(model: StreamingTTSModel) -> str:
+    """What the model's step methods close over, for the executable store's keys."""
+    mesh = model.mesh
+    devices = None if mesh is None else (mesh.axis_names, [d.id for d in mesh.devices.flat])
+    settings = (model.config, model.talker_kv, model.flow_kv, model.implementation, model.interpret)
+    return repr((*settings, model.temperature, devices))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TTSPrograms:
     """Every walk's `CapturedStep`, and the buckets they were captured for.
@@ -119,8 +135,9 @@ class TTSPrograms:
         flow: BoundedKVManager,
         progress: bool = True,
         max_workers: int = 1,
+        store: ExecutableStore | None = None,
     ) -> TTSPrograms:
-        """Compile every bucket of every walk ahead of time, from abstract arguments only.
+        """Compile every bucket of every walk ahead of time, from abstract arguments only (or load it).
 
         Args:
           model: the step functions.
@@ -128,6 +145,7 @@ class TTSPrograms:
           talker, flow: managers whose cache and bank shapes the programs are compiled for.
           progress: one tqdm bar per walk.
           max_workers: buckets compiled at once (threads; XLA compiles without the GIL).
+          store: load each program from here where it was stored before, and store those compiled.
         """
         mesh = model.mesh
         sharded = mesh is not None
@@ -165,11 +183,12 @@ class TTSPrograms:
             FLOW_CHUNK: (model.flow_step, chunk),
         }
         steps = {}
+        fingerprint = _fingerprint(model)
         for walk in buckets.walks:
             fn, abstract = plans[walk]
             steps[walk] = capture(
                 fn, buckets[walk].keys(), abstract, donate_argnums=1, name=walk, progress=progress,
-                max_workers=max_workers,
+                max_workers=max_workers, store=store, fingerprint=fingerprint,
             )  # fmt: skip
         return cls(buckets=buckets, steps=steps)
 

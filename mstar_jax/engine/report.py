@@ -112,6 +112,7 @@ def summarize(
         "compile": {
             "buckets": sum(len(step) for step in engine.programs.steps.values()),
             "capture_wall_seconds": capture_secs,
+            "loaded_from_store": sum(step.report.loaded for step in engine.programs.steps.values()),
             "warmup_compilations": warmup_compilations,
             "compilations_after_warmup": engine.compilations,
         },
@@ -151,7 +152,8 @@ def format_summary(report: dict[str, Any]) -> str:
         f"memory per stream    {_mib(m['bytes_per_stream'])} (talker slot {_mib(m['talker_slot_bytes'])} "
         f"+ flow slot {_mib(m['flow_slot_bytes'])}), fixed; a dense cache would hold "
         f"{_mib(m['dense_bytes_longest_stream'])} at the longest stream",
-        f"compilation          {c['buckets']} buckets captured in {c['capture_wall_seconds']:.1f} s; "
+        f"compilation          {c['buckets']} buckets captured in {c['capture_wall_seconds']:.1f} s "
+        f"({c['loaded_from_store']} loaded from the executable store); "
         f"{c['compilations_after_warmup']} compilations after warm-up",
         f"admission            {report['admission'] or 'no refusals'}",
     ]

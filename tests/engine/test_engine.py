@@ -357,6 +357,7 @@ def test_mstar_jax_run_end_to_end_on_a_tiny_deployment(programs, cache_dir, tmp_
     assert report["streams"]["done"] == 5
     assert report["compile"]["compilations_after_warmup"] == 0
     assert report["compile"]["buckets"] == 4
+    assert report["compile"]["loaded_from_store"] == 4  # stored by the `programs` fixture
     assert report["audio_seconds"] > 0
     assert report["memory"]["bytes_per_stream"] == sum(s.config.slot_bytes for s in managers())
     assert (output / "step_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--implementation", choices=("auto", "xla", "pallas"), default="auto")
     parser.add_argument("--gguf", type=pathlib.Path, metavar="PATH", help="(default: the gemma extra's)")
+    parser.add_argument(
+        "--executable-store", type=pathlib.Path, metavar="DIR",
+        help="load the compiled programs from DIR and store those compiled (a second start skips capture)",
+    )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
 
 
@@ -114,6 +118,7 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
     """Load the model, serve the prompts, print the text and the summary; returns the exit status."""
     import jax.numpy as jnp
 
+    from mstar_jax.compile import ExecutableStore
     from mstar_jax.memory import format_bytes
     from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, load_gguf, open_gguf
     from mstar_jax.models.gemma3.model import Gemma3
@@ -149,6 +154,7 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
     streams = Gemma3Streams(
         config, model, global_retention=retention, max_slots=slots, chunk=args.chunk,
         batch_sizes=(1, 2, 4, 8, 16, 32), implementation=args.implementation,
+        store=None if args.executable_store is None else ExecutableStore(args.executable_store),
     )  # fmt: skip
     captures = streams.capture(progress=not args.quiet)
     printer = _Printer(tokenizer.decode, tagged=len(prompts) > 1)
@@ -178,7 +184,8 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
         f"memory per stream: {format_bytes(streams.bytes_per_stream)} of cache, fixed whatever the length; "
         f"process resident memory at the first token -> at the end: {rss}\n"
         f"captured {sum(len(r.buckets) for r in captures)} programs ahead of time in "
-        f"{sum(r.wall_secs for r in captures):.1f} s; {result.late_captures} compiled while serving; "
+        f"{sum(r.wall_secs for r in captures):.1f} s ({sum(r.loaded for r in captures)} loaded from the "
+        f"executable store); {result.late_captures} compiled while serving; "
         f"{result.refusals} admissions waited for a slot"
     )  # fmt: skip
     return 0

@@ -24,7 +24,15 @@ import numpy as np
 from flax import nnx
 
 from kernels_pallas.sink_window_attention import table as tbl
-from mstar_jax.compile import Buckets, BucketSet, CapturedStep, CaptureReport, cap_batch_sizes, capture
+from mstar_jax.compile import (
+    Buckets,
+    BucketSet,
+    CapturedStep,
+    CaptureReport,
+    ExecutableStore,
+    cap_batch_sizes,
+    capture,
+)
 from mstar_jax.models.gemma3.gguf import Gemma3Config
 from mstar_jax.models.gemma3.model import Gemma3
 from mstar_jax.resources.kv.bounded.attention import attend
@@ -107,6 +115,8 @@ class Gemma3Streams:
       chunk: prefill tokens per row and step.
       batch_sizes: rows per compiled program, below `max_slots`; `max_slots` itself is always one.
       implementation, interpret: the attention implementation (`sink_window_attention`).
+      store: load captured programs from here where a previous start stored them, and store the ones
+        compiled (None: compile every time).
 
     Attributes:
       runner: both caches' `ResourceRunner`; `local`, `global_` the managers.
@@ -126,6 +136,7 @@ class Gemma3Streams:
         batch_sizes: Sequence[int] = (1,),
         implementation: str = "auto",
         interpret=False,
+        store: ExecutableStore | None = None,
     ):
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk={chunk!r} must be an int >= 1")
@@ -144,6 +155,7 @@ class Gemma3Streams:
         self._graphdef, self.params = nnx.split(model)
         self._fn = functools.partial(self.step, implementation=implementation, interpret=interpret)
         self._programs: dict[tuple[str, BucketKey], CapturedStep] = {}
+        self._store = store
         self.captures: list[CaptureReport] = []
         self.late_captures = 0
         self._counter = 0
@@ -235,7 +247,8 @@ class Gemma3Streams:
             return None
         captured = capture(
             self._fn, keys, self._abstract_args, static_kwargs={"head": head}, donate_argnums=(1,),
-            name=f"gemma3 {head}", progress=progress,
+            name=f"gemma3 {head}", progress=progress, store=self._store,
+            fingerprint=repr((self.config, self.local.config, self.global_.config)),
         )  # fmt: skip
         self._programs.update(dict.fromkeys(((head, k) for k in keys), captured))
         self.captures.append(captured.report)

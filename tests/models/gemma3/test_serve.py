@@ -107,3 +107,27 @@ def test_an_error_mid_run_gives_every_slot_back(model, prompts, alone):
     assert streams.local.free_slots == streams.global_.free_slots == 2
     assert streams.local.request_ids == streams.global_.request_ids == ()
     assert generate(streams, prompts[:1], 3).tokens == [alone[0][:3]]  # the caches serve on
+
+
+def test_a_second_start_loads_every_program_from_the_store_and_serves_the_same(
+    model, prompts, alone, tmp_path
+):
+    import jax
+
+    from mstar_jax.compile import ExecutableStore, count_compilations
+
+    def start():
+        jax.clear_caches()  # as a new process: nothing compiled in memory
+        streams = Gemma3Streams(
+            CONFIG, model, global_retention=RETENTION, max_slots=3, chunk=8, batch_sizes=(1,),
+            store=ExecutableStore(tmp_path),
+        )  # fmt: skip
+        with count_compilations() as counter:
+            (report,) = streams.capture()
+        return streams, report, counter.count
+
+    _, first, compiled = start()
+    assert (first.loaded, compiled) == (0, len(first.buckets))
+    streams, second, compiled = start()
+    assert (second.loaded, compiled) == (len(second.buckets), 0)
+    assert generate(streams, prompts, NEW_TOKENS).tokens == alone

@@ -1,0 +1,201 @@
+"""Compiled programs kept on disk, so that a second start loads every bucket's executable instead of
+tracing, lowering and compiling it again.
+
+JAX's persistent compilation cache saves only the XLA compile: a start still traces and lowers every
+bucket to find the cache key. An `ExecutableStore` keys a program by what it is built from, known
+before tracing: the software and hardware (jax and jaxlib versions, backend, platform version, device
+kinds), the code (a digest of this library's and the step's module's sources), the step's name, the
+caller's `fingerprint` of whatever the step closes over, the static keyword arguments, the donated
+arguments, and the bucket's abstract arguments (tree, shapes, dtypes, shardings). Any difference is
+another key, so the program is compiled and stored anew; an entry that cannot be read, loads with
+other arguments, or fails to deserialize is compiled too. Nothing here ever raises for a bad entry.
+
+Entries are pickles of serialized executables: loading one runs code, so the directory must be as
+trusted as the code itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import pathlib
+import pickle
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+
+__all__ = ["ExecutableStore", "environment"]
+
+_SUFFIX = ".executable"
+_PACKAGES = ("mstar_jax", "kernels_pallas")
+
+
+def environment() -> dict[str, Any]:
+    """What a compiled program depends on outside the program: software, backend and devices."""
+    devices = jax.devices()
+    return {
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "backend": jax.default_backend(),
+        "platform_version": devices[0].client.platform_version,
+        "device_kinds": sorted({d.device_kind for d in devices}),
+        "devices": len(devices),
+        "processes": jax.process_count(),
+    }
+
+
+@functools.cache
+def _source_digest(files: tuple[str, ...]) -> str:
+    digest = hashlib.sha256()
+    for name in files:
+        digest.update(name.encode())
+        digest.update(pathlib.Path(name).read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
+def _library_files() -> tuple[str, ...]:
+    files = []
+    for package in _PACKAGES:
+        root = pathlib.Path(importlib.import_module(package).__file__).parent
+        files.extend(str(p) for p in sorted(root.rglob("*.py")))
+    return tuple(files)
+
+
+def _unwrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.unwrap(fn)
+
+
+def _code_digest(fn: Callable[..., Any]) -> str:
+    """The library's sources and the step's own module: an edit to either is another program.
+
+    A step defined where no file holds it (a notebook cell, `python -c`) is keyed by its own source;
+    one whose source cannot be read at all gets a key no later start can match, so it always compiles.
+    """
+    library = _source_digest(_library_files())
+    step = _unwrap(fn)
+    try:
+        own = inspect.getfile(step)
+    except TypeError:  # a builtin or a callable object without a file: nothing more to digest
+        return library
+    if own in _library_files():
+        return library
+    if os.path.isfile(own):
+        return library + _source_digest((own,))
+    try:
+        return library + hashlib.sha256(inspect.getsource(step).encode()).hexdigest()
+    except (OSError, TypeError):
+        return library + uuid.uuid4().hex
+
+
+def _describe_function(fn: Callable[..., Any]) -> str:
+    """The step by name (a partial with its bound arguments); an object's address makes every key new."""
+    if isinstance(fn, functools.partial):
+        bound = [repr(a) for a in fn.args] + [f"{k}={v!r}" for k, v in sorted(fn.keywords.items())]
+        return f"partial({_describe_function(fn.func)}, {', '.join(bound)})"
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _describe_leaf(leaf: jax.ShapeDtypeStruct) -> list[str]:
+    return [str(tuple(leaf.shape)), str(leaf.dtype), repr(leaf.sharding)]
+
+
+class ExecutableStore:
+    """A directory of compiled programs, one file per program key (see the module docstring).
+
+    Args:
+      directory: created if missing. Trusted: whoever can write there can make this process run code.
+
+    Attributes:
+      loaded, saved, rejected: programs loaded, programs written, and entries found but not usable
+        (unreadable, failed to load, or taking other arguments), since the store was made.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]):
+        if not isinstance(directory, str | os.PathLike) or not str(directory):
+            raise ValueError(f"directory={directory!r} must be a non-empty path")
+        self.directory = pathlib.Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.loaded = self.saved = self.rejected = 0
+        self._lock = threading.Lock()  # capture loads and saves on worker threads
+
+    def __repr__(self) -> str:
+        return f"ExecutableStore({str(self.directory)!r})"
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            setattr(self, what, getattr(self, what) + 1)
+
+    def key(
+        self,
+        fn: Callable[..., Any],
+        bucket: Any,
+        args: tuple,
+        *,
+        static_kwargs: Mapping[str, Any],
+        donate_argnums: Sequence[int],
+        fingerprint: str = "",
+    ) -> str:
+        """The program's key: a digest of everything the module docstring lists."""
+        leaves, tree = jax.tree.flatten(args)
+        described = {
+            "environment": environment(),
+            "code": _code_digest(fn),
+            "function": _describe_function(fn),
+            "fingerprint": fingerprint,
+            "bucket": repr(bucket),
+            "static": [[name, repr(value)] for name, value in sorted(static_kwargs.items())],
+            "donated": list(donate_argnums),
+            "tree": str(tree),
+            "leaves": [_describe_leaf(leaf) for leaf in leaves],
+        }
+        return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+
+    def _path(self, key: str) -> pathlib.Path:
+        return self.directory / f"{key}{_SUFFIX}"
+
+    def load(self, key: str, args: tuple) -> jax.stages.Compiled | None:
+        """The stored program for `key`, checked to take exactly `args`; None where there is none usable."""
+        path = self._path(key)
+        if not path.exists():
+            return None
+        try:
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            expected = [(tuple(a.shape), a.dtype) for a in jax.tree.leaves(args)]
+            taken = [(tuple(a.shape), a.dtype) for a in jax.tree.leaves(compiled.args_info[0])]
+            if in_tree != jax.tree.structure((args, {})) or taken != expected:
+                raise ValueError("stored program takes other arguments")
+        except Exception:  # any unusable entry means: compile
+            self._count("rejected")
+            return None
+        self._count("loaded")
+        return compiled
+
+    def save(self, key: str, compiled: jax.stages.Compiled) -> bool:
+        """Write `compiled` under `key` (atomically); False where the backend cannot serialize it."""
+        try:
+            payload = pickle.dumps(serialize_executable.serialize(compiled))
+        except Exception:  # e.g. programs with constants, or a backend without serialization
+            return False
+        path = self._path(key)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
+        partial.write_bytes(payload)
+        os.replace(partial, path)
+        self._count("saved")
+        return True
+
+    def entries(self) -> list[pathlib.Path]:
+        """The stored programs' files."""
+        return sorted(self.directory.glob(f"*{_SUFFIX}"))

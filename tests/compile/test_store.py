@@ -1,0 +1,163 @@
+"""The executable store: a second capture loads every bucket (nothing traced or compiled) and the loaded
+programs compute what the compiled ones do, the cache still donated; any mismatch falls back to
+compiling, bucket by bucket; a fresh process loads them too."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mstar_jax.compile import BucketSet, ExecutableStore, capture, count_compilations
+from mstar_jax.compile import store as store_module
+
+BUCKETS = BucketSet(graph_walk="tiny", batch_sizes=(1, 2), token_counts=(3, 5))
+
+
+def _step(state, x, *, scale):
+    """A stateful step: the state (donated) accumulates, the output reads both."""
+    state = state + jnp.tanh(x * scale).sum()
+    return state, x * state
+
+
+def _abstract(bucket):
+    return (
+        jax.ShapeDtypeStruct((), jnp.float32),
+        jax.ShapeDtypeStruct((bucket.bs, bucket.num_tokens), jnp.float32),
+    )
+
+
+def _capture(store, *, scale=0.5, fingerprint="", max_workers=1):
+    """Capture as a new process would: nothing compiled in memory (so every compile is counted)."""
+    jax.clear_caches()
+    with count_compilations() as counter:
+        step = capture(
+            _step, BUCKETS, _abstract, static_kwargs={"scale": scale}, donate_argnums=0, progress=False,
+            store=store, fingerprint=fingerprint, max_workers=max_workers,
+        )  # fmt: skip
+    return step, counter.count
+
+
+def _run(step, bucket):
+    x = np.arange(bucket.bs * bucket.num_tokens, dtype=np.float32).reshape(bucket.bs, -1) / 7
+    state = jnp.asarray(1.0, jnp.float32)
+    new_state, out = step.replay(bucket, state, x)
+    assert state.is_deleted(), "the state argument must stay donated"
+    return np.asarray(new_state), np.asarray(out)
+
+
+def _oracle(bucket, scale=0.5):
+    x = np.arange(bucket.bs * bucket.num_tokens, dtype=np.float64).reshape(bucket.bs, -1) / 7
+    state = 1.0 + np.tanh(x * scale).sum()
+    return state, x * state
+
+
+def test_a_second_capture_loads_every_bucket_and_compiles_nothing(tmp_path):
+    store = ExecutableStore(tmp_path)
+    first, compiled = _capture(store)
+    assert compiled == len(BUCKETS)
+    assert first.report.loaded == 0
+    assert (store.saved, store.loaded, len(store.entries())) == (len(BUCKETS), 0, len(BUCKETS))
+    again = ExecutableStore(tmp_path)
+    second, compiled = _capture(again, max_workers=2)
+    assert compiled == 0
+    assert second.report.loaded == len(BUCKETS)
+    assert second.report.compiled == 0
+    assert all(b.loaded and b.lower_secs == 0 for b in second.report.buckets)
+    assert (again.loaded, again.saved, again.rejected) == (len(BUCKETS), 0, 0)
+    assert "loaded" in second.report.table()
+    for bucket in BUCKETS:
+        want_state, want_out = _oracle(bucket)
+        for step in (first, second):
+            state, out = _run(step, bucket)
+            np.testing.assert_allclose(state, want_state, rtol=1e-6)
+            np.testing.assert_allclose(out, want_out, rtol=1e-6)
+        np.testing.assert_array_equal(_run(first, bucket)[1], _run(second, bucket)[1])
+
+
+def test_loaded_programs_refuse_other_shapes_and_never_compile(tmp_path):
+    _capture(ExecutableStore(tmp_path))
+    second, _ = _capture(ExecutableStore(tmp_path))
+    state, x = jnp.asarray(0.0, jnp.float32), jnp.zeros((2, 3), jnp.float32)
+    with count_compilations() as counter, pytest.raises(TypeError):
+        second.replay(BUCKETS.key(1, 3), state, x)
+    assert counter.count == 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["scale", "fingerprint", "environment", "code"],
+)
+def test_any_difference_in_what_a_program_is_built_from_compiles_it_anew(tmp_path, monkeypatch, change):
+    _capture(ExecutableStore(tmp_path))
+    kwargs = {}
+    if change == "scale":
+        kwargs["scale"] = 0.25
+    elif change == "fingerprint":
+        kwargs["fingerprint"] = "temperature=0.7"
+    elif change == "environment":
+        real = store_module.environment
+        monkeypatch.setattr(store_module, "environment", lambda: {**real(), "jaxlib": "0.0.0"})
+    else:
+        monkeypatch.setattr(store_module, "_code_digest", lambda fn: "an edited library")
+    store = ExecutableStore(tmp_path)
+    step, compiled = _capture(store, **kwargs)
+    assert compiled == len(BUCKETS)
+    assert step.report.loaded == 0
+    assert (store.saved, len(store.entries())) == (len(BUCKETS), 2 * len(BUCKETS))
+    bucket = BUCKETS.key(2, 5)
+    np.testing.assert_allclose(_run(step, bucket)[1], _oracle(bucket, kwargs.get("scale", 0.5))[1], rtol=1e-6)
+
+
+def test_an_entry_that_does_not_load_is_compiled_and_replaced(tmp_path):
+    _capture(ExecutableStore(tmp_path))
+    broken, foreign = ExecutableStore(tmp_path).entries()[:2]
+    broken.write_bytes(b"not a pickle")
+    # An intact program for other arguments under this key: rejected by its argument check.
+    other = tmp_path / "other"
+    capture(
+        _step, BucketSet(graph_walk="tiny", batch_sizes=(4,), token_counts=(9,)), _abstract,
+        static_kwargs={"scale": 0.5}, donate_argnums=0, progress=False, store=ExecutableStore(other),
+    )  # fmt: skip
+    foreign.write_bytes(ExecutableStore(other).entries()[0].read_bytes())
+    store = ExecutableStore(tmp_path)
+    step, compiled = _capture(store)
+    assert (compiled, store.rejected, store.loaded, store.saved) == (2, 2, len(BUCKETS) - 2, 2)
+    for bucket in BUCKETS:
+        np.testing.assert_allclose(_run(step, bucket)[1], _oracle(bucket)[1], rtol=1e-6)
+    store = ExecutableStore(tmp_path)
+    assert _capture(store)[1] == 0
+    assert store.loaded == len(BUCKETS)
+
+
+def test_a_fresh_process_loads_what_another_stored(tmp_path):
+    """A second start for real: a new interpreter, nothing in memory, 0 programs compiled."""
+    _capture(ExecutableStore(tmp_path))
+    child = textwrap.dedent(
+        f"""
+        import json
+        from tests.compile.test_store import BUCKETS, ExecutableStore, _capture, _run
+        store = ExecutableStore({str(tmp_path)!r})
+        step, compiled = _capture(store)
+        print(json.dumps({{"compiled": compiled, "loaded": store.loaded,
+                          "out": _run(step, BUCKETS.key(2, 5))[1].tolist()}}))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", child], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (found["compiled"], found["loaded"]) == (0, len(BUCKETS))
+    np.testing.assert_allclose(found["out"], _oracle(BUCKETS.key(2, 5))[1], rtol=1e-6)
+
+
+def test_a_store_needs_a_directory():
+    with pytest.raises(ValueError, match=r"directory='' must be a non-empty path"):
+        ExecutableStore("")
