@@ -278,6 +278,8 @@ class StepContext:
             value = tuple(value)  # a tuple, so the ids cannot change behind the padded list's back
             if value != getattr(self, "request_ids", value):
                 object.__setattr__(self, "_padded_request_ids", None)
+        if name in ("request_ids", "_padded_request_ids"):
+            object.__setattr__(self, "_padding", None)
         object.__setattr__(self, name, value)
 
     @property
@@ -299,7 +301,12 @@ class StepContext:
 
     def is_padding_row(self, request_id: str) -> bool:
         """True for a row added to fill a bucket: in the padded list but not a real request."""
-        return request_id not in self.request_ids and request_id in self.padded_request_ids
+        # Resources ask once per row and call: a set keeps a step's checks linear in its rows.
+        padding = self._padding
+        if padding is None:
+            padding = frozenset(self.padded_request_ids).difference(self.request_ids)
+            object.__setattr__(self, "_padding", padding)
+        return request_id in padding
 
 
 @dataclasses.dataclass(frozen=True)

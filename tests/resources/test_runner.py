@@ -195,6 +195,11 @@ def test_padded_request_ids_follow_the_real_ones():
     assert not ctx.is_padding_row("a")
     ctx.request_ids = ["a"]  # a dropped rid invalidates it
     assert tuple(ctx.padded_request_ids) == ("a",)
+    assert not ctx.is_padding_row("pad0")  # the answer follows every change, though it is cached
+    ctx.set_padded_rids(["a", "b"])
+    assert ctx.is_padding_row("b")
+    ctx.set_padded_rids(None)
+    assert not ctx.is_padding_row("b")
 
 
 def test_a_refused_admit_leaves_no_claim_in_resources_that_admitted_before():
