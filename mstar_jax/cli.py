@@ -309,7 +309,7 @@ def format_check(deployment: Deployment) -> str:
         f"model       {deployment.model} ({type(deployment.model_config).__name__})",
         f"compile     {buckets}, persistent cache {cache}",
         f"engine      max batch {engine.max_batch}, hold backoff {engine.hold_backoff_s:g} s, "
-        f"offload {offload}",
+        f"offload {offload}, {'pipelined' if engine.pipelined else 'synchronous'} steps",
         f"workload    {workload.streams} streams, {arrivals}, {workload.voices} voices, "
         f"text tokens {workload.min_text_tokens}..{workload.max_text_tokens}, "
         f"frames {workload.min_frames}..{workload.max_frames}",

@@ -89,12 +89,15 @@ class EngineSettings:
         None never offloads.
       snapshot_every: steps between host snapshots of the caches, which let a device fault cost a
         replay instead of the requests it reached; None takes none.
+      pipelined: dispatch each step before reading the previous one's outputs, so host work overlaps
+        the device's (one device only).
     """
 
     max_batch: int = 4
     hold_backoff_s: float = 0.005
     offload_idle_after_s: float | None = None
     snapshot_every: int | None = None
+    pipelined: bool = False
 
     def __post_init__(self):
         _check_int("max_batch", self.max_batch, 1)
@@ -103,6 +106,8 @@ class EngineSettings:
             _check_float("offload_idle_after_s", self.offload_idle_after_s, 0.0)
         if self.snapshot_every is not None:
             _check_int("snapshot_every", self.snapshot_every, 1)
+        if not isinstance(self.pipelined, bool):
+            raise ValueError(f"pipelined={self.pipelined!r} must be true or false")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

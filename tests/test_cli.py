@@ -113,7 +113,7 @@ def test_bad_config_exits_2_with_the_message_and_no_traceback(tmp_path, capsys):
     assert out == ""
     assert err == (
         f"mstar-jax check: error: {path}: unknown key 'max_batchh' in 'engine'; "
-        "allowed: ['max_batch', 'hold_backoff_s', 'offload_idle_after_s', 'snapshot_every']\n"
+        "allowed: ['max_batch', 'hold_backoff_s', 'offload_idle_after_s', 'snapshot_every', 'pipelined']\n"
     )
 
 
@@ -426,7 +426,10 @@ def test_check_into_a_closed_pipe_exits_quietly():
 
 def test_a_mesh_larger_than_this_host_is_refused_before_anything_runs(tmp_path, capsys):
     path = tmp_path / "mesh.yaml"
-    path.write_text(DEFAULT_CONFIG.read_text() + "\nmesh:\n  data: 2\n  model: 2\n")
+    synchronous = DEFAULT_CONFIG.read_text().replace(
+        "pipelined: true", "pipelined: false"
+    )  # a mesh's engine is
+    path.write_text(synchronous + "\nmesh:\n  data: 2\n  model: 2\n")
     assert main(["check", str(path)]) == 2
     out, err = capsys.readouterr()
     assert out == ""

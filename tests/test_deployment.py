@@ -459,12 +459,27 @@ class _Device:
         self.platform = platform
 
 
+def _on_a_mesh(block: dict) -> dict:
+    """The default deployment on the mesh `block`, its engine synchronous (a mesh engine is)."""
+    return _with(_with(_default_mapping(), "mesh", block), "engine.pipelined", False)
+
+
+def test_a_pipelined_engine_on_a_mesh_is_refused_naming_both():
+    assert parse_deployment(_default_mapping()).engine.pipelined
+    with pytest.raises(
+        DeploymentError, match=r"d.yaml: engine.pipelined=true needs one device; the mesh has 4"
+    ):
+        parse_deployment(_with(_default_mapping(), "mesh", {"data": 2, "model": 2}), source="d.yaml")
+    with pytest.raises(DeploymentError, match=r"pipelined='yes' must be true or false"):
+        parse_deployment(_with(_default_mapping(), "engine.pipelined", "yes"), source="d.yaml")
+
+
 def test_the_mesh_defaults_to_one_device_and_reads_its_block():
     assert (
         parse_deployment(_default_mapping()).mesh.data,
         parse_deployment(_default_mapping()).mesh.model,
     ) == (1, 1)
-    deployment = parse_deployment(_with(_default_mapping(), "mesh", {"data": 2, "model": 2}))
+    deployment = parse_deployment(_on_a_mesh({"data": 2, "model": 2}))
     assert (deployment.mesh.data, deployment.mesh.model, deployment.mesh.devices) == (2, 2, 4)
     deployment.check_devices([_Device("cpu")] * 4)
     deployment.check_devices([_Device("cpu")] * 8)  # a smaller mesh takes the first devices
@@ -482,11 +497,11 @@ def test_the_mesh_defaults_to_one_device_and_reads_its_block():
 )
 def test_a_mesh_the_caches_cannot_split_over_is_refused(block, message):
     with pytest.raises(DeploymentError, match=message):
-        parse_deployment(_with(_default_mapping(), "mesh", block), source="d.yaml")
+        parse_deployment(_on_a_mesh(block), source="d.yaml")
 
 
 def test_a_mesh_larger_than_the_devices_present_is_refused_with_the_fix():
-    deployment = parse_deployment(_with(_default_mapping(), "mesh", {"data": 4, "model": 2}), source="d.yaml")
+    deployment = parse_deployment(_on_a_mesh({"data": 4, "model": 2}), source="d.yaml")
     with pytest.raises(
         DeploymentError,
         match=r"d.yaml: mesh: mesh data=4 x model=2 needs 8 devices; 1 cpu device\(s\) are present \(on a "

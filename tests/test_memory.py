@@ -87,6 +87,7 @@ def test_on_a_mesh_each_cache_part_is_one_devices_share():
     replicated over several shards costs a whole head on each."""
     mapping = yaml.safe_load(DEFAULT_CONFIG.read_text())
     mapping["mesh"] = {"data": 2, "model": 4}
+    mapping["engine"]["pipelined"] = False  # a mesh's engine runs synchronously
     deployment = parse_deployment(mapping)
     parts = _parts(memory_budget(deployment, DeviceMemory(nbytes=GIB, source="test")))
     for spec in deployment.specs:

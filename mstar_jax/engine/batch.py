@@ -32,6 +32,7 @@ __all__ = [
     "declare",
     "fit_shards",
     "row_groups",
+    "row_indices",
     "row_outputs",
     "step_inputs",
 ]
@@ -114,10 +115,12 @@ def declare(
 
 
 def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None) -> tuple[np.ndarray, ...]:
-    """The program's inputs after `(params, cache, bank, plan)`, padded to the bucket (host numpy).
+    """The program's inputs after `(params, cache, bank, plan)` (and a talker's `prev_codes`), padded
+    to the bucket (host numpy).
 
-    Talker walks: `tokens i32[B, T], lengths i32[B], seeds u32[B]`; the combined walk: decode tokens and
-    lengths, prefill tokens and lengths, then every row's seed; the flow: `codes i32[B, T], seeds u32[B]`.
+    Talker walks: `feed i32[B], tokens i32[B, T], lengths i32[B], seeds u32[B]`; the combined walk: its
+    decode rows' feed, tokens and lengths, its prefill rows' tokens and lengths, then every row's seed;
+    the flow: `codes i32[B, T], seeds u32[B]`. `feed` is each row's `TalkerRow.feed` (-1 for padding).
     With a `layout` (a mesh), `B` is its row count and each request's row is where it says.
     """
 
@@ -127,32 +130,39 @@ def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None)
         ids = np.zeros((size, tokens), np.int32)
         lengths = np.zeros(size, np.int32)
         seeds = np.zeros(size, np.uint32)
+        feed = np.full(size, -1, np.int32)
         for i, row in enumerate(group):
             values = row.codes if isinstance(row, FlowRow) else row.tokens
             i = i if layout is None else layout[1][row.stream.request_id]
             ids[i, : len(values)] = values
             lengths[i] = len(values)
             seeds[i] = row.stream.request.seed
-        return ids, lengths, seeds
+            feed[i] = getattr(row, "feed", -1)
+        return feed, ids, lengths, seeds
 
     groups = row_groups(bucket, rows)
     if bucket.graph_walk == FLOW_CHUNK:
-        ids, _, seeds = block(*groups[0], bucket.num_tokens)
+        _, ids, _, seeds = block(*groups[0], bucket.num_tokens)
         return ids, seeds
     if bucket.graph_walk == TALKER_MIXED:
         (decode, d), (prefill, p) = groups
-        d_ids, d_len, d_seeds = block(decode, d, 1)
-        p_ids, p_len, p_seeds = block(prefill, p, bucket.num_tokens)
-        return d_ids, d_len, p_ids, p_len, np.concatenate([d_seeds, p_seeds])
+        d_feed, d_ids, d_len, d_seeds = block(decode, d, 1)
+        _, p_ids, p_len, p_seeds = block(prefill, p, bucket.num_tokens)
+        return d_feed, d_ids, d_len, p_ids, p_len, np.concatenate([d_seeds, p_seeds])
     return block(*groups[0], bucket.num_tokens)
 
 
-def row_outputs(bucket: BucketKey, rows: Sequence, per_row: np.ndarray, layout: Layout | None = None) -> list:
-    """The real rows' entries of a per-row output, in `rows` order (each group is padded)."""
+def row_indices(bucket: BucketKey, rows: Sequence, layout: Layout | None = None) -> list[int]:
+    """Where each of `rows` sits in the program's per-row outputs (each group is padded)."""
     if layout is not None:
-        return [per_row[layout[1][row.stream.request_id]] for row in rows]
-    out, offset = [], 0
+        return [layout[1][row.stream.request_id] for row in rows]
+    where, offset = {}, 0
     for group, size in row_groups(bucket, rows):
-        out.extend(per_row[offset : offset + len(group)])
+        where.update((id(row), offset + i) for i, row in enumerate(group))
         offset += size
-    return out
+    return [where[id(row)] for row in rows]
+
+
+def row_outputs(bucket: BucketKey, rows: Sequence, per_row: np.ndarray, layout: Layout | None = None) -> list:
+    """The real rows' entries of a per-row output, in `rows` order."""
+    return [per_row[i] for i in row_indices(bucket, rows, layout)]

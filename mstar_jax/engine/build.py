@@ -79,6 +79,7 @@ def build_from_deployment(
         hold_backoff_s=deployment.engine.hold_backoff_s,
         offload_idle_after_s=deployment.engine.offload_idle_after_s,
         snapshot_every=deployment.engine.snapshot_every, history=history,
+        pipelined=deployment.engine.pipelined,
     )  # fmt: skip
     engine.warm_up()
     return engine

@@ -6,8 +6,16 @@ one flow step. A step goes: form the rows (`scheduler`), pick the tightest captu
 `BoundedKVStep` padded to it, admit it through the node's `ResourceRunner`, plan, replay the bucket's
 compiled program on the donated cache, commit, and hand each request its output.
 
-How it answers a refused admission (docs/design.md §4) is in `admission`, what outputs do to streams
-in `outputs`.
+A pipelined engine (`pipelined=True`, one device) does not wait for a step's outputs before it forms,
+admits, plans and dispatches the next: what a step does to its streams' positions is known from its
+rows (`outputs`), the talker's sampled codes feed the next talker step on the device (`programs`), and
+they come back to the host a step later, the audio with an asynchronous copy, delivered when it is
+there. It gives every request the same outputs as the synchronous engine. Whatever needs the streams
+as they are (a snapshot, a fault, an offload, nothing left to dispatch) first reads everything in
+flight (`drain`).
+
+How it answers a refused admission (docs/design.md §4) is in `admission`, how one step is dispatched
+and read back in `dispatch`, what outputs do to streams in `outputs`.
 
 Cancelling or finishing a request returns its slots at once. Nothing compiles after `warm_up()`: every
 step replays a program captured at load time, and a step that compiles anyway warns
@@ -26,14 +34,18 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from mstar_jax.compile import warn_on_compilations
-from mstar_jax.distributed import host_local
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from mstar_jax.engine import batch, recovery
 from mstar_jax.engine.admission import Admission
+from mstar_jax.engine.dispatch import Dispatch
 from mstar_jax.engine.lockstep import Lockstep, MultiProcessError
 from mstar_jax.engine.outputs import Outputs
 from mstar_jax.engine.programs import TTSPrograms
-from mstar_jax.engine.records import Node, StepRecord
+from mstar_jax.engine.records import InFlight, Node, StepRecord
 from mstar_jax.engine.recovery import Recovery
 from mstar_jax.engine.request import (
     AudioChunk,
@@ -64,7 +76,7 @@ __all__ = ["FLOW_KV", "TALKER_KV", "Engine", "StepRecord"]
 TALKER_KV, FLOW_KV = "talker_kv", "flow_kv"
 
 
-class Engine(Admission, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
+class Engine(Admission, Dispatch, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
     """Serves streaming TTS requests: on one host, or in every process of a multi-process mesh
     (`lockstep`).
 
@@ -81,6 +93,8 @@ class Engine(Admission, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
       history: finished streams and step records kept for reports, the most recent (None: all; a
         server that runs for days bounds it).
       clock: the time source (`time.perf_counter`).
+      pipelined: dispatch each step before reading the previous one's outputs (module doc); an
+        engine on one device only.
     """
 
     def __init__(
@@ -96,6 +110,7 @@ class Engine(Admission, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
         snapshot_every: int | None = None,
         history: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        pipelined: bool = False,
     ):
         for name, manager in (("talker", talker), ("flow", flow)):
             if not isinstance(manager, BoundedKVManager):
@@ -115,6 +130,22 @@ class Engine(Admission, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
                     f"{name}={value!r} must be a number >= 0" + (" or None" if name[0] == "o" else "")
                 )
         self.mesh = model.mesh
+        if not isinstance(pipelined, bool):
+            raise TypeError(f"pipelined={pipelined!r} must be a bool")
+        if pipelined and self.mesh is not None:
+            raise ValueError(
+                "pipelined=True needs an engine on one device; a mesh engine (one process or many) runs "
+                "its steps synchronously"
+            )
+        self.pipelined = pipelined
+        self._talker_in_flight: InFlight | None = None
+        self._audio_in_flight: collections.deque[InFlight] = collections.deque()
+        self._dispatched = 0
+        # What a pipelined engine overlapped: decode rows whose token stayed on the device, and steps
+        # read back only once the next one was dispatched.
+        self.overlap: collections.Counter[str] = collections.Counter()
+        replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
+        self._no_codes = jax.device_put(jnp.zeros((programs.codes_width,), jnp.int32), replicated)
         # On a mesh a bucket's batch size counts one data shard's rows.
         shards = 1 if self.mesh is None else self.mesh.shape["data"]
         largest = shards * min(programs.buckets.max_batch(walk) for walk in programs.buckets.walks)
@@ -298,6 +329,7 @@ class Engine(Admission, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
 
     def snapshot(self) -> recovery.EngineSnapshot:
         """Copy both caches and every live stream's progress to host memory (what a fault restores)."""
+        self.drain()
         managers = {name: node.manager for name, node in self.nodes.items()}
         self.last_snapshot = recovery.take_snapshot(self.steps_run, managers, self.streams.values())
         self.counters["snapshots"] += 1
@@ -306,33 +338,36 @@ class Engine(Admission, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
     # -- the loop -----------------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """One scheduler iteration: a talker step and a flow step where there is work. True if any ran."""
+        """One scheduler iteration: a talker step and a flow step where there is work. True if any ran
+        (for a pipelined engine: was dispatched, or came back)."""
         now = self.clock()
         if self.offload_idle_after_s is not None:
             self._offload_idle(now)
         live = list(self.streams.values())
-        decode, prefill = talker_rows(
-            live, now=now, max_batch=self.max_batch, prefill_tokens=self._prefill_tokens,
-            prefill_room=self._prefill_room, bos=self.model.bos, text_vocab=self.model.text_vocab,
-        )  # fmt: skip
+        in_flight = None if self._talker_in_flight is None else self._talker_in_flight.serial
+        rows = {
+            "now": now, "max_batch": self.max_batch, "prefill_tokens": self._prefill_tokens,
+            "bos": self.model.bos, "text_vocab": self.model.text_vocab, "in_flight": in_flight,
+        }  # fmt: skip
+        decode, prefill = talker_rows(live, prefill_room=self._prefill_room, **rows)
         if decode and not self._prefill_room:  # no combined walk (a mesh): prefill runs as its own step
-            waiting = [s for s in live if s.phase is not Phase.DECODE]
-            _, prefill = talker_rows(
-                waiting, now=now, max_batch=self.max_batch, prefill_tokens=self._prefill_tokens,
-                prefill_room=0, bos=self.model.bos, text_vocab=self.model.text_vocab,
-            )  # fmt: skip
-        ran = False
+            _, prefill = talker_rows([s for s in live if s.phase is not Phase.DECODE], prefill_room=0, **rows)
+        ran, dispatched = False, self._dispatched
         programs = [(decode + prefill, None)] if self._prefill_room else [
             (decode, TALKER_DECODE), (prefill, TALKER_PREFILL)
         ]  # fmt: skip
         for rows, walk in programs:
             if rows or self.lockstep:  # in lockstep every process enters every program (lockstep.py)
                 ran |= self._run(self.nodes["talker"], rows, walk)
+        if self._dispatched == dispatched and self._talker_in_flight is not None:
+            ran |= self._read(self._talker_in_flight)  # nothing behind it: the flow waits for its codes
+        ran |= self._deliver_audio(wait=False)
         rows = flow_rows(
             self.streams.values(), now=self.clock(), max_batch=self.max_batch, chunk=self._flow_chunk
         )
         if rows or self.lockstep:
             ran |= self._run(self.nodes["flow"], rows, FLOW_CHUNK)
+        ran = ran or self.drain()  # nothing could be dispatched: what is in flight comes back now
         if ran:
             self.steps_run += 1
             due = self.snapshot_every is not None and self.steps_run % self.snapshot_every == 0
@@ -359,56 +394,6 @@ class Engine(Admission, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
         time.sleep(min(max(wait, 0.0), self.hold_backoff_s) or 1e-4)
 
     # -- one step -----------------------------------------------------------------------------------
-
-    def _run(self, node: Node, rows: list, walk: str | None = None) -> bool:
-        """Run one program on `rows` (of `walk`, where the rows alone do not say it); True if it ran."""
-        started = self.clock()
-        agreed = self._agreed_bucket(node, rows, walk) if self.lockstep else None
-        if self.lockstep and agreed is None:
-            return False
-        admitted = self._admit(node, rows, agreed)
-        if admitted is None:
-            if agreed is None:
-                return False
-            admitted = self._declare(node, [], agreed)  # the others run it: enter it with no rows
-        sub, bucket, rows = admitted
-        params = self.model.talker_params if node.name == "talker" else self.model.flow_params
-        positions = tuple(r.stream.written_in(node.name) for r in rows)
-        try:  # from here on an error must give back what admit claimed
-            plan = node.runner.plan(sub)[node.key]
-            layout = node.manager.plan_rows(sub.steps[node.key], sub.ctx) if self.mesh is not None else None
-            inputs = batch.step_inputs(bucket, rows, layout)
-            with warn_on_compilations(f"engine step {bucket}") as counter:
-                cache, outputs = self.programs.steps[bucket.graph_walk].replay(
-                    bucket, params, node.manager.cache, node.manager.bank, plan, *inputs
-                )
-                outputs = host_local(outputs)  # this process's rows (every row, in one process)
-        except Exception as err:
-            node.runner.abort_step(sub)
-            self._recover(node, rows, err)
-            return True
-        except BaseException:
-            node.runner.abort_step(sub)
-            raise
-        node.manager.cache = cache
-        node.runner.commit(sub)
-        if self.warmed_up:
-            self.compilations += counter.count
-        if not rows:
-            self.counters["lockstep_empty_steps"] += 1
-            return True
-        now = self.clock()
-        rids = tuple(r.stream.request_id for r in rows)
-        self.records.append(
-            StepRecord(
-                bucket.graph_walk, bucket, len(rows), started, now - started, positions, counter.count, rids
-            )
-        )
-        if node.name == "talker":
-            self._after_talker(rows, bucket, outputs, now, layout)
-        else:
-            self._after_flow(rows, bucket, outputs, now, layout)
-        return True
 
     def _fail(self, stream: Stream, failure: RequestError) -> None:
         self._finish(stream, Phase.FAILED, failure)

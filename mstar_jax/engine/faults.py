@@ -6,7 +6,9 @@ before each of its steps it asks `schedule(n)` (n counts that node's steps from 
 - `None`: run normally;
 - `"before"`: raise without running, as a failure before the program started would (the cache survives);
 - `"after"`: run, consuming the donated cache, then raise, as a failure after launch would;
-- `"poison"`: delete the cache's first buffer, then run (the program refuses a deleted buffer).
+- `"poison"`: delete the cache's first buffer, then run (the program refuses a deleted buffer);
+- `"unreadable"`: run, then lose the outputs, so reading them back raises, as a failure on the device
+  after dispatch would (a pipelined engine learns of it a step later).
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
 
+import jax
+
 from mstar_jax.models.streaming_tts.model import FLOW_CHUNK
 
 __all__ = ["FAULT_KINDS", "InjectedFaultError", "inject_faults"]
 
-Fault = Literal["before", "after", "poison"]
-FAULT_KINDS: tuple[Fault, ...] = ("before", "after", "poison")
+Fault = Literal["before", "after", "poison", "unreadable"]
+FAULT_KINDS: tuple[Fault, ...] = ("before", "after", "poison", "unreadable")
 
 
 class InjectedFaultError(RuntimeError):
@@ -46,6 +50,9 @@ class _FaultyStep:
         out = self.step.replay(bucket, params, cache, *args)
         if fault == "after":
             raise InjectedFaultError(f"injected after {self.node} step {self.calls[0]}")
+        if fault == "unreadable":
+            for array in jax.tree.leaves(out[1]):
+                array.delete()
         return out
 
 

@@ -5,37 +5,54 @@ from __future__ import annotations
 
 import numpy as np
 
-from mstar_jax.engine import batch
-from mstar_jax.engine.batch import Layout
+from mstar_jax.engine.records import InFlight
 from mstar_jax.engine.request import AudioChunk, Phase, ReplayMismatchError, RequestError, Stream
-from mstar_jax.engine.scheduler import FlowRow, TalkerRow
+from mstar_jax.engine.scheduler import FlowRow
 from mstar_jax.models.streaming_tts.model import SAMPLES_PER_FRAME
-from mstar_jax.resources.step import BucketKey
 
 __all__ = ["Outputs"]
 
 
 class Outputs:
-    """The part of `Engine` that hands a step's outputs to its streams."""
+    """The part of `Engine` that hands a step's outputs to its streams.
 
-    def _after_talker(
-        self, rows: list[TalkerRow], bucket: BucketKey, codes: np.ndarray, now: float, layout: Layout | None
-    ) -> None:
-        for row, code in zip(rows, batch.row_outputs(bucket, rows, codes, layout), strict=True):
+    Each step has two halves. At dispatch (`_talker_dispatched`, `_flow_dispatched`) what the step
+    will do is known from its rows alone: entries written, prompt read, codes coming, the talker done;
+    the next step is formed from that. When its outputs are back on the host (`_talker_read`,
+    `_flow_read`: at once in a synchronous engine, a step later in a pipelined one), the codes are
+    appended and the audio delivered.
+    """
+
+    def _talker_dispatched(self, step: InFlight, now: float) -> tuple[bool, ...]:
+        """Advance the rows' streams by the step; return which rows generate a code."""
+        coded = []
+        for row, index in zip(step.rows, step.indices, strict=True):
             stream = row.stream
             stream.talker_written += row.span
             stream.last_step_at = now
-            stream.faults = 0
             if not row.decode:
                 stream.prefilled += row.span
                 stream.phase = Phase.PREFILL
-            if row.decode or stream.prefilled == stream.prompt_len:
-                if not self._append_code(stream, int(code)):
-                    continue
+            coded.append(row.decode or stream.prefilled == stream.prompt_len)
+            if coded[-1]:
+                stream.codes_in_flight += 1
+                stream.feed = (step.serial, index)
                 stream.phase = Phase.DECODE
-            if stream.talker_done:
+            if stream.codes_scheduled >= stream.request.frames:
                 stream.phase = Phase.FLUSH
                 self.nodes["talker"].runner.remove_request(stream.request_id)  # its talker slot is free now
+        return tuple(coded)
+
+    def _talker_read(self, step: InFlight, codes: np.ndarray) -> None:
+        for row, index, coded in zip(step.rows, step.indices, step.coded, strict=True):
+            stream = row.stream
+            if stream.phase.finished or not coded:
+                continue
+            if stream.feed == (step.serial, index):
+                stream.feed = None
+            stream.codes_in_flight -= 1
+            stream.faults = 0
+            self._append_code(stream, int(codes[index]))
 
     def _append_code(self, stream: Stream, code: int) -> bool:
         """Add a generated code; after a rewind it must be the code generated there before."""
@@ -49,24 +66,23 @@ class Outputs:
         stream.codes.append(code)
         return True
 
-    def _after_flow(
-        self, rows: list[FlowRow], bucket: BucketKey, outputs: tuple[np.ndarray, np.ndarray], now: float,
-        layout: Layout | None,
-    ) -> None:  # fmt: skip
-        mel, samples = (batch.row_outputs(bucket, rows, x, layout) for x in outputs)
-        for i, row in enumerate(rows):
+    def _flow_dispatched(self, rows: list[FlowRow], now: float) -> None:
+        for row in rows:
+            row.stream.flow_written += row.span
+            row.stream.last_step_at = now
+
+    def _flow_read(self, step: InFlight, outputs: tuple[np.ndarray, np.ndarray], now: float) -> None:
+        mel, samples = ([x[i] for i in step.indices] for x in outputs)
+        for i, row in enumerate(step.rows):
             stream, span = row.stream, row.span
-            if stream.phase.finished:  # cancelled by an earlier row's callback during this step
+            if stream.phase.finished:  # cancelled by an earlier row's callback, or before it came back
                 continue
             chunk = AudioChunk(
                 first_frame=row.start, codes=np.asarray(row.codes, np.int32), mel=mel[i][:span],
                 samples=samples[i][: span * SAMPLES_PER_FRAME],
             )  # fmt: skip
-            stream.flow_written += span
-            stream.last_step_at = now
             stream.faults = 0
-            delivered = stream.chunks[-1].first_frame + len(stream.chunks[-1].codes) if stream.chunks else 0
-            if row.start < delivered:  # replayed after a fault: the listener has it already
+            if row.start < stream.frames_decoded:  # replayed after a fault: the listener has it already
                 if not _same_chunk(chunk, stream.chunks):
                     self._fail(stream, ReplayMismatchError(
                         f"request {stream.request_id!r}: replaying after a fault decoded frames "
@@ -86,7 +102,7 @@ class Outputs:
                     continue
                 if stream.phase.finished:  # the callback cancelled its own stream
                     continue
-            if stream.talker_done and stream.flow_written == stream.request.frames:
+            if stream.talker_done and stream.frames_decoded == stream.request.frames:
                 self._finish(stream, Phase.DONE, None)
 
 

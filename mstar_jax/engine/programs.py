@@ -12,6 +12,13 @@ Walks and their buckets (`B` the batch sizes):
 
 Every program takes `(params, cache, bank, plan, *inputs)` with the cache donated, so `TTSPrograms`
 built for one cache geometry serve any engine whose managers have that geometry (tests share them).
+
+The talker programs take the previous talker step's codes as they are on the device, so a pipelined
+engine can dispatch step t + 1 before it reads step t: their inputs begin `prev_codes i32[C], feed
+i32[B]` (for the combined walk `feed i32[Bd]`, its decode rows), and a decode row with `feed[b] >= 0`
+reads its input token from `prev_codes[feed[b]]` instead of its host token. Every talker program returns
+its codes padded to the same `C` (`codes_width`), whatever its bucket, so any program's codes feed any
+other's.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.kv.bounded.sharding import DATA
 from mstar_jax.resources.step import BucketKey
 
-__all__ = ["TTSPrograms", "tts_buckets"]
+__all__ = ["TTSPrograms", "codes_width", "fed", "tts_buckets"]
 
 WALKS = (TALKER_DECODE, TALKER_PREFILL, TALKER_MIXED, FLOW_CHUNK)
 
@@ -107,6 +114,31 @@ def _s(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
+def fed(step, *, text_vocab: int, width: int):
+    """`step` (a talker step) reading fed decode tokens from `prev_codes`, its codes padded to `width`.
+
+    A fed row's token is `text_vocab + prev_codes[feed]`, as the scheduler would have written it.
+    """
+
+    def fed_step(params, cache, bank, plan, prev_codes, feed, decode_tokens, *inputs):
+        from_device = jnp.take(prev_codes, jnp.maximum(feed, 0), axis=0) + text_vocab
+        decode_tokens = jnp.where((feed >= 0)[:, None], from_device[:, None], decode_tokens)
+        cache, codes = step(params, cache, bank, plan, decode_tokens, *inputs)
+        return cache, jnp.pad(codes, (0, width - codes.shape[0]))
+
+    fed_step.__qualname__ = f"fed({step.__qualname__})"  # the executable store tells walks apart by it
+    return fed_step
+
+
+def codes_width(buckets: Buckets, shards: int = 1) -> int:
+    """`C`: the most rows any talker program runs (all data shards' on a mesh)."""
+    rows = [
+        key.bs + (key.cg_key_info.prefill_rows if isinstance(key.cg_key_info, CombinedRows) else 0)
+        for walk in buckets.walks if walk != FLOW_CHUNK for key in buckets[walk]
+    ]  # fmt: skip
+    return shards * max(rows)
+
+
 def _fingerprint(model: StreamingTTSModel) -> str:
     """What the model's step methods close over, for the executable store's keys."""
     mesh = model.mesh
@@ -119,11 +151,12 @@ def _fingerprint(model: StreamingTTSModel) -> str:
 class TTSPrograms:
     """Every walk's `CapturedStep`, and the buckets they were captured for.
 
-    Build with `TTSPrograms.capture`.
+    Build with `TTSPrograms.capture`. `codes_width` is `C` of the module docstring.
     """
 
     buckets: Buckets
     steps: dict[str, CapturedStep]
+    codes_width: int
 
     @classmethod
     def capture(
@@ -160,15 +193,21 @@ class TTSPrograms:
         def rows_of(bs: int, *shape: int, dtype=i32) -> jax.ShapeDtypeStruct:
             return _s((shards * bs, *shape), dtype, rows_sharding)
 
+        width = codes_width(buckets, shards)
+        prev_codes = _s((width,), i32, None if mesh is None else NamedSharding(mesh, P()))
+
         def plain(key: BucketKey) -> tuple:
             bs, t = key.bs, key.num_tokens
-            return (*talker_state, plan(bs), rows_of(bs, t), rows_of(bs), rows_of(bs, dtype=u32))
+            return (
+                *talker_state, plan(bs), prev_codes, rows_of(bs),
+                rows_of(bs, t), rows_of(bs), rows_of(bs, dtype=u32),
+            )  # fmt: skip
 
         def mixed(key: BucketKey) -> tuple:
             rows: CombinedRows = key.cg_key_info
             d, p, t = rows.decode_rows, rows.prefill_rows, key.num_tokens
             return (
-                *talker_state, plan(d + p), _s((d, 1), i32), _s((d,), i32),
+                *talker_state, plan(d + p), prev_codes, _s((d,), i32), _s((d, 1), i32), _s((d,), i32),
                 _s((p, t), i32), _s((p,), i32), _s((d + p,), u32),
             )  # fmt: skip
 
@@ -176,10 +215,11 @@ class TTSPrograms:
             bs, t = key.bs, key.num_tokens
             return (*flow_state, plan(bs), rows_of(bs, t), rows_of(bs, dtype=u32))
 
+        feeding = {"text_vocab": model.text_vocab, "width": width}
         plans = {
-            TALKER_DECODE: (model.talker_step, plain),
-            TALKER_PREFILL: (model.talker_step, plain),
-            TALKER_MIXED: (model.talker_combined_step, mixed),
+            TALKER_DECODE: (fed(model.talker_step, **feeding), plain),
+            TALKER_PREFILL: (fed(model.talker_step, **feeding), plain),
+            TALKER_MIXED: (fed(model.talker_combined_step, **feeding), mixed),
             FLOW_CHUNK: (model.flow_step, chunk),
         }
         steps = {}
@@ -190,7 +230,7 @@ class TTSPrograms:
                 fn, buckets[walk].keys(), abstract, donate_argnums=1, name=walk, progress=progress,
                 max_workers=max_workers, store=store, fingerprint=fingerprint,
             )  # fmt: skip
-        return cls(buckets=buckets, steps=steps)
+        return cls(buckets=buckets, steps=steps, codes_width=width)
 
     @property
     def reports(self) -> list[CaptureReport]:

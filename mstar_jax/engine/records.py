@@ -1,14 +1,16 @@
-"""What the engine keeps per step (`StepRecord`, for reports) and per graph node (`Node`)."""
+"""What the engine keeps per step (`StepRecord`, for reports; `InFlight`, until its outputs are read) and
+per graph node (`Node`)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import BucketKey
 
-__all__ = ["Node", "StepRecord"]
+__all__ = ["InFlight", "Node", "StepRecord"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,3 +46,31 @@ class Node:
     key: str
     runner: ResourceRunner
     manager: BoundedKVManager
+
+
+@dataclasses.dataclass(eq=False)
+class InFlight:
+    """A step dispatched to the device whose outputs are not read back yet.
+
+    Attributes:
+      node: its graph node.
+      serial: the engine's count of dispatched steps when it was dispatched (`Stream.feed`).
+      bucket: the bucket it replayed.
+      rows: its real rows, in bucket order.
+      indices: each row's place in the per-row outputs.
+      outputs: the program's outputs, on the device (a talker's codes, a flow's mel and samples).
+      started: clock time when its rows were formed.
+      positions, compilations: as `StepRecord` has them.
+      coded: the talker rows that generate a code (set at dispatch).
+    """
+
+    node: Node
+    serial: int
+    bucket: BucketKey
+    rows: list
+    indices: list[int]
+    outputs: Any
+    started: float
+    positions: tuple[int, ...]
+    compilations: int
+    coded: tuple[bool, ...] = ()

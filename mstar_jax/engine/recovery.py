@@ -78,6 +78,7 @@ def rewind(stream: Stream, node: str, mark: Mark | None) -> None:
     if len(stream.codes) > len(stream.replay_codes):  # an earlier replay may still be catching up
         stream.replay_codes = tuple(stream.codes)
     del stream.codes[mark.codes if mark else 0 :]
+    stream.codes_in_flight, stream.feed = 0, None  # an engine rewinds only with nothing in flight
     stream.phase = mark.phase if mark else Phase.WAITING
     stream.prefilled = mark.prefilled if mark else 0
     stream.talker_written = mark.talker_written if mark else 0
@@ -86,11 +87,12 @@ def rewind(stream: Stream, node: str, mark: Mark | None) -> None:
 class Recovery:
     """The part of `Engine` that serves on after a step raised (module doc)."""
 
-    def _recover(self, node: Node, rows: list, err: Exception) -> None:
-        """Serve on after `node`'s step raised `err` (module doc; docs/design.md §11)."""
+    def _recover(self, node: Node, rows: list, err: Exception, *, lost: bool = False) -> None:
+        """Serve on after `node`'s step raised `err` (module doc; docs/design.md §11); `lost`: its cache
+        is to be treated as lost even where its buffers survive."""
         self.counters["faults"] += 1
         manager = node.manager
-        if not manager.cache_lost():
+        if not lost and not manager.cache_lost():
             for row in rows:
                 row.stream.faults += 1
                 if row.stream.faults >= MAX_STEP_FAULTS:

@@ -157,6 +157,9 @@ class Stream:
       faults: failed steps it was in whose device state survived (it fails after a few).
       replay_codes: after a fault rewound its talker, the codes it had generated, which the replay
         must generate again.
+      codes_in_flight: codes of talker steps dispatched but not read back yet (a pipelined engine).
+      feed: `(talker step, row)`: where the newest of those codes sits in that step's device output,
+        which the next talker step reads its input token from; None once read.
     """
 
     request: TTSRequest
@@ -177,6 +180,8 @@ class Stream:
     hold_until: float = 0.0
     faults: int = 0
     replay_codes: tuple[int, ...] = ()
+    codes_in_flight: int = 0
+    feed: tuple[int, int] | None = None
 
     @property
     def request_id(self) -> str:
@@ -189,7 +194,13 @@ class Stream:
 
     @property
     def talker_done(self) -> bool:
+        """Every frame's code is generated and read back."""
         return len(self.codes) >= self.request.frames
+
+    @property
+    def codes_scheduled(self) -> int:
+        """Codes generated or being generated: read back, or in a talker step still in flight."""
+        return len(self.codes) + self.codes_in_flight
 
     def written_in(self, node: str) -> int:
         """Entries committed to the cache of `node` ("talker" or "flow")."""
@@ -197,8 +208,8 @@ class Stream:
 
     @property
     def frames_decoded(self) -> int:
-        """Frames the flow turned into audio."""
-        return self.flow_written
+        """Frames whose audio reached `chunks` (a pipelined engine's flow may be further on)."""
+        return self.chunks[-1].first_frame + len(self.chunks[-1].codes) if self.chunks else 0
 
     @property
     def audio(self) -> np.ndarray:

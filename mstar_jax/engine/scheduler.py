@@ -23,11 +23,14 @@ __all__ = ["FlowRow", "TalkerRow", "flow_rows", "talker_rows"]
 @dataclasses.dataclass(frozen=True)
 class TalkerRow:
     """One request's part of a talker step: `tokens` (prompt tokens or the last frame's token) written
-    at the stream's current end; `decode` says which kernel runs it."""
+    at the stream's current end; `decode` says which kernel runs it. `feed` >= 0: the last frame's code
+    is still on the device, in that row of the step in flight, and the program reads its token there
+    (`tokens` is then a placeholder)."""
 
     stream: Stream
     tokens: tuple[int, ...]
     decode: bool
+    feed: int = -1
 
     @property
     def span(self) -> int:
@@ -60,6 +63,7 @@ def talker_rows(
     prefill_room: int,
     bos: int,
     text_vocab: int,
+    in_flight: int | None = None,
 ) -> tuple[list[TalkerRow], list[TalkerRow]]:
     """The next talker step's decode rows and prefill rows.
 
@@ -71,6 +75,7 @@ def talker_rows(
       prefill_room: most prefill rows beside decode rows (the combined bucket's room at `max_batch`).
       bos: the token after the text.
       text_vocab: offset of codec tokens among the talker's input tokens.
+      in_flight: the talker step dispatched but not read back (`Stream.feed`), if any.
 
     Returns:
       (decode rows, prefill rows); prefill rows are capped at `prefill_room` only when decode rows run.
@@ -79,7 +84,9 @@ def talker_rows(
     for stream in streams:
         if not _runnable(stream, now) or stream.talker_done or stream.phase is Phase.FLUSH:
             continue
-        if stream.phase is Phase.DECODE:
+        if stream.phase is Phase.DECODE and stream.feed is not None and stream.feed[0] == in_flight:
+            decode.append(TalkerRow(stream, (text_vocab,), decode=True, feed=stream.feed[1]))
+        elif stream.phase is Phase.DECODE:
             decode.append(TalkerRow(stream, (text_vocab + stream.codes[-1],), decode=True))
         else:
             prompt = (*stream.request.text, bos)

@@ -33,3 +33,9 @@ def programs(cache_dir):
         model, buckets, talker=talker, flow=flow, progress=False, max_workers=2, store=store
     )
     return model, captured
+
+
+@pytest.fixture(params=[False, True], ids=["synchronous", "pipelined"])
+def pipelined(request) -> bool:
+    """Whether the engine under test is pipelined (`Engine(pipelined=True)`); references never are."""
+    return request.param

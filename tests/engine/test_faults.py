@@ -50,8 +50,10 @@ def listen(engine, req: TTSRequest, heard: dict) -> Stream:
     return engine.submit(req, on_chunk=lambda chunk: heard[req.request_id].append(chunk.first_frame))
 
 
-def test_a_fault_that_consumes_the_talker_cache_fails_only_its_slot_holders_then_serving_goes_on(programs):
-    engine, voices = make_engine(programs)
+def test_a_fault_that_consumes_the_talker_cache_fails_only_its_slot_holders_then_serving_goes_on(
+    programs, pipelined
+):
+    engine, voices = make_engine(programs, pipelined=pipelined)
     parked = engine.submit(request("parked", voices[1], 8, seed=9))
     while not parked.codes:
         engine.step()
@@ -79,8 +81,8 @@ def test_a_fault_that_consumes_the_talker_cache_fails_only_its_slot_holders_then
 
 
 @pytest.mark.parametrize(("node", "kind"), [("talker", "after"), ("flow", "after"), ("talker", "poison")])
-def test_with_snapshots_a_lost_cache_is_restored_and_replayed_bit_for_bit(programs, node, kind):
-    engine, voices = make_engine(programs, snapshot_every=3)
+def test_with_snapshots_a_lost_cache_is_restored_and_replayed_bit_for_bit(programs, pipelined, node, kind):
+    engine, voices = make_engine(programs, snapshot_every=3, pipelined=pipelined)
     heard: dict[str, list[int]] = {}
     streams = [listen(engine, req, heard) for req in crowd(voices)[:2]]
     faults = {"talker": {6, 15}, "flow": {2, 5}}[
@@ -102,8 +104,8 @@ def test_with_snapshots_a_lost_cache_is_restored_and_replayed_bit_for_bit(progra
     assert engine.compilations == 0
 
 
-def test_a_poisoned_flow_buffer_is_a_fault_like_any_other(programs):
-    engine, voices = make_engine(programs, snapshot_every=2)
+def test_a_poisoned_flow_buffer_is_a_fault_like_any_other(programs, pipelined):
+    engine, voices = make_engine(programs, snapshot_every=2, pipelined=pipelined)
     streams = [engine.submit(req) for req in crowd(voices)[:2]]
     while not any(s.chunks for s in streams):
         engine.step()
@@ -114,8 +116,33 @@ def test_a_poisoned_flow_buffer_is_a_fault_like_any_other(programs):
         assert_same_output(stream, served_alone(programs, stream.request))
 
 
-def test_a_step_that_fails_before_consuming_its_cache_is_retried(programs):
-    engine, voices = make_engine(programs)
+@pytest.mark.parametrize("node", ["talker", "flow"])
+def test_a_step_whose_outputs_cannot_be_read_back_loses_its_requests_and_serving_goes_on(
+    programs, pipelined, node
+):
+    """Its outputs are lost after it ran: a synchronous engine finds out at once, a pipelined one a step
+    later, with the next step already dispatched on its cache. Either way its requests are lost (and
+    retryable), nothing leaks, and requests submitted again hear what they hear alone."""
+    engine, voices = make_engine(programs, pipelined=pipelined)
+    streams = [engine.submit(req) for req in crowd(voices)[:2]]
+    inject_faults(engine, node, lambda n: "unreadable" if n == 3 else None)
+    engine.run_until_idle()
+    # A pipelined talker's next step, fed the lost codes, fails as well.
+    assert engine.counters["faults"] == (2 if pipelined and node == "talker" else 1)
+    for stream in streams:
+        assert stream.phase is Phase.FAILED
+        assert type(stream.failure) is StateLostError
+        assert stream.failure.retryable
+    assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
+    again = [engine.submit(req) for req in crowd(voices)[:2]]
+    engine.run_until_idle()
+    for stream in again:
+        assert_same_output(stream, served_alone(programs, stream.request))
+    assert engine.compilations == 0
+
+
+def test_a_step_that_fails_before_consuming_its_cache_is_retried(programs, pipelined):
+    engine, voices = make_engine(programs, pipelined=pipelined)
     streams = [engine.submit(req) for req in crowd(voices)[:2]]
     inject_faults(engine, "talker", lambda n: "before" if n in (2, 3) else None)
     engine.run_until_idle()
@@ -146,4 +173,7 @@ def test_inject_faults_refuses_what_it_cannot_inject(programs):
     stream = engine.submit(request("a", voices[0], 3))
     engine.run_until_idle()  # the engine reads the refusal as a failing step, like any other
     assert type(stream.failure) is StepFailedError
-    assert "schedule(3)='melt' must be None or one of ('before', 'after', 'poison')" in stream.error
+    assert (
+        "schedule(3)='melt' must be None or one of ('before', 'after', 'poison', 'unreadable')"
+        in stream.error
+    )

@@ -37,8 +37,8 @@ first two; `fresh_engine` adds the third)."""
 VOICES = tuple(VOICE_SEEDS)
 
 
-def fresh_engine(programs) -> Engine:
-    engine, voices = make_engine(programs, clock=FakeClock())
+def fresh_engine(programs, pipelined: bool = False) -> Engine:
+    engine, voices = make_engine(programs, clock=FakeClock(), pipelined=pipelined)
     voices.append(engine.add_voice(2, frames=3, seed=VOICE_SEEDS[VOICES[2]]))
     assert tuple(voices) == VOICES
     return engine
@@ -129,12 +129,12 @@ def crowd(tag: str, size: int = 6) -> dict[int, list[TTSRequest]]:
     return arrivals
 
 
-def test_each_member_of_a_random_crowd_hears_what_it_hears_alone(programs, alone):
+def test_each_member_of_a_random_crowd_hears_what_it_hears_alone(programs, alone, pipelined):
     """Six requests of mixed voices, lengths and seeds, half arriving while others run, competing for two
     slots per cache: every one's codes, mel and samples are bit-identical to the same request served
     alone (so nothing leaks between rows, slots or batch compositions)."""
     arrivals = crowd("crowd")
-    engine = fresh_engine(programs)
+    engine = fresh_engine(programs, pipelined)
     live: list[int] = []
     streams = serve(engine, arrivals, lambda engine, i: live.append(len(engine.streams)))
     for stream in streams.values():
@@ -148,11 +148,11 @@ def test_each_member_of_a_random_crowd_hears_what_it_hears_alone(programs, alone
     assert walks == {"talker_prefill", "talker_decode", "talker_mixed", "flow_chunk"}
 
 
-def test_a_request_in_a_full_bucket_hears_what_it_hears_beside_padding(programs, alone):
+def test_a_request_in_a_full_bucket_hears_what_it_hears_beside_padding(programs, alone, pipelined):
     """Two requests in lockstep fill every bucket they run in (no padding row); served alone, every step
     pads the other row. Their outputs are bit-identical either way."""
     twins = [request("twin-a", VOICES[0], 13, 6, seed=3), request("twin-b", VOICES[1], 13, 6, seed=4)]
-    engine = fresh_engine(programs)
+    engine = fresh_engine(programs, pipelined)
     streams = serve(engine, {0: twins})
     for req in twins:
         records = steps_of(engine, req.request_id)
@@ -162,13 +162,13 @@ def test_a_request_in_a_full_bucket_hears_what_it_hears_beside_padding(programs,
         assert_same_output(streams[req.request_id], alone(req))
 
 
-def test_a_request_prefilled_in_combined_steps_hears_what_it_hears_alone(programs, alone):
+def test_a_request_prefilled_in_combined_steps_hears_what_it_hears_alone(programs, alone, pipelined):
     """A request arriving while another decodes reads its whole prompt (three chunks, the last short)
     in combined prefill+decode steps, and takes its first frame from one; alone it runs plain prefill
     steps. Both requests' outputs are bit-identical to theirs alone."""
     decoding = request("mix-decode", VOICES[0], 14, 3, seed=5)
     arriving = request("mix-prefill", VOICES[1], 9, 9, seed=6)  # prompt of 10 tokens: chunks 4, 4, 2
-    engine = fresh_engine(programs)
+    engine = fresh_engine(programs, pipelined)
     streams = serve(engine, {0: [decoding], 3: [arriving]})
     mixed = [r for r in steps_of(engine, "mix-prefill") if r.walk == "talker_mixed"]
     assert len(mixed) == 3
@@ -182,7 +182,9 @@ def test_a_request_prefilled_in_combined_steps_hears_what_it_hears_alone(program
 
 
 @pytest.mark.parametrize("how", ["explicit", "evicted"])
-def test_a_stream_offloaded_and_reloaded_mid_stream_hears_what_it_hears_alone(programs, alone, how):
+def test_a_stream_offloaded_and_reloaded_mid_stream_hears_what_it_hears_alone(
+    programs, alone, pipelined, how
+):
     """A stream holding state in both caches (its talker past the ring wrap, flow chunks written) is
     paused and moved to host memory, by `engine.offload` (both caches at once, then a squatter
     dirties the freed slots) or by the engine evicting it, one cache at a time, for a newcomer. Resumed
@@ -210,7 +212,7 @@ def test_a_stream_offloaded_and_reloaded_mid_stream_hears_what_it_hears_alone(pr
         if stream is not None and stream.paused and "newcomer" in engine.finished:
             engine.resume("target")
 
-    engine = fresh_engine(programs)
+    engine = fresh_engine(programs, pipelined)
     streams = serve(engine, {0: [target, other]}, hook)
     streams["newcomer"] = engine.finished["newcomer"]
     assert seen_offloaded == {"talker", "flow"}
@@ -221,7 +223,7 @@ def test_a_stream_offloaded_and_reloaded_mid_stream_hears_what_it_hears_alone(pr
         assert_same_output(streams[req.request_id], alone(req))
 
 
-def test_cancelling_crowd_members_mid_stream_leaves_the_others_unchanged(programs, alone):
+def test_cancelling_crowd_members_mid_stream_leaves_the_others_unchanged(programs, alone, pipelined):
     """The crowd of the first test, two members cancelled mid-stream (one decoding with audio out, one
     halfway through reading its prompt): the others hear exactly what they hear alone, and what the
     cancelled ones got before is a prefix of their output alone."""
@@ -240,7 +242,7 @@ def test_cancelling_crowd_members_mid_stream_leaves_the_others_unchanged(program
             cancelled[victim.request_id] = victim.phase
             engine.cancel(victim.request_id)
 
-    engine = fresh_engine(programs)
+    engine = fresh_engine(programs, pipelined)
     streams = serve(engine, arrivals, hook)
     assert list(cancelled.values()) == [Phase.DECODE, Phase.PREFILL]
     for rid, stream in streams.items():

@@ -1,0 +1,144 @@
+"""One step of the engine loop, dispatched and read back.
+
+`_run` admits a node's rows, plans them, replays the bucket's program on the donated cache, commits,
+and advances the streams by what the step will do (`outputs`). Its outputs are read back at once by a
+synchronous engine, and by a pipelined one once the next step is dispatched (the talker's) or once
+its copy is on the host (the flow's audio): `_read` hands them to their streams and records the step;
+where they cannot be read, the step's state is treated as lost (docs/design.md §11)."""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+
+from mstar_jax.compile import warn_on_compilations
+from mstar_jax.distributed import host_local
+from mstar_jax.engine import batch
+from mstar_jax.engine.records import InFlight, Node, StepRecord
+from mstar_jax.engine.request import StateLostError
+
+__all__ = ["Dispatch"]
+
+
+class Dispatch:
+    """The part of `Engine` that runs one step and reads steps back (module doc)."""
+
+    def _run(self, node: Node, rows: list, walk: str | None = None) -> bool:
+        """Dispatch one program on `rows` (of `walk`, where the rows alone do not say it); True if it
+        ran. A synchronous engine reads its outputs at once, a pipelined one when the next has gone."""
+        started = self.clock()
+        agreed = self._agreed_bucket(node, rows, walk) if self.lockstep else None
+        if self.lockstep and agreed is None:
+            return False
+        admitted = self._admit(node, rows, agreed)
+        if admitted is None:
+            if agreed is None:
+                return False
+            admitted = self._declare(node, [], agreed)  # the others run it: enter it with no rows
+        sub, bucket, rows = admitted
+        params = self.model.talker_params if node.name == "talker" else self.model.flow_params
+        positions = tuple(r.stream.written_in(node.name) for r in rows)
+        talker = node.name == "talker"
+        try:  # from here on an error must give back what admit claimed
+            plan = node.runner.plan(sub)[node.key]
+            layout = node.manager.plan_rows(sub.steps[node.key], sub.ctx) if self.mesh is not None else None
+            inputs = batch.step_inputs(bucket, rows, layout)
+            if talker:
+                step = self._talker_in_flight
+                inputs = (self._no_codes if step is None else step.outputs, *inputs)
+            with warn_on_compilations(f"engine step {bucket}") as counter:
+                cache, outputs = self.programs.steps[bucket.graph_walk].replay(
+                    bucket, params, node.manager.cache, node.manager.bank, plan, *inputs
+                )
+                if not self.pipelined:  # read inside the guard: a failed read fails the step
+                    outputs = host_local(outputs)  # this process's rows (every row, in one process)
+        except Exception as err:
+            node.runner.abort_step(sub)
+            self.drain()  # the streams as every earlier step left them, for the recovery
+            self._recover(node, rows, err)
+            return True
+        except BaseException:
+            node.runner.abort_step(sub)
+            raise
+        node.manager.cache = cache
+        node.runner.commit(sub)
+        if self.warmed_up:
+            self.compilations += counter.count
+        if not rows:
+            self.counters["lockstep_empty_steps"] += 1
+            return True
+        self._dispatched += 1
+        step = InFlight(
+            node, self._dispatched, bucket, rows, batch.row_indices(bucket, rows, layout), outputs, started,
+            positions, counter.count,
+        )  # fmt: skip
+        if talker:
+            step.coded = self._talker_dispatched(step, self.clock())
+            self.overlap["rows_fed_on_device"] += sum(row.feed >= 0 for row in rows)
+            earlier, self._talker_in_flight = self._talker_in_flight, step
+            if earlier is not None:
+                self.overlap["talker_steps_read_behind"] += 1
+                self._read(earlier)
+        else:
+            self._flow_dispatched(rows, self.clock())
+            self._audio_in_flight.append(step)
+            for array in jax.tree.leaves(outputs):
+                if isinstance(array, jax.Array) and not array.is_deleted():  # a lost one fails when read
+                    array.copy_to_host_async()  # the audio comes back while the device goes on
+        if not self.pipelined:
+            self.drain()
+        return True
+
+    def drain(self) -> bool:
+        """Read back every step in flight and deliver its outputs (a pipelined engine); True if any was."""
+        drained = self._talker_in_flight is not None and self._read(self._talker_in_flight)
+        return self._deliver_audio(wait=True) or drained
+
+    def _deliver_audio(self, *, wait: bool) -> bool:
+        """Deliver the flow steps in flight whose outputs are on the host, in order (all, if `wait`)."""
+        delivered = False
+        while self._audio_in_flight and (
+            wait
+            or all(x.is_deleted() or x.is_ready() for x in jax.tree.leaves(self._audio_in_flight[0].outputs))
+        ):
+            self.overlap["flow_steps_read_behind"] += self.pipelined and not wait
+            delivered |= self._read(self._audio_in_flight[0])
+        return delivered
+
+    def _read(self, step: InFlight) -> bool:
+        """Bring `step`'s outputs to the host and hand them to its streams; True (it came back)."""
+        if step is self._talker_in_flight:
+            self._talker_in_flight = None
+        elif step.node.name == "flow":
+            self._audio_in_flight.remove(step)
+        try:
+            outputs = host_local(step.outputs)
+        except Exception as err:  # the step failed on the device after it was dispatched
+            self._lost_in_flight(step, err)
+            return True
+        now = self.clock()
+        rids = tuple(r.stream.request_id for r in step.rows)
+        self.records.append(StepRecord(
+            step.bucket.graph_walk, step.bucket, len(step.rows), step.started, now - step.started,
+            step.positions, step.compilations, rids,
+        ))  # fmt: skip
+        if step.node.name == "talker":
+            self._talker_read(step, outputs)
+        else:
+            self._flow_read(step, outputs, now)
+        return True
+
+    def _lost_in_flight(self, step: InFlight, err: Exception) -> None:
+        """A dispatched step whose outputs cannot be read: its cache state (and every later step of its
+        node, built on it) is suspect, so its requests fail and its node recovers as from a lost cache."""
+        later = [s for s in (self._talker_in_flight, *self._audio_in_flight) if s is not None]
+        steps = [step, *(s for s in later if s.node is step.node)]
+        self._talker_in_flight = None if step.node.name == "talker" else self._talker_in_flight
+        self._audio_in_flight = collections.deque(s for s in self._audio_in_flight if s.node is not step.node)
+        for stream in {row.stream.request_id: row.stream for s in steps for row in s.rows}.values():
+            self._fail(stream, StateLostError(
+                f"a {step.node.name} step with request {stream.request_id!r} failed on the device after it "
+                f"was dispatched ({err!r}); submit it again"
+            ))  # fmt: skip
+        self._recover(step.node, [], err, lost=True)

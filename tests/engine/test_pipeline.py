@@ -1,0 +1,50 @@
+"""The pipelined engine (`Engine(pipelined=True)`): it dispatches each talker step before it reads the
+previous one, the codes feeding the next step on the device, and delivers audio when its copy is back;
+every request hears exactly what it hears from the synchronous engine, alone, whatever happens to it
+(a crowd competing for slots, cancellation, offloading, device faults)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mstar_jax.engine import Engine
+from mstar_jax.models.streaming_tts.model import StreamingTTSModel
+from mstar_jax.resources.kv.bounded.sharding import make_mesh
+from tests.engine.support import CONFIG, assert_complete, managers
+from tests.engine.test_outputs import Alone, assert_same_output, crowd, fresh_engine, serve
+
+
+@pytest.fixture(scope="module")
+def alone(programs) -> Alone:
+    return Alone(programs)
+
+
+def test_a_pipelined_crowd_hears_what_each_hears_alone_from_the_synchronous_engine(programs, alone):
+    arrivals = crowd("crowd")
+    engine = fresh_engine(programs, pipelined=True)
+    streams = serve(engine, arrivals)
+    for stream in streams.values():
+        assert_complete(stream)
+        assert_same_output(stream, alone(stream.request))
+    decode_rows = sum(r.rows for r in engine.records if r.walk == "talker_decode")
+    # Every decode row but those after a step that left nothing in flight took its token on the device.
+    assert engine.overlap["rows_fed_on_device"] >= decode_rows // 2
+    talker_steps = sum(r.walk.startswith("talker") for r in engine.records)
+    assert engine.overlap["talker_steps_read_behind"] >= talker_steps // 2
+    assert not engine.drain()  # nothing left in flight
+
+
+def test_the_synchronous_engine_overlaps_nothing(programs, alone):
+    engine = fresh_engine(programs)
+    serve(engine, crowd("crowd"))
+    assert sum(engine.overlap.values()) == 0
+
+
+def test_pipelining_is_for_one_device(programs):
+    model, captured = programs
+    talker, flow = managers()
+    with pytest.raises(TypeError, match=r"pipelined=1 must be a bool"):
+        Engine(model, talker=talker, flow=flow, programs=captured, max_batch=2, pipelined=1)
+    on_a_mesh = StreamingTTSModel(CONFIG, mesh=make_mesh(1, 1))
+    with pytest.raises(ValueError, match=r"pipelined=True needs an engine on one device"):
+        Engine(on_a_mesh, talker=talker, flow=flow, programs=captured, max_batch=2, pipelined=True)
