@@ -8,15 +8,12 @@ where they cannot be read, the step's state is treated as lost (docs/design.md Â
 
 from __future__ import annotations
 
-import collections
-
 import jax
 
 from mstar_jax.compile import warn_on_compilations
 from mstar_jax.distributed import host_local
 from mstar_jax.engine import batch
 from mstar_jax.engine.records import InFlight, Node, StepRecord
-from mstar_jax.engine.request import StateLostError
 
 __all__ = ["Dispatch"]
 
@@ -130,15 +127,12 @@ class Dispatch:
         return True
 
     def _lost_in_flight(self, step: InFlight, err: Exception) -> None:
-        """A dispatched step whose outputs cannot be read: its cache state (and every later step of its
-        node, built on it) is suspect, so its requests fail and its node recovers as from a lost cache."""
-        later = [s for s in (self._talker_in_flight, *self._audio_in_flight) if s is not None]
-        steps = [step, *(s for s in later if s.node is step.node)]
-        self._talker_in_flight = None if step.node.name == "talker" else self._talker_in_flight
-        self._audio_in_flight = collections.deque(s for s in self._audio_in_flight if s.node is not step.node)
-        for stream in {row.stream.request_id: row.stream for s in steps for row in s.rows}.values():
-            self._fail(stream, StateLostError(
-                f"a {step.node.name} step with request {stream.request_id!r} failed on the device after it "
-                f"was dispatched ({err!r}); submit it again"
-            ))  # fmt: skip
+        """A dispatched step whose outputs cannot be read: its node's cache state, and every later step
+        of that node (built on it), are lost. Its requests still hold their slots (a talker slot is
+        freed only when its last code is read), so the node recovers as from a lost cache: restored
+        from the last snapshot and replayed, or failed with the retryable `StateLostError`."""
+        if step.node.name == "talker":
+            self._talker_in_flight = None
+        else:
+            self._audio_in_flight.clear()  # every flow step in flight came after it
         self._recover(step.node, [], err, lost=True)

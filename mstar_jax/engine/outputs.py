@@ -39,8 +39,7 @@ class Outputs:
                 stream.feed = (step.serial, index)
                 stream.phase = Phase.DECODE
             if stream.codes_scheduled >= stream.request.frames:
-                stream.phase = Phase.FLUSH
-                self.nodes["talker"].runner.remove_request(stream.request_id)  # its talker slot is free now
+                stream.phase = Phase.FLUSH  # its talker slot is freed once its last code is read
         return tuple(coded)
 
     def _talker_read(self, step: InFlight, codes: np.ndarray) -> None:
@@ -52,7 +51,10 @@ class Outputs:
                 stream.feed = None
             stream.codes_in_flight -= 1
             stream.faults = 0
-            self._append_code(stream, int(codes[index]))
+            if self._append_code(stream, int(codes[index])) and stream.talker_done:
+                # Held until now, so a fault that loses a step in flight still finds the stream among
+                # the cache's holders, and rewinds it.
+                self.nodes["talker"].runner.remove_request(stream.request_id)
 
     def _append_code(self, stream: Stream, code: int) -> bool:
         """Add a generated code; after a rewind it must be the code generated there before."""

@@ -18,7 +18,7 @@ engine can dispatch step t + 1 before it reads step t: their inputs begin `prev_
 i32[B]` (for the combined walk `feed i32[Bd]`, its decode rows), and a decode row with `feed[b] >= 0`
 reads its input token from `prev_codes[feed[b]]` instead of its host token. Every talker program returns
 its codes padded to the same `C` (`codes_width`), whatever its bucket, so any program's codes feed any
-other's.
+other's (on a mesh, whose engine never feeds, they stay as they are).
 """
 
 from __future__ import annotations
@@ -114,8 +114,9 @@ def _s(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-def fed(step, *, text_vocab: int, width: int):
-    """`step` (a talker step) reading fed decode tokens from `prev_codes`, its codes padded to `width`.
+def fed(step, *, text_vocab: int, width: int | None):
+    """`step` (a talker step) reading fed decode tokens from `prev_codes`, its codes padded to `width`
+    (None: as they are, sharded like its rows, for a mesh engine, which never feeds).
 
     A fed row's token is `text_vocab + prev_codes[feed]`, as the scheduler would have written it.
     """
@@ -124,7 +125,7 @@ def fed(step, *, text_vocab: int, width: int):
         from_device = jnp.take(prev_codes, jnp.maximum(feed, 0), axis=0) + text_vocab
         decode_tokens = jnp.where((feed >= 0)[:, None], from_device[:, None], decode_tokens)
         cache, codes = step(params, cache, bank, plan, decode_tokens, *inputs)
-        return cache, jnp.pad(codes, (0, width - codes.shape[0]))
+        return cache, codes if width is None else jnp.pad(codes, (0, width - codes.shape[0]))
 
     fed_step.__qualname__ = f"fed({step.__qualname__})"  # the executable store tells walks apart by it
     return fed_step
@@ -215,7 +216,7 @@ class TTSPrograms:
             bs, t = key.bs, key.num_tokens
             return (*flow_state, plan(bs), rows_of(bs, t), rows_of(bs, dtype=u32))
 
-        feeding = {"text_vocab": model.text_vocab, "width": width}
+        feeding = {"text_vocab": model.text_vocab, "width": None if mesh is not None else width}
         plans = {
             TALKER_DECODE: (fed(model.talker_step, **feeding), plain),
             TALKER_PREFILL: (fed(model.talker_step, **feeding), plain),
