@@ -4,13 +4,19 @@ The step is the bounded KV attention over every layer of one cache (`attend`, XL
 deployment's geometry and buckets (the embedded default deployment unless `--deployment`). Prints,
 from one run:
   1. capture time and compiled memory per bucket, and the totals;
-  2. second start / first start: capture time in two fresh processes sharing a temporary persistent
-     compilation cache (goal <= 0.2); lowering is not cached, so the compile-only ratio is shown too;
+  2. second start / first start: capture time (and the whole process's wall time) in two fresh
+     processes sharing a temporary directory, two ways: JAX's persistent compilation cache (goal
+     <= 0.2; lowering is not cached, so the compile-only ratio is shown too), and the executable store
+     (`ExecutableStore`: nothing traced, lowered or compiled on the second start; goal <= 0.1, 0
+     programs compiled). Repeated with a fresh directory each time (the first start always runs before
+     the second: that is the comparison); median and min–max of the per-repeat ratios;
   3. un-captured `jit` / captured replay: wall time over one workload of random (batch, tokens) steps,
-     the `jit` path called at the real shapes and paying every compile it meets, the captured path
-     padding to the tightest bucket (it must compile nothing); then the same with `jit` warm.
+     the `jit` path called at the real shapes and paying every compile it meets (its caches cleared
+     before each repeat), the captured path padding to the tightest bucket (it must compile nothing);
+     then the same with `jit` warm. Each repeat times both in a fresh random order (`benchmarks.timing`).
 
-Run: python benchmarks/compile.py [--quick] [--deployment PATH] [--resource talker_kv] [--steps N]
+Run: python -m benchmarks.compile [--quick] [--repeats N] [--deployment PATH] [--resource talker_kv]
+     [--steps N]
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,9 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import ORDER_NOTE, describe, interleaved_times, quick_label, ratios
 from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.compile import (
     BucketSet,
+    ExecutableStore,
     PadAxes,
     cap_batch_sizes,
     capture,
@@ -95,11 +104,11 @@ def abstract_args(setup: Setup, bucket):
     )
 
 
-def capture_step(setup: Setup, progress: bool = False):
+def capture_step(setup: Setup, progress: bool = False, store: ExecutableStore | None = None):
     return capture(
         step, setup.buckets, lambda bucket: abstract_args(setup, bucket),
         static_kwargs={"config": setup.config}, donate_argnums=0, name=f"attend[{setup.buckets.graph_walk}]",
-        progress=progress,
+        progress=progress, store=store,
     )  # fmt: skip
 
 
@@ -125,23 +134,38 @@ def random_batch(rng, setup: Setup, bs: int, tokens: int):
 
 
 def child(args) -> None:
-    """One start: capture every bucket with the persistent cache on; print the timings as JSON."""
+    """One start: capture every bucket with the persistent cache on, or from the executable store;
+    print the timings as JSON."""
     setup = make_setup(args)
-    enable_persistent_cache(args.cache_dir, min_compile_secs=args.min_compile_secs, min_entry_size_bytes=-1)
-    report = capture_step(setup).report
-    result = {"wall": report.wall_secs, "compile": report.compile_secs, "hits": report.cache_hits}
+    store = None
+    if args.store:
+        store = ExecutableStore(os.path.join(args.cache_dir, "executables"))
+    else:
+        enable_persistent_cache(
+            args.cache_dir, min_compile_secs=args.min_compile_secs, min_entry_size_bytes=-1
+        )
+    with count_compilations() as counter:
+        report = capture_step(setup, store=store).report
+    result = {
+        "wall": report.wall_secs, "compile": report.compile_secs, "hits": report.cache_hits,
+        "loaded": report.loaded, "compiled": counter.count,
+    }  # fmt: skip
     print("RESULT " + json.dumps(result))
 
 
-def start_process(argv: list[str], cache_dir: str) -> dict:
+def start_process(argv: list[str], cache_dir: str, *, store: bool = False) -> dict:
+    """One start in a fresh process; its `child` result, with the process's wall time as "process"."""
     repo = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, __file__, *argv, "--child", "--cache-dir", cache_dir]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    command = [sys.executable, "-m", "benchmarks.compile", *argv, "--child", "--cache-dir", cache_dir]
+    command += ["--store"] if store else []
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=repo, check=False)
+    seconds = time.perf_counter() - start
     if done.returncode:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+    return {**json.loads(line.removeprefix("RESULT ")), "process": seconds}
 
 
 def workload(rng, setup: Setup, steps: int) -> list:
@@ -185,6 +209,10 @@ def timed(fn, *args):
     return seconds, counter, cache, outs
 
 
+def steps_for(args) -> int:
+    return args.steps or (30 if args.quick else 100)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -201,9 +229,13 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--steps", type=int, default=None, help="workload steps (default 100, quick 30)")
     parser.add_argument("--min-compile-secs", type=float, default=0.0, help="persistent cache threshold")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="repeats of sections 2 and 3 (default 3, quick 2)"
+    )
     parser.add_argument("--quick", action="store_true", help="two batch and two token buckets, fewer steps")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--store", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         child(args)
@@ -220,46 +252,86 @@ def main(argv=None) -> None:
         f"{list(setup.buckets.token_counts)}"
     )
 
-    captured = capture_step(setup, progress=True)
-    print(f"\n1. capture (no persistent cache)\n{captured.report}")
-
-    with tempfile.TemporaryDirectory(prefix="mstar-jax-cache-") as cache_dir:
-        first = start_process(child_argv, cache_dir)
-        second = start_process(child_argv, cache_dir)
-    print("\n2. second start / first start, each a fresh process sharing one persistent cache")
-    print(
-        f"   capture wall: {second['wall']:8.3f} s / {first['wall']:8.3f} s = "
-        f"{second['wall'] / first['wall']:6.3f}  (goal <= 0.2; {second['hits']}/{len(setup.buckets)} "
-        "from the cache)"
+    repeats = args.repeats or (2 if args.quick else 3)
+    label = quick_label(
+        args.quick, f"{len(setup.buckets)} buckets, {steps_for(args)} steps, {repeats} repeats"
     )
-    print(f"   compile only: {second['compile']:8.3f} s / {first['compile']:8.3f} s = "
-          f"{second['compile'] / first['compile']:6.3f}")  # fmt: skip
+    captured = capture_step(setup, progress=True)
+    print(f"\n1. capture (no persistent cache){label}\n{captured.report}")
+    for store in (False, True):
+        pairs = []
+        for _ in range(repeats):  # a fresh directory per repeat: the first start must find it empty
+            with tempfile.TemporaryDirectory(prefix="mstar-jax-cache-") as cache_dir:
+                run = lambda: start_process(child_argv, cache_dir, store=store)  # noqa: B023, E731
+                pairs.append((run(), run()))
+        first, second = zip(*pairs, strict=True)
+        how = "the executable store" if store else "JAX's persistent compilation cache"
+        print(f"\n2{'b' if store else 'a'}. second start / first start, fresh processes sharing {how}{label}")
+        print(
+            f"   {repeats} repeats of (first, second), in that order by construction; median (min–max) of "
+            "the per-repeat ratios"
+        )
+        goal = "  (goal <= 0.1)" if store else "  (goal <= 0.2)"
+        keys = (("wall", "capture wall", goal), ("process", "process wall", ""))
+        keys += () if store else (("compile", "compile only", ""),)
+        for key, name, target in keys:
+            firsts, seconds = [p[key] for p in first], [p[key] for p in second]
+            print(
+                f"   {name}: {statistics.median(seconds):8.3f} s / {statistics.median(firsts):8.3f} s = "
+                f"{describe(ratios(seconds, firsts), '.3f')}{target}"
+            )
+        found = [p["loaded"] if store else p["hits"] for p in second]
+        print(
+            f"   {'loaded' if store else 'from the cache'} on second starts: {found} of {len(setup.buckets)}"
+        )
+        print(f"   programs compiled on second starts: {[p['compiled'] for p in second]}")
 
-    steps = args.steps or (30 if args.quick else 100)
+    steps = steps_for(args)
     rng = np.random.default_rng(0)
     batches = workload(rng, setup, steps)
     bank = SourceBank.create(cfg, NUM_SOURCES)
-    jax.clear_caches()  # the jit path gets no help from programs the capture left in memory
     jitted = jax.jit(step, donate_argnums=0, static_argnames=("config",))
-    replay_s, replay_c, _, replay_outs = timed(
-        run_replay, captured, setup, batches, BoundedKVCache.create(cfg), bank
-    )
-    jit_s, jit_c, _, jit_outs = timed(run_jit, jitted, setup, batches, BoundedKVCache.create(cfg), bank)
-    warm_s, warm_c, _, _ = timed(run_jit, jitted, setup, batches, BoundedKVCache.create(cfg), bank)
-    replay2_s, _, _, _ = timed(run_replay, captured, setup, batches, BoundedKVCache.create(cfg), bank)
-    for got, want in zip(replay_outs, jit_outs, strict=True):
+    counts: dict[str, list[int]] = {"replay": [], "jit": [], "warm jit": []}
+    outs: dict[str, list] = {}
+
+    def case(name: str, fn, *fn_args, cold: bool = False):
+        def run() -> float:
+            if cold:
+                jax.clear_caches()  # the jit path gets no help from programs compiled before
+            seconds, counter, _, result = timed(
+                fn, *fn_args, setup, batches, BoundedKVCache.create(cfg), bank
+            )
+            counts[name].append(counter.count)
+            outs.setdefault(name, result)
+            return seconds
+
+        return run
+
+    cold = interleaved_times(
+        {"replay": case("replay", run_replay, captured), "jit": case("jit", run_jit, jitted, cold=True)},
+        repeats, warmup=0, self_timed=True,
+    )  # fmt: skip
+    for got, want in zip(outs["replay"], outs["jit"], strict=True):
         np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-2, atol=2e-3)
+    warm = interleaved_times(
+        {"replay": case("replay", run_replay, captured), "warm jit": case("warm jit", run_jit, jitted)},
+        repeats, warmup=1, self_timed=True,
+    )  # fmt: skip
     shapes = len({(t.shape[0], q.shape[1]) for t, q, _, _ in batches})
-    print(f"\n3. {steps} steps of random (batch, tokens), {shapes} distinct shapes")
-    print(f"   captured replay      : {replay_s:8.3f} s, {replay_c.count} compilations")
+    print(f"\n3. {steps} steps of random (batch, tokens), {shapes} distinct shapes{label}")
+    print(f"   {ORDER_NOTE}; median (min–max) over {repeats} repeats")
     print(
-        f"   jit at real shapes   : {jit_s:8.3f} s, {jit_c.count} compilations "
-        f"({jit_c.seconds:.3f} s compiling)"
+        f"   captured replay      : {statistics.median(cold['replay']):8.3f} s, "
+        f"{max(counts['replay'])} compilations at most"
     )
-    print(f"   jit / replay         : {jit_s / replay_s:8.2f}x")
     print(
-        f"   warm jit / replay    : {warm_s / replay2_s:8.2f}x  (every shape compiled, {warm_c.count} "
-        "compilations: what padding costs)"
+        f"   jit at real shapes   : {statistics.median(cold['jit']):8.3f} s, {min(counts['jit'])}–"
+        f"{max(counts['jit'])} compilations (caches cleared before each)"
+    )
+    print(f"   jit / replay         : {describe(ratios(cold['jit'], cold['replay']), unit='x')}")
+    print(
+        f"   warm jit / replay    : {describe(ratios(warm['warm jit'], warm['replay']), unit='x')}  (every "
+        f"shape compiled, {max(counts['warm jit'][1:], default=0)} compilations: what padding costs)"
     )
 
 

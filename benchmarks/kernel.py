@@ -1,18 +1,22 @@
 """One decode step of sink+window attention against baselines measured in the same run.
 
-Run from the repository root (or after `pip install -e .`):
+Run from the repository root:
 
     python -m benchmarks.kernel            # 32 slots x (sink 4 + window 1020), G=8, H=32, D=128
-    python -m benchmarks.kernel --quick    # a smaller batch and fewer repeats (under a minute on CPU)
+    python -m benchmarks.kernel --quick    # a smaller batch and fewer repeats (labelled as such)
 
-Every active slot is full (its ring has wrapped, at a different offset per slot), so the step reads
-`active * (sink + window) * G * D * 2 (K and V) * dtype bytes`: the bytes a decode step cannot avoid.
-Figures are ratios against baselines timed in this run, on this machine:
+The plan table comes from the library's own planner: a `BoundedKVManager` admits the step's requests
+(each committed far past its ring's first wrap, at a different offset per slot) and plans their decode
+step, so the step reads `active * (sink + window) * G * D * 2 (K and V) * dtype bytes`: the bytes a decode
+step cannot avoid. Figures are ratios against baselines timed in this run, on this machine:
 
 - copy: `x + 1` over an array of exactly those bytes (reads them once and writes them once);
 - dense dpa: `jax.nn.dot_product_attention` over the same retained keys already laid out densely
   `[active, K, G, D]` (no gather, no table), i.e. what a plain cache layout would cost;
 - each implementation's time against the XLA path's.
+
+Every case is timed once per repeat, in a fresh random order each repeat (`benchmarks.timing`); each
+ratio is the median of the per-repeat ratios, with their min–max over the repeat count.
 
 Pallas kernels are timed compiled only (never in interpret mode, which measures nothing about speed).
 A step costs what it reads, not the cache's size: raise `--slots` with `--active` fixed and the step's
@@ -23,60 +27,59 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.bounded_kv import advance
+from benchmarks.timing import ORDER_NOTE, Spread, describe, interleaved_times, quick_label, ratios
 from kernels_pallas.sink_window_attention import sink_window_attention
 from kernels_pallas.sink_window_attention import table as tbl
+from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, BoundedKVStep, SinkWindow
+from mstar_jax.resources.kv.bounded.config import StreamPosition as Pos
+from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+from mstar_jax.resources.step import BucketKey, Segment, SlotLease, StepContext
 
 PALLAS_FOR_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
 
 
-def decode_table(written: np.ndarray, steps: np.ndarray, *, sink: int, window: int) -> np.ndarray:
-    """Plan table of requests without a source prefix (slot offsets [0, sink) then a ring of `window`).
+def decode_plan(
+    written: np.ndarray, active: int, *, sink: int, window: int, kv_heads: int, head_dim: int, dtype
+) -> tuple[np.ndarray, tuple[int, ...], tuple[int, ...]]:
+    """The library's plan for one decode step, from a `BoundedKVManager` as an engine gets it.
+
+    Requests `r0 .. r{active - 1}` are committed through the manager to `written[i]` entries (no source
+    prefix, nothing run on the device), then one decode step of them is admitted and planned in a bucket
+    of `len(written)` rows, the others padding rows (they read nothing).
 
     Args:
-      written: i64[B] entries each request wrote before the step; slot b belongs to request b.
-      steps: i64[B] the step's real tokens per request; 0 makes a padding row (reads nothing).
+      written: i64[S] entries request i wrote before the step (only the first `active` are used).
+      active: requests in the step, <= S.
       sink, window: the retention; the window does not include the step.
+      kv_heads, head_dim, dtype: the cache's geometry.
 
     Returns:
-      i32[B, ROW_INTS].
+      (i32[S, ROW_INTS] the plan table, one layer's cache shape [S + 1, 1, G, C, D], the source bank's
+      shape per layer).
     """
-    table = np.zeros((len(written), tbl.ROW_INTS), np.int32)
-    capacity = sink + window
-    for b, (n, t) in enumerate(zip(written, steps, strict=True)):
-        if t == 0:
-            continue
-        kept, window_start = min(sink, n), max(sink, n - window)
-        table[b, [tbl.SLOT, tbl.STREAM_LEN, tbl.SINK, tbl.SINK_KEPT, tbl.WINDOW_START, tbl.STEP_TOKENS]] = (
-            b, n, sink, kept, window_start, t,
-        )  # fmt: skip
-        table[b, tbl.read_len(1)] = kept  # the sink lives at slot offsets [0, sink)
-        count = n - window_start
-        if count > 0:
-            offset = sink + (window_start - sink) % window
-            first = min(count, capacity - offset)
-            table[b, [tbl.read_start(3), tbl.read_len(3)]] = offset, first
-            table[b, [tbl.read_start(4), tbl.read_len(4)]] = sink, count - first
-    return table
-
-
-def median_seconds(fn: Callable[..., jax.Array], *args: jax.Array, warmup: int, repeats: int) -> float:
-    """Median wall time of `fn(*args)` after `warmup` calls (the first compiles), each call waited for."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    slots = len(written)
+    config = BoundedKVConfig(
+        num_layers=1, num_heads=kv_heads, head_dim=head_dim, rows_per_request=1, max_source_len=0,
+        retention=SinkWindow(sink, window), max_slots=slots, dtype=dtype,
+    )  # fmt: skip
+    manager = BoundedKVManager(BoundedKVSpec("kv", {"model"}, config), num_sources=1)
+    rids = [f"r{i}" for i in range(active)]
+    advance(manager, {rid: int(written[i]) for i, rid in enumerate(rids)})
+    positions = {r: Pos(0, manager.written(r)) for r in rids}
+    step = BoundedKVStep(tuple(Segment(r, "main", 1) for r in rids), positions)
+    lease = SlotLease(0, BucketKey("decode", slots, 1))  # pads the table to S rows
+    ctx = StepContext(rids, "decode", 0, capture=False, slot_lease=lease)
+    outcome = manager.admit(step, ctx)
+    if not outcome.ok:
+        raise RuntimeError(f"the manager refused the step: {outcome.reason}")
+    table = np.asarray(manager.plan(step, ctx).table)
+    return table, tuple(manager.cache.k[0].shape), tuple(manager.bank.k[0].shape)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -113,65 +116,69 @@ def main(argv: list[str] | None = None) -> None:
     # Streams well past the first wrap, each at its own ring offset; inactive slots are padding rows.
     rng = np.random.default_rng(args.seed)
     written = retained + rng.integers(0, 4 * args.window, slots)
-    steps = (np.arange(slots) < active).astype(np.int64)
-    table = jnp.asarray(decode_table(written, steps, sink=args.sink, window=args.window))
+    table, cache_shape, source_shape = decode_plan(
+        written, active, sink=args.sink, window=args.window, kv_heads=groups, head_dim=dim, dtype=dtype
+    )
 
     keys = iter(jax.random.split(jax.random.key(args.seed), 8))
     normal = functools.partial(jax.random.normal, dtype=dtype)
     q = normal(next(keys), (slots, 1, heads, dim))
     k, v = (normal(next(keys), (slots, 1, groups, dim)) for _ in range(2))
-    cache_k, cache_v = (normal(next(keys), (slots, 1, groups, retained, dim)) for _ in range(2))
-    source_k, source_v = (jnp.zeros((1, 1, groups, 1, dim), dtype) for _ in range(2))  # no source read
-    arrays = (q, k, v, cache_k, cache_v, source_k, source_v, table)
+    cache_k, cache_v = (normal(next(keys), cache_shape) for _ in range(2))
+    source_k, source_v = (jnp.zeros(source_shape, dtype) for _ in range(2))  # no source read
+    arrays = (q, k, v, cache_k, cache_v, source_k, source_v, jnp.asarray(table))
 
     step_bytes = active * retained * groups * dim * 2 * dtype.itemsize
-    timing = {"warmup": args.warmup, "repeats": args.repeats}
-    results: dict[str, float] = {}
-
     flat = jnp.zeros((step_bytes // dtype.itemsize,), dtype)
-    copy = jax.jit(lambda x: x + 1)
-    results["copy (read + write)"] = median_seconds(copy, flat, **timing)
-    del flat
-
-    # The same retained keys laid out densely, one row per active slot, in stream order.
-    dense_k, dense_v = (c[:active, 0].transpose(0, 2, 1, 3) for c in (cache_k, cache_v))  # [A, K, G, D]
+    # The same retained keys laid out densely, a row per active request. A full slot holds its sink and
+    # window at offsets [0, retained) in ring order, which a decode query's softmax does not depend on.
+    used = table[:active, tbl.SLOT]
+    dense_k, dense_v = (c[used, 0, :, :retained].transpose(0, 2, 1, 3) for c in (cache_k, cache_v))
     dense_q = q[:active]
-    dpa = jax.jit(jax.nn.dot_product_attention)
-    results["dense dot_product_attention"] = median_seconds(dpa, dense_q, dense_k, dense_v, **timing)
-    del dense_q, dense_k, dense_v
-
+    copy, dpa = jax.jit(lambda x: x + 1), jax.jit(jax.nn.dot_product_attention)
+    cases = {
+        "copy (read + write)": lambda: jax.block_until_ready(copy(flat)),
+        "dense dot_product_attention": lambda: jax.block_until_ready(dpa(dense_q, dense_k, dense_v)),
+    }
     implementations = ["xla"] + ([PALLAS_FOR_BACKEND[backend]] if backend in PALLAS_FOR_BACKEND else [])
     unavailable: dict[str, str] = {}
     for name in implementations:
         fn = jax.jit(functools.partial(sink_window_attention, max_retained=retained, implementation=name))
         try:
-            results[name] = median_seconds(fn, *arrays, **timing)
+            jax.block_until_ready(fn(*arrays))  # compiles; a kernel that cannot is reported, not timed
         except (NotImplementedError, ImportError, ValueError) as e:
             if name == "xla":
                 raise
             unavailable[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+            continue
+        cases[name] = lambda fn=fn: jax.block_until_ready(fn(*arrays))
+    times = interleaved_times(cases, args.repeats, warmup=args.warmup)
 
+    label = quick_label(args.quick, f"{slots} slots, {args.repeats} repeats")
+    print(f"benchmarks/kernel.py{label}")
     print(f"backend {backend} ({jax.devices()[0].device_kind}), jax {jax.__version__}, {dtype.name}")
     print(
         f"one decode step: {active}/{slots} active slots x (sink {args.sink} + window {args.window}) "
-        f"keys, G={groups}, H={heads}, D={dim}"
+        f"keys, G={groups}, H={heads}, D={dim}; the plan from BoundedKVManager.plan"
     )
     print(f"bytes the step must read (retained K+V of active rows): {step_bytes / 1e6:.1f} MB")
-    print(f"median of {args.repeats} calls after {args.warmup} warm-up calls\n")
-    xla_time, copy_time = results.get("xla"), results["copy (read + write)"]
-    dpa_time = results["dense dot_product_attention"]
-    header = f"{'':30} {'time':>10} {'GB/s':>8} {'vs copy':>8} {'vs dpa':>8} {'vs xla':>8}"
+    print(f"{ORDER_NOTE}, after {args.warmup} warm-up calls each")
+    print(f"times: medians; ratios: median (min–max) over {args.repeats} repeats\n")
+    baselines = {"copy": "copy (read + write)", "dpa": "dense dot_product_attention", "xla": "xla"}
+    header = f"{'':28} {'time ms':>8} {'GB/s':>7}" + "".join(f" {'vs ' + b:>18}" for b in baselines)
     print(header)
     print("-" * len(header))
-    for name, seconds in results.items():
-        vs_xla = f"{seconds / xla_time:8.2f}" if xla_time and name in implementations else f"{'':8}"
-        print(
-            f"{name:30} {seconds * 1e3:8.3f}ms {step_bytes / seconds / 1e9:8.1f} "
-            f"{seconds / copy_time:8.2f} {seconds / dpa_time:8.2f} {vs_xla}"
+    for name, record in times.items():
+        seconds = Spread.of(record).median
+        shown = [key != "xla" or name in implementations for key in baselines]
+        cells = "".join(
+            f" {describe(ratios(record, times[base]), repeats=False) if show else '':>18}"
+            for show, base in zip(shown, baselines.values(), strict=True)
         )
+        print(f"{name:28} {seconds * 1e3:8.3f} {step_bytes / seconds / 1e9:7.1f}{cells}")
     for name, reason in unavailable.items():
-        print(f"{name:30} unavailable ({reason})")
-    print("\nratios are time / baseline time (lower is faster); GB/s = step bytes / time")
+        print(f"{name:28} unavailable ({reason})")
+    print("\nratios are time / baseline time in the same repeat (lower is faster); GB/s = step bytes / time")
     if backend not in PALLAS_FOR_BACKEND:
         print(
             f"{backend}: XLA path only. The Pallas kernels run here only in interpret mode, "

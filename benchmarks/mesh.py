@@ -15,8 +15,8 @@ with it when it is not set). Prints, from one run, ratios against baselines meas
      replicated on `model` cost `model / G` copies).
   4. the engine serving one workload (`mesh_engine.py`) on meshes 4x2 and 8x1 (--quick: 4x2), as frames/s
      ÷ the same workload on one device, at the same global batch.
-The timed variants run in alternation, their order rotated every repeat; each figure is the median of the
-per-repeat ratios, with their min-max over the repeat count.
+The timed variants run in alternation, in a fresh random order every repeat (`benchmarks.timing`); each
+figure is the median of the per-repeat ratios, with their min–max over the repeat count.
 
 Run: python -m benchmarks.mesh [--quick] [--repeats N]
 """
@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import mesh_engine
+from benchmarks.timing import ORDER_NOTE, Spread, interleaved_times, quick_label
+from benchmarks.timing import ratios as paired_ratios
 from mstar_jax.resources.kv.bounded import sharding as sh
 from mstar_jax.resources.kv.bounded.attention import attend
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan
@@ -140,35 +142,14 @@ def step_runner(mesh_shape: tuple[int, int] | None, batch: int, inputs: tuple[np
     return run, manager
 
 
-def rotated_times(fns, repeats: int) -> list[list[float]]:
-    """Seconds per call of each function, per repeat; the order rotates every repeat (after a warm-up)."""
-    for fn in fns:
-        fn()  # compiles
-    times = [[] for _ in fns]
-    for r in range(repeats):
-        for i in [(r + j) % len(fns) for j in range(len(fns))]:
-            start = time.perf_counter()
-            fns[i]()
-            times[i].append(time.perf_counter() - start)
-    return times
-
-
-Ratio = tuple[float, float, float]  # median, min, max over the repeats
-
-
-def ratios_to_first(times: list[list[float]], *, inverse: bool = False) -> list[Ratio]:
+def ratios_to_first(times: list[list[float]], *, inverse: bool = False) -> list[Spread]:
     """Per setting: its time ÷ the first setting's in the same repeat (`inverse`: the first's ÷ its, a
-    throughput ratio), as the median, min and max over repeats."""
-    summary = []
-    for record in times:
-        pairs = zip(record, times[0], strict=True)
-        ratios = [b / t if inverse else t / b for t, b in pairs]
-        summary.append((statistics.median(ratios), min(ratios), max(ratios)))
-    return summary
+    throughput ratio), as the median and min–max over repeats."""
+    return [Spread.of(paired_ratios(record, times[0], inverse=inverse)) for record in times]
 
 
-def spread(ratio: Ratio) -> str:
-    return f"{ratio[0]:.2f} ({ratio[1]:.2f}–{ratio[2]:.2f})"
+def spread(ratio: Spread) -> str:
+    return ratio.format(repeats=False)
 
 
 def gathered_mib(rows: int, kv_heads: int) -> float:
@@ -181,14 +162,14 @@ def gathered_mib(rows: int, kv_heads: int) -> float:
 STEP_VARIANTS = {"1 device, `attend`": None, "1x1": (1, 1), **{f"{d}x{m}": (d, m) for d, m in MESHES}}
 
 
-def device_steps(batch: int, repeats: int) -> tuple[list[Ratio], dict[str, BoundedKVCache]]:
+def device_steps(batch: int, repeats: int) -> tuple[list[Spread], dict[str, BoundedKVCache]]:
     """Time every variant's decode step at `batch`; print the table; return the ratios and stepped caches."""
     rng = np.random.default_rng(batch)
     q = rng.standard_normal((batch, 1, QUERY_HEADS, HEAD_DIM)).astype(np.float32)
     k = rng.standard_normal((batch, 1, KV_HEADS, HEAD_DIM)).astype(np.float32)
     v = rng.standard_normal((batch, 1, KV_HEADS, HEAD_DIM)).astype(np.float32)
     runners = {name: step_runner(shape, batch, (q, k, v)) for name, shape in STEP_VARIANTS.items()}
-    times = rotated_times([run for run, _ in runners.values()], repeats)
+    times = interleaved_times([run for run, _ in runners.values()], repeats)
     ratios = ratios_to_first(times, inverse=True)
     print(f"\n### Global batch {batch}\n")
     columns = ("mesh", "rows x KV heads per device", "gathered K+V per device and layer", "ms per step")
@@ -227,9 +208,9 @@ def host_runner(data_shards: int):
     return run
 
 
-def host_planning(repeats: int) -> list[Ratio]:
+def host_planning(repeats: int) -> list[Spread]:
     shards = (1, 2, 4, 8)
-    times = rotated_times([host_runner(d) for d in shards], repeats)
+    times = interleaved_times([host_runner(d) for d in shards], repeats)
     ratios = ratios_to_first(times)
     print(
         f"\n## 2. Host admit + plan_rows + plan + commit per decode step, global batch {HOST_BATCH}\n\n"
@@ -298,16 +279,20 @@ def cache_bytes(caches: dict[str, BoundedKVCache]) -> list[float]:
 
 
 def readme_rows(
-    steps: dict[int, list[Ratio]], host: list[Ratio], shares: list[float], engine: dict[str, Ratio]
+    steps: dict[int, list[Spread]],
+    host: list[Spread],
+    shares: list[float],
+    engine: dict[str, Spread],
+    label: str = "",
 ) -> None:
-    """The headline figures as rows of the README's benchmark table."""
+    """The headline figures as rows of the README's benchmark table (`label`: a quick run's, printed)."""
     names = "/".join(f"{d}x{m}" for d, m in MESHES)
     rows = [
         (
             f"decode tokens/s at batch {batch} (1 device gathers {gathered_mib(batch, KV_HEADS):g} MiB a "
             f"layer), {names} ÷ 1 device; {DEVICES} simulated devices on {os.cpu_count()} cores: overhead "
             "and cache locality, not scaling",
-            " / ".join(f"{ratio[0]:.2f}" for ratio in ratios[-len(MESHES) :]),
+            " / ".join(f"{ratio.median:.2f}" for ratio in ratios[-len(MESHES) :]),
         )
         for batch, ratios in steps.items()
     ]
@@ -327,7 +312,7 @@ def readme_rows(
             " / ".join(spread(ratio) for ratio in engine.values()),
         )
     )
-    print("\n## README rows\n\n| script | figure | result |\n| --- | --- | --- |")
+    print(f"\n## README rows{label}\n\n| script | figure | result |\n| --- | --- | --- |")
     for i, (figure, result) in enumerate(rows):
         print(f"| {'`benchmarks/mesh.py`' if i == 0 else ''} | {figure} | {result} |")
 
@@ -375,9 +360,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{DEVICES} simulated CPU devices expected, found {jax.devices()}")
     repeats = args.repeats or (5 if args.quick else 30)
     start = time.perf_counter()
-    label = f" (--quick: batch {BATCHES[0]} only, {repeats} repeats)" if args.quick else ""
+    label = quick_label(args.quick, f"batch {BATCHES[0]} only, {repeats} repeats")
     print(
-        f"# benchmarks/mesh.py{label}\n\njax {jax.__version__}, {jax.device_count()} simulated CPU devices\n"
+        f"# benchmarks/mesh.py{label}\n\njax {jax.__version__}, {jax.device_count()} simulated CPU devices; "
+        f"{ORDER_NOTE}; figures are medians (min–max)\n"
     )
     print(
         f"## 1. Decode step: attention + store, {LAYERS} layers, on each mesh ÷ on 1 device\n\n"
@@ -395,11 +381,9 @@ def main(argv: list[str] | None = None) -> None:
     host = host_planning(repeats)
     shares = cache_bytes(caches)
     engine_meshes = ENGINE_MESHES[:1] if args.quick else ENGINE_MESHES
-    engine = mesh_engine.engine_section(
-        engine_meshes, repeats, rotated_times, ratios_to_first, spread, os.cpu_count()
-    )
+    engine = mesh_engine.engine_section(engine_meshes, repeats, os.cpu_count())
     names = [f"{d}x{m}" for d, m in engine_meshes]
-    readme_rows(steps, host, shares, dict(zip(names, engine, strict=True)))
+    readme_rows(steps, host, shares, dict(zip(names, engine, strict=True)), label)
     print(f"\n{time.perf_counter() - start:.0f} s")
 
 

@@ -3,7 +3,8 @@
 Every engine has the same global batch (`GLOBAL_BATCH` rows a step: one bucket of `GLOBAL_BATCH / data`
 rows per data shard) and serves the same `REQUESTS` requests, from submission until every stream is done,
 voices registered once beforehand; each engine is warmed up by one untimed run. A repeat times one run
-on every engine, the order rotated every repeat. The figure is frames/s ÷ one device's in the same repeat.
+on every engine, in a fresh random order every repeat (`benchmarks.timing`). The figure is frames/s ÷ one
+device's in the same repeat.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import statistics
 
 import numpy as np
 
+from benchmarks.timing import Spread, interleaved_times, ratios
 from mstar_jax.deployment import parse_deployment
 from mstar_jax.engine import Engine, TTSRequest
 
@@ -71,12 +73,12 @@ def frames() -> int:
     return sum(frames for _, frames in drawn())
 
 
-def engine_section(meshes, repeats: int, rotated_times, ratios_to_first, spread, cores: int | None) -> list:
+def engine_section(meshes, repeats: int, cores: int | None) -> list[Spread]:
     """Print section 4's table; return the frames/s ratio of each mesh (after the 1-device baseline)."""
     shapes = [(1, 1), *meshes]
     engines = [build(data, model) for data, model in shapes]
-    times = rotated_times([runner(*built) for built in engines], repeats)
-    ratios = ratios_to_first(times, inverse=True)
+    times = interleaved_times([runner(*built) for built in engines], repeats)
+    throughput = [Spread.of(ratios(record, times[0], inverse=True)) for record in times]
     total = frames()
     print(
         f"\n## 4. The engine: one workload on each mesh ÷ on 1 device\n\n{REQUESTS} requests, {total} "
@@ -86,11 +88,11 @@ def engine_section(meshes, repeats: int, rotated_times, ratios_to_first, spread,
     )
     print(f"| mesh | rows per data shard | frames/s | ÷ 1 device, {repeats} repeats |")
     print("| --- | --- | --- | --- |")
-    for (data, model), record, ratio in zip(shapes, times, ratios, strict=True):
+    for (data, model), record, ratio in zip(shapes, times, throughput, strict=True):
         name = "1 device" if data * model == 1 else f"{data}x{model}"
         fps = total / statistics.median(record)
-        print(f"| {name} | {GLOBAL_BATCH // data} | {fps:,.0f} | {spread(ratio)} |")
+        print(f"| {name} | {GLOBAL_BATCH // data} | {fps:,.0f} | {ratio.format(repeats=False)} |")
     for engine, _ in engines:
         if engine.compilations:
             raise RuntimeError(f"an engine compiled {engine.compilations} times while timed")
-    return ratios[1:]
+    return throughput[1:]

@@ -5,8 +5,9 @@ Prints, from one run:
      fallback and the CPU path) timed against batch B at a fixed slot count, and against slot count S at
      a fixed batch, each as a ratio to the smallest setting measured in the same run. The B ratios show
      the loop's sequential cost per request; the S ratios should stay near 1 (it touches no other slot).
-     The settings are timed in alternation, their order rotated every repeat, a sample being 20 writes
-     back to back; median and spread (min-max of the per-repeat ratios) over the repeat count.
+     The settings are timed in alternation, in a fresh random order every repeat (`benchmarks.timing`), a
+     sample being 20 writes back to back; median and spread (min–max of the per-repeat ratios) over the
+     repeat count.
   2. Where libtpu is installed: the TPU program of `store_step` (`"auto"` lowered for TPU, i.e. the Pallas
      kernel) compiled for v5e on compile-only devices, its `cost_analysis()` bytes accessed ÷ the bytes
      the step writes (every request's T tokens, K and V), for S in {16, 64, 256} x B in {1, 8, 64}: at
@@ -23,8 +24,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
-import time
 
 # Offline compilation needs no device: keep jax on the CPU even where a GPU plugin would claim one.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -33,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import ORDER_NOTE, Spread, describe, interleaved_times, quick_label, ratios
 from kernels_pallas.sink_window_attention import store_step
 from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.compile import offline_tpu
@@ -76,46 +76,28 @@ def _runner(*, slots: int, batch: int, rng: np.random.Generator):
     return run
 
 
-def rotated_times(fns, repeats: int) -> list[list[float]]:
-    """Seconds per call of each function, per repeat; the order rotates every repeat (after a warm-up)."""
-    for fn in fns:
-        fn()  # compiles
-    times = [[] for _ in fns]
-    for r in range(repeats):
-        order = [(r + i) % len(fns) for i in range(len(fns))]
-        for i in order:
-            start = time.perf_counter()
-            fns[i]()
-            times[i].append(time.perf_counter() - start)
-    return times
-
-
 def _print_ratios(label: str, settings: list[int], times: list[list[float]], repeats: int) -> None:
     base = times[0]
-    spread = f"median, min-max over {repeats} repeats"
-    print(f"   {label:>5} | µs per write | ratio to {label}={settings[0]} ({spread})")
+    print(f"   {label:>5} | µs per write | ÷ {label}={settings[0]}: median (min–max), {repeats} repeats")
     for setting, record in zip(settings, times, strict=True):
-        ratios = [t / b for t, b in zip(record, base, strict=True)]
-        per_write = statistics.median(record) / CALLS_PER_SAMPLE * 1e6
-        print(
-            f"   {setting:>5} | {per_write:12.1f} | {statistics.median(ratios):6.2f}"
-            f"  ({min(ratios):.2f}-{max(ratios):.2f})"
-        )
+        per_write = Spread.of(record, scale=1e6 / CALLS_PER_SAMPLE).median
+        print(f"   {setting:>5} | {per_write:12.1f} | {describe(ratios(record, base), repeats=False)}")
 
 
 def xla_timings(*, quick: bool, repeats: int) -> None:
     rng = np.random.default_rng(0)
-    label = " (--quick: fewer settings and repeats)" if quick else ""
+    label = quick_label(quick, f"fewer settings, {repeats} repeats")
     geometry = f"R={ROWS} G={GROUPS} D={DIM} C={SINK + WINDOW} T={STEPS}"
     print(f"1. XLA write on {jax.default_backend()}{label}: {geometry}")
+    print(f"   {ORDER_NOTE}")
     batches = [1, 8] if quick else [1, 8, 64]
     slots_fixed = 64
     print(f"\n   against batch B, S={slots_fixed} slots")
-    times = rotated_times([_runner(slots=slots_fixed, batch=b, rng=rng) for b in batches], repeats)
+    times = interleaved_times([_runner(slots=slots_fixed, batch=b, rng=rng) for b in batches], repeats)
     _print_ratios("B", batches, times, repeats)
     slot_counts = [16, 256] if quick else [16, 64, 256]
     print("\n   against slot count S, batch B=8")
-    times = rotated_times([_runner(slots=s, batch=8, rng=rng) for s in slot_counts], repeats)
+    times = interleaved_times([_runner(slots=s, batch=8, rng=rng) for s in slot_counts], repeats)
     _print_ratios("S", slot_counts, times, repeats)
 
 
@@ -123,7 +105,7 @@ def tpu_bytes(*, quick: bool) -> None:
     if (missing := offline_tpu.tpu_toolchain_missing()) is not None:
         print(f"\n2. TPU: skipped, {missing}")
         return
-    label = " (--quick: bfloat16 only)" if quick else ""
+    label = quick_label(quick, "bfloat16 only")
     print(f"\n2. TPU (v5e, libtpu): store_step's bytes accessed ÷ bytes written{label}")
     print(f"   R={ROWS} G={GROUPS} C={SINK + WINDOW} T={STEPS}; rows S (slots), columns B (requests)")
     paths = [

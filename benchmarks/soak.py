@@ -16,7 +16,7 @@ Goal: 0 mismatches, 0 leaks, device bytes equal, host RSS flat from warm to end.
 fault fail with a retryable error when snapshots are off (`--snapshot-every 0`); with them on, none
 should fail.
 
-Run: python benchmarks/soak.py [--steps 10000] [--seed 0] [--snapshot-every 8] [--config PATH]
+Run: python -m benchmarks.soak [--steps 10000] [--seed 0] [--snapshot-every 8] [--config PATH]
 """
 
 from __future__ import annotations

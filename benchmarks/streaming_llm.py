@@ -9,12 +9,12 @@ Prints, from one run:
      to --plot, every token's log-probability to --save;
   2. decode time per token at positions 2k, 8k and 32k: dense (a global cache holding every position
      so far), bounded (4 sinks + a window of 1,020), and a sliding window of 1,024 tokens recomputed
-     from scratch for each new token, as ratios to bounded at the same position (median and min-max
-     over rotated repeats). The streams reach their positions through `skip_ahead`: the caches commit
-     the positions without the model running, since a step's cost depends on where the stream is, not
-     on what its keys hold.
+     from scratch for each new token, as ratios to bounded at the same position (median and min–max
+     over repeats, every measurement once per repeat in a fresh random order: `benchmarks.timing`).
+     The streams reach their positions through `skip_ahead`: the caches commit the positions without
+     the model running, since a step's cost depends on where the stream is, not on what its keys hold.
 
-Run: python benchmarks/streaming_llm.py [--tokens 20480] [--plot PATH] [--save PATH.npz] [--repeats 5]
+Run: python -m benchmarks.streaming_llm [--tokens 20480] [--plot PATH] [--save PATH.npz] [--repeats 5]
      [--skip-perplexity | --skip-decode]
 """
 
@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from benchmarks.timing import ORDER_NOTE, describe, interleaved_times, ratios
 from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, load_gguf, open_gguf
 from mstar_jax.models.gemma3.model import Gemma3
 from mstar_jax.models.gemma3.stream import Gemma3Streams
@@ -92,7 +93,7 @@ def perplexity_section(config, model, tokens, args) -> dict[str, np.ndarray]:
 
 
 def decode_section(config, model, tokens, args) -> None:
-    """Decode seconds per token, every measurement rotated through each repeat."""
+    """Decode seconds per token, every measurement once per repeat, in a fresh random order each repeat."""
     bounded = Gemma3Streams(config, model, global_retention=BOUNDED, max_slots=len(POSITIONS))
     recomputed = Gemma3Streams(
         config, model, global_retention=SinkWindow(0, RECOMPUTED_WINDOW), chunk=RECOMPUTED_WINDOW
@@ -116,24 +117,18 @@ def decode_section(config, model, tokens, args) -> None:
         return time.perf_counter() - start
 
     timers["recomputed window"] = recompute
-    names = list(timers)
-    for name in names:
-        timers[name]()  # compiles
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(args.repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            times[name].append(timers[name]())
-    print(f"\n2. decode seconds per token, median and min-max over {args.repeats} rotated repeats")
+    # Each timer returns its own seconds: the decode step alone, without the stream's bookkeeping.
+    times = interleaved_times(timers, args.repeats, self_timed=True)
+    print(f"\n2. decode seconds per token, median and min–max over {args.repeats} repeats ({ORDER_NOTE})")
     print("   | position | bounded (4 + 1,020) | dense | ratio | window 1,024 recomputed | ratio |")
     print("   |---|---|---|---|---|---|")
     for position in POSITIONS:
         base = times[f"bounded @ {position}"]
         cells = [f"{position:,}", f"{statistics.median(base):.3f} s"]
         for name in (f"dense @ {position}", "recomputed window"):
-            ratios = [t / b for t, b in zip(times[name], base, strict=True)]
             cells += [
                 f"{statistics.median(times[name]):.3f} s",
-                f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
+                describe(ratios(times[name], base), repeats=False, unit="x"),
             ]
         print("   | " + " | ".join(cells) + " |", flush=True)
 

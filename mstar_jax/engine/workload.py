@@ -17,7 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from mstar_jax.engine.engine import Engine
-from mstar_jax.engine.request import TTSRequest
+from mstar_jax.engine.request import Stream, TTSRequest
 from mstar_jax.models.streaming_tts.voices import Voice
 
 if TYPE_CHECKING:
@@ -89,19 +89,33 @@ def drive(engine: Engine, arrivals: Sequence[Arrival], *, progress: bool = True)
     pending = collections.deque(sorted(arrivals, key=lambda a: a.at))
     total = sum(a.request.frames for a in pending)
     start = time.perf_counter()
-    decoded = 0
+    # Progress counts the frames of the streams this run saw live: those still live, read each step, plus
+    # a running total of those that ended, added once as each leaves `engine.streams`. A step so costs
+    # O(live streams); summing `engine.finished` every step grew with every stream the run had served.
+    live: dict[str, Stream] = dict(engine.streams)
+    ended_frames = ended = decoded = 0
+
+    def settle() -> None:
+        nonlocal ended_frames, ended
+        for rid, stream in list(live.items()):
+            if engine.streams.get(rid) is not stream:  # it ended
+                ended_frames += stream.flow_written
+                ended += 1
+                del live[rid]
+
     with tqdm(total=total, desc="serving", unit="frame", disable=not progress) as bar:
         # Paused streams alone do not keep the run going (their clients stopped reading).
         while engine.busy_anywhere(bool(pending) or any(not s.paused for s in engine.streams.values())):
             now = time.perf_counter() - start
             while pending and pending[0].at <= now:
                 engine.submit(pending.popleft().request)
+            live.update(engine.streams)
             ran = engine.step()
-            frames = sum(s.flow_written for s in engine.streams.values())
-            frames += sum(s.flow_written for s in engine.finished.values())
+            settle()
+            frames = ended_frames + sum(s.flow_written for s in engine.streams.values())
             bar.update(frames - decoded)
             decoded = frames
-            bar.set_postfix(live=len(engine.streams), done=len(engine.finished), refresh=False)
+            bar.set_postfix(live=len(engine.streams), done=ended, refresh=False)
             if not ran:
                 if engine.idle and pending:
                     time.sleep(max(0.0, pending[0].at - (time.perf_counter() - start)))

@@ -1,0 +1,195 @@
+"""The engine loop, pipelined against synchronous: one workload, the same programs, both ways.
+
+A synchronous engine reads every step's outputs back before it plans the next, so the host's work
+(forming the batch, admission, planning, inputs, bookkeeping) and the device's never overlap. A
+pipelined one (`Engine(pipelined=True)`) dispatches step t + 1 before it reads step t. Prints, from one
+run, for a closed workload of `--streams` requests arriving at once at batch `--batch`:
+
+  1. steps/s, frames/s and time to first audio (median over the streams), each way, and pipelined ÷
+     synchronous;
+  2. the host's own time: per step and per row (the step's wall time less the time it waits on the
+     device, which is what a faster device would not shorten), and the host's share of each step;
+  3. the fraction of the synchronous engine's host time the pipelined one hides behind the device:
+     (synchronous step time - pipelined step time) / synchronous host time per step.
+
+Both engines get the same requests and must give every request the same codes (checked). Runs are
+interleaved in a fresh random order every repeat (`benchmarks.timing`); figures are medians with their
+min–max over the repeats. On a CPU host the "device" is the same two cores the host runs on, so the
+overlap is far smaller than on an accelerator, which computes while the host plans.
+
+Run: python -m benchmarks.engine [--quick] [--repeats N] [--batch B] [--streams N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from benchmarks.timing import ORDER_NOTE, describe, interleaved_times, quick_label, ratios
+from mstar_jax.compile import cap_batch_sizes
+from mstar_jax.engine import Engine, TTSPrograms, TTSRequest, tts_buckets
+from mstar_jax.engine import dispatch as dispatch_module
+from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
+from mstar_jax.models.streaming_tts.model import StreamingTTSModel
+from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+
+VOICES = 4
+TOKEN_COUNTS = (1, 8, 16)
+
+
+@dataclasses.dataclass
+class Served:
+    """One run's figures."""
+
+    wall: float
+    steps: int
+    frames: int
+    first_audio: list[float]
+    waited: float  # seconds the host spent blocked on the device's outputs
+    rows: int  # real rows over every step
+    codes: dict[str, list[int]]
+
+
+def config_for(batch: int) -> StreamingTTSConfig:
+    """The default deployment's model, its caches holding `batch` streams."""
+    return StreamingTTSConfig(
+        text_vocab_size=256, codec_vocab_size=256, d_model=64, talker_layers=2, talker_heads=4,
+        talker_kv_heads=2, talker_head_dim=16, talker_ffn_dim=128, min_voice_frames=8, max_voice_frames=24,
+        talker_sink_extra=4, talker_window=32, query_window=33, flow_d_model=64, flow_layers=2, flow_heads=4,
+        flow_head_dim=16, flow_chunk=8, flow_window=16, flow_steps=2, mel_bins=16, max_slots=batch,
+    )  # fmt: skip
+
+
+class WaitClock:
+    """Counts the seconds the engine blocks reading outputs back (`dispatch.host_local`)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._read = dispatch_module.host_local
+
+    def __call__(self, tree):
+        start = time.perf_counter()
+        out = jax.block_until_ready(self._read(tree))
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+def requests(config: StreamingTTSConfig, voices, streams: int, seed: int = 0) -> list[TTSRequest]:
+    rng = np.random.default_rng(seed)
+    return [
+        TTSRequest(
+            f"r{i}",
+            rng.integers(0, config.text_vocab_size, int(rng.integers(8, 25))).tolist(),
+            voices[i % len(voices)],
+            int(rng.integers(24, 97)),
+            seed=i,
+        )
+        for i in range(streams)
+    ]
+
+
+def serve(model, programs, config, *, batch: int, streams: int, pipelined: bool) -> Served:
+    """A fresh engine serving the workload to the end."""
+    specs = {s.resource_key: s for s in config.resource_specs()}
+    talker, flow = (BoundedKVManager(specs[k], num_sources=VOICES) for k in ("talker_kv", "flow_kv"))
+    engine = Engine(model, talker=talker, flow=flow, programs=programs, max_batch=batch, pipelined=pipelined)
+    engine.warm_up()
+    voices = [engine.add_voice(i, frames=8 + 4 * i, seed=i) for i in range(VOICES)]
+    clock = WaitClock()
+    dispatch_module.host_local = clock
+    try:
+        start = time.perf_counter()
+        submitted = [engine.submit(r) for r in requests(config, voices, streams)]
+        steps = engine.run_until_idle()
+        wall = time.perf_counter() - start
+    finally:
+        dispatch_module.host_local = clock._read
+    if engine.compilations:
+        raise RuntimeError(f"{engine.compilations} programs compiled while serving")
+    return Served(
+        wall=wall, steps=steps, frames=sum(s.request.frames for s in submitted),
+        first_audio=[s.first_audio_at - s.submitted_at for s in submitted], waited=clock.seconds,
+        rows=sum(r.rows for r in engine.records), codes={s.request_id: list(s.codes) for s in submitted},
+    )  # fmt: skip
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="batch 16, 32 streams, 3 repeats (labelled)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs each way (default 7, quick 3)")
+    parser.add_argument("--batch", type=int, default=None, help="rows per step (default 64, quick 16)")
+    parser.add_argument("--streams", type=int, default=None, help="requests (default 4 x batch)")
+    args = parser.parse_args(argv)
+    batch = args.batch or (16 if args.quick else 64)
+    streams = args.streams or (2 if args.quick else 4) * batch
+    repeats = args.repeats or (3 if args.quick else 7)
+    label = quick_label(args.quick, f"batch {batch}, {streams} streams, {repeats} repeats")
+    config = config_for(batch)
+    model = StreamingTTSModel(config)
+    specs = {s.resource_key: s for s in config.resource_specs()}
+    talker, flow = (BoundedKVManager(specs[k], num_sources=VOICES) for k in ("talker_kv", "flow_kv"))
+    buckets = tts_buckets(
+        batch_sizes=cap_batch_sizes((1, 2, 4, 8, 16, 32, 64, 128), batch),
+        token_counts=TOKEN_COUNTS,
+        flow_chunk=config.flow_chunk,
+    )
+    print(f"benchmarks/engine.py{label}")
+    print(f"backend: {jax.default_backend()}; batch {batch}, {streams} streams of 24..96 frames, all at once")
+    print(f"timing: {ORDER_NOTE}; {repeats} repeats; median (min–max)")
+    started = time.perf_counter()
+    programs = TTSPrograms.capture(model, buckets, talker=talker, flow=flow, progress=False, max_workers=2)
+    count = sum(len(s) for s in programs.steps.values())
+    print(f"captured {count} programs in {time.perf_counter() - started:.0f} s")
+
+    runs: dict[str, list[Served]] = {"synchronous": [], "pipelined": []}
+
+    def case(name: str):
+        def run() -> float:
+            pipelined = name == "pipelined"
+            served = serve(model, programs, config, batch=batch, streams=streams, pipelined=pipelined)
+            runs[name].append(served)
+            return served.wall
+
+        return run
+
+    wall = interleaved_times({name: case(name) for name in runs}, repeats, self_timed=True)
+    for sync, pipe in zip(runs["synchronous"], runs["pipelined"], strict=False):
+        if sync.codes != pipe.codes:
+            raise RuntimeError("the pipelined engine generated other codes than the synchronous one")
+    per_step = {n: [r.wall / r.steps for r in rs[-repeats:]] for n, rs in runs.items()}
+    host = {n: [(r.wall - r.waited) / r.steps for r in rs[-repeats:]] for n, rs in runs.items()}
+
+    print(f"\n1. throughput and latency{label}")
+    for name, served in runs.items():
+        served = served[-repeats:]
+        steps_s = describe([r.steps / r.wall for r in served], ".0f", repeats=False)
+        frames_s = describe([r.frames / r.wall for r in served], ".0f", repeats=False)
+        ttfa = describe([statistics.median(r.first_audio) for r in served], ".1f", scale=1e3, repeats=False)
+        print(f"   {name:<12} {steps_s} steps/s, {frames_s} frames/s, first audio {ttfa} ms")
+    ratio = describe(ratios(wall["pipelined"], wall["synchronous"]), ".3f")
+    print(f"   pipelined ÷ synchronous wall time: {ratio}")
+
+    print(f"\n2. the host's own time (a step's wall less its waits on the device){label}")
+    for name, served in runs.items():
+        served = served[-repeats:]
+        us = describe(host[name], ".0f", scale=1e6, repeats=False)
+        row = describe([(r.wall - r.waited) / r.rows for r in served], ".1f", scale=1e6, repeats=False)
+        shares = [h / s for h, s in zip(host[name], per_step[name], strict=True)]
+        share = describe(shares, ".2f", repeats=False)
+        print(f"   {name:<12} {us} us a step, {row} us a row; host share of a step {share}")
+
+    sync, pipe = per_step["synchronous"], per_step["pipelined"]
+    hidden = [(s - p) / h for s, p, h in zip(sync, pipe, host["synchronous"], strict=True)]
+    print(f"\n3. host time hidden behind the device by pipelining{label}")
+    print(f"   (synchronous - pipelined step time) ÷ synchronous host time: {describe(hidden, '.2f')}")
+
+
+if __name__ == "__main__":
+    main()
