@@ -237,7 +237,7 @@ def capture(
     progress: bool = True,
     max_workers: int = 1,
     store: ExecutableStore | None = None,
-    fingerprint: str = "",
+    fingerprint: Any = None,
 ) -> CapturedStep:
     """Compile `fn` ahead of time for every bucket, or load it from `store`.
 
@@ -256,8 +256,9 @@ def capture(
       max_workers: compile this many buckets at once on threads (XLA compiles without the GIL).
       store: where to load each bucket's program from, and to save the ones compiled (None: compile).
       fingerprint: for the store's keys, every setting `fn` closes over that its arguments and
-        `static_kwargs` do not show (a bound method's model settings, say): programs are told apart by
-        it, so leaving one out would load a program built for another setting.
+        `static_kwargs` do not show (a bound method's instance settings, say), as a value (configs,
+        tuples, numbers): programs are told apart by it, so leaving one out would load a program built
+        for another setting.
 
     Returns:
       The `CapturedStep`.
@@ -284,7 +285,7 @@ def capture(
             key = store.key(
                 fn, bucket, args, static_kwargs=static, donate_argnums=donated, fingerprint=fingerprint
             )
-            compiled = store.load(key, args)
+            compiled = None if key is None else store.load(key, args)
             if compiled is not None:
                 report = BucketReport(
                     bucket=bucket, lower_secs=0.0, compile_secs=time.perf_counter() - start, from_cache=False,
@@ -301,7 +302,7 @@ def capture(
             bucket=bucket, lower_secs=lowered_at - start, compile_secs=done - lowered_at,
             from_cache=counter.cache_hits > 0, **_memory(compiled),
         )  # fmt: skip
-        if store is not None:
+        if store is not None and key is not None:
             store.save(key, compiled)
         return compiled, report
 

@@ -10,12 +10,18 @@ arguments, and the bucket's abstract arguments (tree, shapes, dtypes, shardings)
 another key, so the program is compiled and stored anew; an entry that cannot be read, loads with
 other arguments, or fails to deserialize is compiled too. Nothing here ever raises for a bad entry.
 
+Keys must be the same in every process, so values are described (`_describe`) rather than `repr`'d:
+functions (a retention policy inside a config) by module, name, bytecode and closure, not by address.
+A program something can only be described by its address (a callable object, say) gets no key: it is
+compiled every start and never stored (`unkeyed`).
+
 Entries are pickles of serialized executables: loading one runs code, so the directory must be as
 trusted as the code itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib
@@ -24,8 +30,8 @@ import json
 import os
 import pathlib
 import pickle
+import re
 import threading
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -77,11 +83,11 @@ def _unwrap(fn: Callable[..., Any]) -> Callable[..., Any]:
     return inspect.unwrap(fn)
 
 
-def _code_digest(fn: Callable[..., Any]) -> str:
+def _code_digest(fn: Callable[..., Any]) -> str | None:
     """The library's sources and the step's own module: an edit to either is another program.
 
     A step defined where no file holds it (a notebook cell, `python -c`) is keyed by its own source;
-    one whose source cannot be read at all gets a key no later start can match, so it always compiles.
+    None for one whose source cannot be read at all (it cannot be keyed, so it always compiles).
     """
     library = _source_digest(_library_files())
     step = _unwrap(fn)
@@ -96,15 +102,41 @@ def _code_digest(fn: Callable[..., Any]) -> str:
     try:
         return library + hashlib.sha256(inspect.getsource(step).encode()).hexdigest()
     except (OSError, TypeError):
-        return library + uuid.uuid4().hex
+        return None
 
 
-def _describe_function(fn: Callable[..., Any]) -> str:
-    """The step by name (a partial with its bound arguments); an object's address makes every key new."""
-    if isinstance(fn, functools.partial):
-        bound = [repr(a) for a in fn.args] + [f"{k}={v!r}" for k, v in sorted(fn.keywords.items())]
-        return f"partial({_describe_function(fn.func)}, {', '.join(bound)})"
-    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+def _describe(value: Any) -> str:
+    """`value` as text that is the same in every process: `repr`, but functions (a retention policy in a
+    config, say) by module, name, code and closure rather than by address, and bound methods by their
+    function alone. A value whose description still holds an address (`<object at 0x...>`) cannot be
+    keyed (`_ADDRESS`)."""
+    if isinstance(value, functools.partial):
+        bound = [_describe(a) for a in value.args]
+        bound += [f"{k}={_describe(v)}" for k, v in sorted(value.keywords.items())]
+        return f"partial({_describe(value.func)}, {', '.join(bound)})"
+    if inspect.ismethod(value):  # what its instance holds is the caller's `fingerprint` to describe
+        return f"method {_describe(value.__func__)}"
+    if inspect.isfunction(value):
+        cells = ", ".join(_describe(cell.cell_contents) for cell in value.__closure__ or ())
+        return f"{value.__module__}.{value.__qualname__}[{_code_hash(value.__code__)}]({cells})"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ", ".join(f"{f.name}={_describe(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        return f"{type(value).__module__}.{type(value).__qualname__}({fields})"
+    if isinstance(value, tuple | list):
+        return f"{type(value).__name__}({', '.join(map(_describe, value))})"
+    if isinstance(value, dict):
+        items = sorted((_describe(k), _describe(v)) for k, v in value.items())
+        return f"dict({', '.join(f'{k}: {v}' for k, v in items)})"
+    return repr(value)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _code_hash(code: Any) -> str:
+    """A function's bytecode and constants, nested functions' code included (whose repr is an address)."""
+    consts = [_code_hash(c) if inspect.iscode(c) else repr(c) for c in code.co_consts]
+    return hashlib.sha256(code.co_code + repr(consts).encode()).hexdigest()[:16]
 
 
 def _describe_leaf(leaf: jax.ShapeDtypeStruct) -> list[str]:
@@ -120,6 +152,7 @@ class ExecutableStore:
     Attributes:
       loaded, saved, rejected: programs loaded, programs written, and entries found but not usable
         (unreadable, failed to load, or taking other arguments), since the store was made.
+      unkeyed: programs compiled without the store, because no stable key describes them (`key`).
     """
 
     def __init__(self, directory: str | os.PathLike[str]):
@@ -127,7 +160,7 @@ class ExecutableStore:
             raise ValueError(f"directory={directory!r} must be a non-empty path")
         self.directory = pathlib.Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.loaded = self.saved = self.rejected = 0
+        self.loaded = self.saved = self.rejected = self.unkeyed = 0
         self._lock = threading.Lock()  # capture loads and saves on worker threads
 
     def __repr__(self) -> str:
@@ -145,22 +178,26 @@ class ExecutableStore:
         *,
         static_kwargs: Mapping[str, Any],
         donate_argnums: Sequence[int],
-        fingerprint: str = "",
-    ) -> str:
-        """The program's key: a digest of everything the module docstring lists."""
+        fingerprint: Any = None,
+    ) -> str | None:
+        """The program's key: a digest of everything the module docstring lists; None where something
+        can only be described by an object's address (a new value each start), so no key would match."""
+        code = _code_digest(fn)
         leaves, tree = jax.tree.flatten(args)
-        described = {
+        described = json.dumps({
             "environment": environment(),
-            "code": _code_digest(fn),
-            "function": _describe_function(fn),
-            "fingerprint": fingerprint,
+            "function": _describe(fn),
+            "fingerprint": _describe(fingerprint),
             "bucket": repr(bucket),
-            "static": [[name, repr(value)] for name, value in sorted(static_kwargs.items())],
+            "static": [[name, _describe(value)] for name, value in sorted(static_kwargs.items())],
             "donated": list(donate_argnums),
             "tree": str(tree),
             "leaves": [_describe_leaf(leaf) for leaf in leaves],
-        }
-        return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+        }, sort_keys=True)  # fmt: skip
+        if code is None or _ADDRESS.search(described):
+            self._count("unkeyed")
+            return None
+        return hashlib.sha256((code + described).encode()).hexdigest()
 
     def _path(self, key: str) -> pathlib.Path:
         return self.directory / f"{key}{_SUFFIX}"

@@ -140,12 +140,12 @@ def codes_width(buckets: Buckets, shards: int = 1) -> int:
     return shards * max(rows)
 
 
-def _fingerprint(model: StreamingTTSModel) -> str:
+def _fingerprint(model: StreamingTTSModel) -> tuple:
     """What the model's step methods close over, for the executable store's keys."""
     mesh = model.mesh
-    devices = None if mesh is None else (mesh.axis_names, [d.id for d in mesh.devices.flat])
+    devices = None if mesh is None else (mesh.axis_names, tuple(d.id for d in mesh.devices.flat))
     settings = (model.config, model.talker_kv, model.flow_kv, model.implementation, model.interpret)
-    return repr((*settings, model.temperature, devices))
+    return (*settings, model.temperature, devices)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -117,6 +117,7 @@ def summarize(
             "compilations_after_warmup": engine.compilations,
         },
         "admission": dict(engine.counters),
+        "pipeline": {"pipelined": engine.pipelined, **engine.overlap},
     }
 
 
@@ -126,6 +127,16 @@ def _ms(value: float | None) -> str:
 
 def _mib(value: int) -> str:
     return f"{value / 2**20:.3f} MiB" if value >= 2**16 else f"{value / 1024:.1f} KiB"
+
+
+def _pipeline_line(pipeline: dict[str, Any]) -> str:
+    if not pipeline["pipelined"]:
+        return "pipeline             off: each step read back before the next"
+    return (
+        f"pipeline             {pipeline.get('rows_fed_on_device', 0)} decode rows fed on the device; "
+        f"{pipeline.get('talker_steps_read_behind', 0)} talker and "
+        f"{pipeline.get('flow_steps_read_behind', 0)} flow steps read back behind the next"
+    )
 
 
 def format_summary(report: dict[str, Any]) -> str:
@@ -156,6 +167,7 @@ def format_summary(report: dict[str, Any]) -> str:
         f"({c['loaded_from_store']} loaded from the executable store); "
         f"{c['compilations_after_warmup']} compilations after warm-up",
         f"admission            {report['admission'] or 'no refusals'}",
+        _pipeline_line(report["pipeline"]),
     ]
     mesh = report["mesh"]
     if mesh["devices"] > 1:

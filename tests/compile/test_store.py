@@ -4,6 +4,7 @@ compiling, bucket by bucket; a fresh process loads them too."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -20,9 +21,16 @@ from mstar_jax.compile import store as store_module
 BUCKETS = BucketSet(graph_walk="tiny", batch_sizes=(1, 2), token_counts=(3, 5))
 
 
-def _step(state, x, *, scale):
+def _squash(x, *, power):
+    return jnp.tanh(x) ** power
+
+
+SQUASH = functools.partial(_squash, power=1)  # a function in the static settings, as a retention policy is
+
+
+def _step(state, x, *, scale, squash=SQUASH):
     """A stateful step: the state (donated) accumulates, the output reads both."""
-    state = state + jnp.tanh(x * scale).sum()
+    state = state + squash(x * scale).sum()
     return state, x * state
 
 
@@ -33,13 +41,13 @@ def _abstract(bucket):
     )
 
 
-def _capture(store, *, scale=0.5, fingerprint="", max_workers=1):
+def _capture(store, *, scale=0.5, squash=SQUASH, fingerprint=None, max_workers=1):
     """Capture as a new process would: nothing compiled in memory (so every compile is counted)."""
     jax.clear_caches()
     with count_compilations() as counter:
         step = capture(
-            _step, BUCKETS, _abstract, static_kwargs={"scale": scale}, donate_argnums=0, progress=False,
-            store=store, fingerprint=fingerprint, max_workers=max_workers,
+            _step, BUCKETS, _abstract, static_kwargs={"scale": scale, "squash": squash}, donate_argnums=0,
+            progress=False, store=store, fingerprint=fingerprint, max_workers=max_workers,
         )  # fmt: skip
     return step, counter.count
 
@@ -52,9 +60,9 @@ def _run(step, bucket):
     return np.asarray(new_state), np.asarray(out)
 
 
-def _oracle(bucket, scale=0.5):
+def _oracle(bucket, scale=0.5, power=1):
     x = np.arange(bucket.bs * bucket.num_tokens, dtype=np.float64).reshape(bucket.bs, -1) / 7
-    state = 1.0 + np.tanh(x * scale).sum()
+    state = 1.0 + (np.tanh(x * scale) ** power).sum()
     return state, x * state
 
 
@@ -92,15 +100,17 @@ def test_loaded_programs_refuse_other_shapes_and_never_compile(tmp_path):
 
 @pytest.mark.parametrize(
     "change",
-    ["scale", "fingerprint", "environment", "code"],
+    ["scale", "a partial's argument", "fingerprint", "environment", "code"],
 )
 def test_any_difference_in_what_a_program_is_built_from_compiles_it_anew(tmp_path, monkeypatch, change):
     _capture(ExecutableStore(tmp_path))
     kwargs = {}
     if change == "scale":
         kwargs["scale"] = 0.25
+    elif change == "a partial's argument":
+        kwargs["squash"] = functools.partial(_squash, power=3)
     elif change == "fingerprint":
-        kwargs["fingerprint"] = "temperature=0.7"
+        kwargs["fingerprint"] = ("temperature", 0.7)
     elif change == "environment":
         real = store_module.environment
         monkeypatch.setattr(store_module, "environment", lambda: {**real(), "jaxlib": "0.0.0"})
@@ -112,7 +122,24 @@ def test_any_difference_in_what_a_program_is_built_from_compiles_it_anew(tmp_pat
     assert step.report.loaded == 0
     assert (store.saved, len(store.entries())) == (len(BUCKETS), 2 * len(BUCKETS))
     bucket = BUCKETS.key(2, 5)
-    np.testing.assert_allclose(_run(step, bucket)[1], _oracle(bucket, kwargs.get("scale", 0.5))[1], rtol=1e-6)
+    power = 3 if "squash" in kwargs else 1
+    want = _oracle(bucket, kwargs.get("scale", 0.5), power)[1]
+    np.testing.assert_allclose(_run(step, bucket)[1], want, rtol=1e-6)
+
+
+def test_a_program_only_an_address_could_describe_is_compiled_and_never_stored(tmp_path):
+    """A static setting whose only description is an object's address (a new one every start) gives no
+    key: the store neither loads nor writes such a program, rather than keep entries nothing can match."""
+
+    class Squash:  # a callable object: its repr is its address
+        def __call__(self, x):
+            return jnp.tanh(x)
+
+    store = ExecutableStore(tmp_path)
+    step, compiled = _capture(store, squash=Squash())
+    assert compiled == len(BUCKETS)
+    assert (store.unkeyed, store.saved, store.entries()) == (len(BUCKETS), 0, [])
+    np.testing.assert_allclose(_run(step, BUCKETS.key(1, 3))[1], _oracle(BUCKETS.key(1, 3))[1], rtol=1e-6)
 
 
 def test_an_entry_that_does_not_load_is_compiled_and_replaced(tmp_path):

@@ -334,7 +334,7 @@ def test_mstar_jax_run_end_to_end_on_a_tiny_deployment(programs, cache_dir, tmp_
             "persistent_cache_dir": cache_dir,
             "persistent_cache_min_compile_secs": 0.0,
         },
-        "engine": {"max_batch": 2, "hold_backoff_s": 0.001},
+        "engine": {"max_batch": 2, "hold_backoff_s": 0.001, "pipelined": True},
         "workload": {
             "streams": 5,
             "arrival_rate_hz": 50.0,
@@ -358,6 +358,9 @@ def test_mstar_jax_run_end_to_end_on_a_tiny_deployment(programs, cache_dir, tmp_
     assert report["compile"]["compilations_after_warmup"] == 0
     assert report["compile"]["buckets"] == 4
     assert report["compile"]["loaded_from_store"] == 4  # stored by the `programs` fixture
+    assert report["pipeline"]["pipelined"]
+    assert report["pipeline"]["rows_fed_on_device"] > 0
+    assert f"{report['pipeline']['rows_fed_on_device']} decode rows fed on the device" in out
     assert report["audio_seconds"] > 0
     assert report["memory"]["bytes_per_stream"] == sum(s.config.slot_bytes for s in managers())
     assert (output / "step_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -248,7 +248,7 @@ class Gemma3Streams:
         captured = capture(
             self._fn, keys, self._abstract_args, static_kwargs={"head": head}, donate_argnums=(1,),
             name=f"gemma3 {head}", progress=progress, store=self._store,
-            fingerprint=repr((self.config, self.local.config, self.global_.config)),
+            fingerprint=(self.config, self.local.config, self.global_.config),
         )  # fmt: skip
         self._programs.update(dict.fromkeys(((head, k) for k in keys), captured))
         self.captures.append(captured.report)
