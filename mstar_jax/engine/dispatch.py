@@ -14,6 +14,7 @@ from mstar_jax.compile import warn_on_compilations
 from mstar_jax.distributed import host_local
 from mstar_jax.engine import batch
 from mstar_jax.engine.records import InFlight, Node, StepRecord
+from mstar_jax.resources.step import SubmoduleStep
 
 __all__ = ["Dispatch"]
 
@@ -51,12 +52,12 @@ class Dispatch:
                 if not self.pipelined:  # read inside the guard: a failed read fails the step
                     outputs = host_local(outputs)  # this process's rows (every row, in one process)
         except Exception as err:
-            node.runner.abort_step(sub)
+            _abort(node, sub, err)
             self.drain()  # the streams as every earlier step left them, for the recovery
             self._recover(node, rows, err)
             return True
-        except BaseException:
-            node.runner.abort_step(sub)
+        except BaseException as err:
+            _abort(node, sub, err)
             raise
         node.manager.cache = cache
         node.runner.commit(sub)
@@ -136,3 +137,12 @@ class Dispatch:
         else:
             self._audio_in_flight.clear()  # every flow step in flight came after it
         self._recover(step.node, [], err, lost=True)
+
+
+def _abort(node: Node, sub: SubmoduleStep, err: BaseException) -> None:
+    """Abort the step's admission after the step raised `err`; should aborting raise too, `err` stays the
+    error (what the recovery, and the requests' messages, are about) with the other noted on it."""
+    try:
+        node.runner.abort_step(sub)
+    except Exception as abort_error:
+        err.add_note(f"aborting the step's admission raised too: {abort_error!r}")

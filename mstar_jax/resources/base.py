@@ -3,7 +3,8 @@
 Per request: `ingest_request` -> for each step `admit` -> `plan` -> device work -> `commit` ... ->
 `remove_request`. A step that will not run after a successful admit gets `abort_step`. Resources that
 can evict idle requests to host memory opt in with `supports_eviction` and implement
-`offload` / `reload` / `is_offloaded`.
+`offload` / `reload` / `is_offloaded`. Resources that hand state to another instance (a KV transfer
+between a prefill and a decode engine) implement `publish`, and the receiving side `admit_retrieve`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ from typing import Any
 from mstar_jax.resources.spec import NodeResourceSpec, ResourceReqConfig
 from mstar_jax.resources.step import ADMIT_OK, AdmitOutcome, ResourceStep, StepContext
 
-__all__ = ["Resource"]
+__all__ = ["PublishedInfo", "Resource"]
+
+
+class PublishedInfo(abc.ABC):
+    """Durable state a resource sends outward after a step (`Resource.publish`), for another instance's
+    `admit_retrieve`; a later step's info folds into the earlier one with `update`."""
+
+    @abc.abstractmethod
+    def update(self, other: PublishedInfo) -> None:
+        """Fold `other`, published later for the same request and resource, into this one."""
 
 
 class Resource(abc.ABC):
@@ -65,6 +75,20 @@ class Resource(abc.ABC):
 
     def abort_step(self, step: ResourceStep, ctx: StepContext) -> None:
         """Undo what `admit` reserved for a step that will not run."""
+
+    # State handed between instances (opt-in).
+    def publish(self, request_id: str) -> PublishedInfo | None:
+        """What the request's state would tell another instance now (None: nothing to tell)."""
+        del request_id
+        return None
+
+    def admit_retrieve(
+        self, request_id: str, node_name: str, graph_walk: str, published: PublishedInfo | None
+    ) -> AdmitOutcome:
+        """Take in state another instance `published` for the request and start retrieving it; `ready`
+        stays False while it is still on its way."""
+        del request_id, node_name, graph_walk, published
+        return ADMIT_OK
 
     # Eviction (opt-in).
     def is_offloaded(self, request_id: str) -> bool:

@@ -4,7 +4,8 @@ The engine holds one runner per graph node. Per request it fans `ingest_request`
 out to every resource; per step it sweeps the resources the step declares (`SubmoduleStep.steps`) in
 dependency order: `admit` (stopping at the first refusal), `plan` (each result stored in
 `ctx.plan_results` for the resources that depend on it), `commit`, or `abort_step` when the step will
-not run after all.
+not run after all. Outside steps, `publish` collects what every publishing resource tells another
+instance about some requests, and `admit_retrieve` hands such state to the retrieving resources.
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mstar_jax.resources.base import Resource
+from mstar_jax.resources.base import PublishedInfo, Resource
 from mstar_jax.resources.spec import ResourceReqConfig
 from mstar_jax.resources.step import FULL_ADMIT_OK, AdmitOutcome, FullAdmitOutcome, SubmoduleStep
 
 __all__ = ["ResourceRunner", "topo_sort"]
 
 
-def topo_sort(resources: Mapping[str, Resource]) -> list[str]:
+def topo_sort(resources: Mapping[str, Resource]) -> tuple[str, ...]:
     """Order resource keys so that every resource comes after the ones it `depends_on`.
 
     Layered Kahn: each round takes every key whose dependencies are all placed, sorted alphabetically,
@@ -47,7 +48,7 @@ def topo_sort(resources: Mapping[str, Resource]) -> list[str]:
             raise ValueError(f"dependency cycle among resources {stuck}")
         order.extend(ready)
         placed.update(ready)
-    return order
+    return tuple(order)
 
 
 class ResourceRunner:
@@ -62,8 +63,11 @@ class ResourceRunner:
 
     def __init__(self, resources: Mapping[str, Resource]):
         self.resources: dict[str, Resource] = dict(resources)
-        self.order: tuple[str, ...] = tuple(topo_sort(self.resources))
+        self.order: tuple[str, ...] = topo_sort(self.resources)
         self._rank = {key: i for i, key in enumerate(self.order)}
+        # Only resources that override the hook take part: the defaults publish nothing and admit all.
+        self._publishers = tuple(k for k in self.order if _overrides(self.resources[k], "publish"))
+        self._retrievers = tuple(k for k in self.order if _overrides(self.resources[k], "admit_retrieve"))
 
     def __getitem__(self, key: str) -> Resource:
         return self.resources[key]
@@ -140,6 +144,11 @@ class ResourceRunner:
     def abort_step(self, step: SubmoduleStep) -> None:
         """Tell every declared resource the admitted step will not run, even if one of them raises.
 
+        Where this differs from the original engine's runner, on purpose: that one only keeps going
+        past a resource that raises; this one then re-raises the first such error, so a resource that
+        failed to give back a claim is not silent. (The engine, aborting after its step raised, keeps
+        the step's own exception and notes this one on it.)
+
         Raises:
           The first exception a resource raised, once every resource has been told.
         """
@@ -151,6 +160,41 @@ class ResourceRunner:
                 first_error = first_error or error
         if first_error is not None:
             raise first_error
+
+    # State handed between instances.
+    def publish(self, request_ids: Sequence[str]) -> dict[str, dict[str, PublishedInfo]]:
+        """`{request_id: {resource_key: info}}` from every publishing resource, leaving out None (a
+        request nothing is published for is absent). Not step-scoped: every publisher is asked."""
+        out: dict[str, dict[str, PublishedInfo]] = {}
+        for rid in request_ids:
+            infos = {key: self.resources[key].publish(rid) for key in self._publishers}
+            infos = {key: info for key, info in infos.items() if info is not None}
+            if infos:
+                out[rid] = infos
+        return out
+
+    def admit_retrieve(
+        self,
+        request_id: str,
+        graph_walk: str,
+        published: Mapping[str, PublishedInfo],
+        node_name: str = "",
+    ) -> FullAdmitOutcome:
+        """Hand each retrieving resource its part of `published` (by resource key; None where absent)
+        for `request_id`; stop at the first refusal.
+
+        Returns:
+          `FULL_ADMIT_OK`; or the refusing resource's outcome with `failed_resource` naming it; or
+          `ok=True, ready=False` while some retrieval is still on its way.
+        """
+        ready = True
+        for key in self._retrievers:
+            resource = self.resources[key]
+            outcome = resource.admit_retrieve(request_id, node_name, graph_walk, published.get(key))
+            if not outcome.ok:
+                return FullAdmitOutcome(outcome, failed_resource=key)
+            ready = ready and outcome.ready
+        return FULL_ADMIT_OK if ready else FullAdmitOutcome(AdmitOutcome(True, False, None))
 
     # Eviction, across the resources that support it.
     def evictable(self, keys: Sequence[str] | None = None) -> list[str]:
@@ -177,3 +221,7 @@ class ResourceRunner:
     def cleanup(self) -> None:
         for key in self.order:
             self.resources[key].cleanup()
+
+
+def _overrides(resource: Resource, hook: str) -> bool:
+    return getattr(type(resource), hook) is not getattr(Resource, hook)

@@ -165,6 +165,22 @@ def test_requests_whose_steps_always_fail_fail_alone_and_the_engine_stays_usable
     assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
 
 
+def test_a_step_that_raises_keeps_its_own_error_when_aborting_its_admission_raises_too(programs, monkeypatch):
+    engine, voices = make_engine(programs)
+    stream = engine.submit(crowd(voices)[0])
+    inject_faults(engine, "talker", lambda n: "before")
+
+    def broken_abort(step, ctx):
+        raise RuntimeError("abort broke")
+
+    monkeypatch.setattr(engine.talker, "abort_step", broken_abort)
+    engine.run_until_idle()
+    assert type(stream.failure) is StepFailedError
+    assert "InjectedFaultError('injected before talker step 3')" in stream.error
+    assert "abort broke" not in stream.error
+    assert engine.counters["faults"] == MAX_STEP_FAULTS
+
+
 def test_inject_faults_refuses_what_it_cannot_inject(programs):
     engine, voices = make_engine(programs)
     with pytest.raises(ValueError, match="node='vocoder' must be 'talker' or 'flow'"):

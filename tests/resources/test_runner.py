@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mstar_jax.resources.base import Resource
+from mstar_jax.resources.base import PublishedInfo, Resource
 from mstar_jax.resources.runner import ResourceRunner, topo_sort
 from mstar_jax.resources.spec import ResourceReqConfig
 from mstar_jax.resources.step import (
@@ -76,7 +76,7 @@ def step_for(keys, ctx=None):
 def test_topo_sort_puts_dependencies_first_and_breaks_ties_alphabetically():
     _, resources, _ = make({"c": (), "b": ("d",), "a": ("b",), "d": ()})
     # Layer 0: c, d (alphabetical); layer 1: b; layer 2: a (transitively after d).
-    assert topo_sort(resources) == ["c", "d", "b", "a"]
+    assert topo_sort(resources) == ("c", "d", "b", "a")  # a tuple, like ResourceRunner.order
 
 
 @pytest.mark.parametrize(
@@ -231,3 +231,64 @@ def test_a_refused_admit_leaves_no_claim_in_resources_that_admitted_before():
     assert (refused.ok, refused.failed_resource) == (False, "b")
     assert runner.resources["a"].slot_of("y") is None
     assert runner.resources["a"].free_slots == 1
+
+
+class Info(PublishedInfo):
+    def __init__(self, value):
+        self.value = value
+
+    def update(self, other):
+        self.value = other.value
+
+
+class Publisher(Recorder):
+    """Publishes `published[request_id]` (None for others) and answers retrievals with `retrieve`."""
+
+    def __init__(self, key, journal, published=None, retrieve=ADMIT_OK):
+        super().__init__(key, journal)
+        self.published, self.retrieve, self.retrieved = published or {}, retrieve, []
+
+    def publish(self, request_id):
+        self.journal.append(("publish", self.key))
+        return self.published.get(request_id)
+
+    def admit_retrieve(self, request_id, node_name, graph_walk, published):
+        self.journal.append(("retrieve", self.key))
+        self.retrieved.append((request_id, node_name, graph_walk, published))
+        return self.retrieve
+
+
+def test_publish_collects_each_requests_info_by_key_leaving_out_none_from_every_publisher():
+    journal = []
+    a_info, b_info = Info(1), Info(2)
+    runner = ResourceRunner({
+        "a": Publisher("a", journal, {"r1": a_info}),
+        "b": Publisher("b", journal, {"r1": b_info, "r2": None}),
+        "plain": Recorder("plain", journal),  # publishes nothing: never asked
+    })  # fmt: skip
+    assert runner.publish(["r1", "r2", "r3"]) == {"r1": {"a": a_info, "b": b_info}}
+    # Not step-scoped: no step declared anything, and every publisher was asked for every request.
+    assert journal == [("publish", "a"), ("publish", "b")] * 3
+
+
+def test_admit_retrieve_routes_published_info_by_key_ands_ready_and_stops_at_a_refusal():
+    journal = []
+    waiting = AdmitOutcome(True, False, None)
+    refused = AdmitOutcome(False, False, AdmitRuntimeError("no such transfer"))
+    a, b = Publisher("a", journal, retrieve=waiting), Publisher("b", journal)
+    runner = ResourceRunner({"a": a, "b": b, "plain": Recorder("plain", journal)})
+    info = Info(7)
+    outcome = runner.admit_retrieve("r1", "prefill", {"b": info}, node_name="talker")
+    assert (outcome.ok, outcome.ready, outcome.failed_resource) == (True, False, None)
+    assert a.retrieved == [("r1", "talker", "prefill", None)]  # a key absent from `published` gets None
+    assert b.retrieved == [("r1", "talker", "prefill", info)]
+    b.retrieve = ADMIT_OK
+    a.retrieve = ADMIT_OK
+    assert runner.admit_retrieve("r2", "decode", {}).ok
+    assert runner.admit_retrieve("r2", "decode", {}).ready
+    journal.clear()
+    a.retrieve = refused
+    outcome = runner.admit_retrieve("r3", "decode", {})
+    assert (outcome.ok, outcome.failed_resource) == (False, "a")
+    assert outcome.reason is refused.reason  # the refusal object itself
+    assert journal == [("retrieve", "a")]  # b was never asked
