@@ -32,10 +32,10 @@ from mstar_jax.deployment import (
     parse_deployment,
 )
 from mstar_jax.engine import Engine, TTSPrograms, TTSRequest, batch, tts_buckets
+from mstar_jax.engine.voices import Voice
 from mstar_jax.models import model_config
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
-from mstar_jax.models.streaming_tts.voices import Voice
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache
 from mstar_jax.resources.kv.bounded.config import (
     BoundedKVConfig,

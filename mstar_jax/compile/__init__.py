@@ -29,7 +29,7 @@ from mstar_jax.compile.recompile import (
     count_compilations,
     warn_on_compilations,
 )
-from mstar_jax.compile.store import ExecutableStore
+from mstar_jax.compile.store import ExecutableStore, describe
 
 __all__ = [
     "BatchChunk",
@@ -53,6 +53,7 @@ __all__ = [
     "capture",
     "configure_persistent_cache",
     "count_compilations",
+    "describe",
     "disable_persistent_cache",
     "enable_persistent_cache",
     "measure",

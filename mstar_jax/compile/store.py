@@ -10,7 +10,7 @@ arguments, and the bucket's abstract arguments (tree, shapes, dtypes, shardings)
 another key, so the program is compiled and stored anew; an entry that cannot be read, loads with
 other arguments, or fails to deserialize is compiled too. Nothing here ever raises for a bad entry.
 
-Keys must be the same in every process, so values are described (`_describe`) rather than `repr`'d:
+Keys must be the same in every process, so values are described (`describe`) rather than `repr`'d:
 functions (a retention policy inside a config) by module, name, bytecode and closure, not by address.
 A program something can only be described by its address (a callable object, say) gets no key: it is
 compiled every start and never stored (`unkeyed`).
@@ -39,7 +39,7 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
-__all__ = ["ExecutableStore", "environment"]
+__all__ = ["ExecutableStore", "describe", "environment"]
 
 _SUFFIX = ".executable"
 _PACKAGES = ("mstar_jax", "kernels_pallas")
@@ -105,27 +105,27 @@ def _code_digest(fn: Callable[..., Any]) -> str | None:
         return None
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
     """`value` as text that is the same in every process: `repr`, but functions (a retention policy in a
     config, say) by module, name, code and closure rather than by address, and bound methods by their
     function alone. A value whose description still holds an address (`<object at 0x...>`) cannot be
     keyed (`_ADDRESS`)."""
     if isinstance(value, functools.partial):
-        bound = [_describe(a) for a in value.args]
-        bound += [f"{k}={_describe(v)}" for k, v in sorted(value.keywords.items())]
-        return f"partial({_describe(value.func)}, {', '.join(bound)})"
+        bound = [describe(a) for a in value.args]
+        bound += [f"{k}={describe(v)}" for k, v in sorted(value.keywords.items())]
+        return f"partial({describe(value.func)}, {', '.join(bound)})"
     if inspect.ismethod(value):  # what its instance holds is the caller's `fingerprint` to describe
-        return f"method {_describe(value.__func__)}"
+        return f"method {describe(value.__func__)}"
     if inspect.isfunction(value):
-        cells = ", ".join(_describe(cell.cell_contents) for cell in value.__closure__ or ())
+        cells = ", ".join(describe(cell.cell_contents) for cell in value.__closure__ or ())
         return f"{value.__module__}.{value.__qualname__}[{_code_hash(value.__code__)}]({cells})"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = ", ".join(f"{f.name}={_describe(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        fields = ", ".join(f"{f.name}={describe(getattr(value, f.name))}" for f in dataclasses.fields(value))
         return f"{type(value).__module__}.{type(value).__qualname__}({fields})"
     if isinstance(value, tuple | list):
-        return f"{type(value).__name__}({', '.join(map(_describe, value))})"
+        return f"{type(value).__name__}({', '.join(map(describe, value))})"
     if isinstance(value, dict):
-        items = sorted((_describe(k), _describe(v)) for k, v in value.items())
+        items = sorted((describe(k), describe(v)) for k, v in value.items())
         return f"dict({', '.join(f'{k}: {v}' for k, v in items)})"
     return repr(value)
 
@@ -186,10 +186,10 @@ class ExecutableStore:
         leaves, tree = jax.tree.flatten(args)
         described = json.dumps({
             "environment": environment(),
-            "function": _describe(fn),
-            "fingerprint": _describe(fingerprint),
+            "function": describe(fn),
+            "fingerprint": describe(fingerprint),
             "bucket": repr(bucket),
-            "static": [[name, _describe(value)] for name, value in sorted(static_kwargs.items())],
+            "static": [[name, describe(value)] for name, value in sorted(static_kwargs.items())],
             "donated": list(donate_argnums),
             "tree": str(tree),
             "leaves": [_describe_leaf(leaf) for leaf in leaves],

@@ -39,12 +39,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mstar_jax.compile import describe
 from mstar_jax.engine import batch, recovery
 from mstar_jax.engine.admission import Admission
 from mstar_jax.engine.dispatch import Dispatch
 from mstar_jax.engine.lockstep import Lockstep, MultiProcessError
 from mstar_jax.engine.outputs import Outputs
-from mstar_jax.engine.programs import TTSPrograms
+from mstar_jax.engine.programs import TTSPrograms, model_settings
 from mstar_jax.engine.records import InFlight, Node, StepRecord
 from mstar_jax.engine.recovery import Recovery
 from mstar_jax.engine.request import (
@@ -56,6 +57,7 @@ from mstar_jax.engine.request import (
     TTSRequest,
 )
 from mstar_jax.engine.scheduler import flow_rows, talker_rows
+from mstar_jax.engine.voices import VoiceBank
 from mstar_jax.engine.warmup import VoicesAndWarmUp
 from mstar_jax.models.streaming_tts.model import (
     FLOW_CHUNK,
@@ -64,7 +66,6 @@ from mstar_jax.models.streaming_tts.model import (
     TALKER_PREFILL,
     StreamingTTSModel,
 )
-from mstar_jax.models.streaming_tts.voices import VoiceBank
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import (
@@ -138,6 +139,12 @@ class Engine(Admission, Dispatch, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
                 "its steps synchronously"
             )
         self.pipelined = pipelined
+        if programs.model != describe(model_settings(model)):
+            raise ValueError(
+                "programs were captured for another model (its config, cache configs, implementation, "
+                f"temperature or mesh differ): captured for {programs.model[:300]}...; capture them for "
+                "this model (TTSPrograms.capture(model, ...))"
+            )
         self._talker_in_flight: InFlight | None = None
         self._audio_in_flight: collections.deque[InFlight] = collections.deque()
         self._dispatched = 0

@@ -40,6 +40,7 @@ from mstar_jax.compile import (
     CombinedRows,
     ExecutableStore,
     capture,
+    describe,
 )
 from mstar_jax.models.streaming_tts.model import (
     FLOW_CHUNK,
@@ -54,7 +55,7 @@ from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.kv.bounded.sharding import DATA
 from mstar_jax.resources.step import BucketKey
 
-__all__ = ["TTSPrograms", "codes_width", "fed", "tts_buckets"]
+__all__ = ["TTSPrograms", "codes_width", "fed", "model_settings", "tts_buckets"]
 
 WALKS = (TALKER_DECODE, TALKER_PREFILL, TALKER_MIXED, FLOW_CHUNK)
 
@@ -140,7 +141,7 @@ def codes_width(buckets: Buckets, shards: int = 1) -> int:
     return shards * max(rows)
 
 
-def _fingerprint(model: StreamingTTSModel) -> tuple:
+def model_settings(model: StreamingTTSModel) -> tuple:
     """What the model's step methods close over, for the executable store's keys."""
     mesh = model.mesh
     devices = None if mesh is None else (mesh.axis_names, tuple(d.id for d in mesh.devices.flat))
@@ -152,12 +153,15 @@ def _fingerprint(model: StreamingTTSModel) -> tuple:
 class TTSPrograms:
     """Every walk's `CapturedStep`, and the buckets they were captured for.
 
-    Build with `TTSPrograms.capture`. `codes_width` is `C` of the module docstring.
+    Build with `TTSPrograms.capture`. `codes_width` is `C` of the module docstring; `model` describes
+    the model settings the programs were captured with (its config, cache configs, implementation,
+    temperature and mesh), which an engine checks its own model against.
     """
 
     buckets: Buckets
     steps: dict[str, CapturedStep]
     codes_width: int
+    model: str
 
     @classmethod
     def capture(
@@ -224,14 +228,14 @@ class TTSPrograms:
             FLOW_CHUNK: (model.flow_step, chunk),
         }
         steps = {}
-        fingerprint = _fingerprint(model)
+        fingerprint = model_settings(model)
         for walk in buckets.walks:
             fn, abstract = plans[walk]
             steps[walk] = capture(
                 fn, buckets[walk].keys(), abstract, donate_argnums=1, name=walk, progress=progress,
                 max_workers=max_workers, store=store, fingerprint=fingerprint,
             )  # fmt: skip
-        return cls(buckets=buckets, steps=steps, codes_width=width)
+        return cls(buckets=buckets, steps=steps, codes_width=width, model=describe(fingerprint))
 
     @property
     def reports(self) -> list[CaptureReport]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mstar_jax.models.streaming_tts.voices import Voice
+from mstar_jax.engine.voices import Voice
 
 __all__ = [
     "AudioChunk",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mstar_jax.compile import count_compilations
 from mstar_jax.engine import batch
-from mstar_jax.models.streaming_tts.voices import Voice
+from mstar_jax.engine.voices import Voice
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep
 from mstar_jax.resources.step import Segment, StepContext
 

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from mstar_jax.engine.engine import Engine
 from mstar_jax.engine.request import Stream, TTSRequest
-from mstar_jax.models.streaming_tts.voices import Voice
+from mstar_jax.engine.voices import Voice
 
 if TYPE_CHECKING:
     from mstar_jax.deployment import WorkloadSettings

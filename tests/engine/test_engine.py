@@ -22,7 +22,8 @@ from mstar_jax.compile import (
 )
 from mstar_jax.engine import Engine, Phase, TTSRequest
 from mstar_jax.engine.request import RequestError
-from mstar_jax.models.streaming_tts.voices import Voice
+from mstar_jax.engine.voices import Voice
+from mstar_jax.models.streaming_tts.model import StreamingTTSModel
 from mstar_jax.resources.step import UnknownRequestError
 from tests.engine.support import (
     BATCH_SIZES,
@@ -364,3 +365,15 @@ def test_mstar_jax_run_end_to_end_on_a_tiny_deployment(programs, cache_dir, tmp_
     assert report["audio_seconds"] > 0
     assert report["memory"]["bytes_per_stream"] == sum(s.config.slot_bytes for s in managers())
     assert (output / "step_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_programs_captured_for_another_model_are_refused(programs):
+    """The captured steps close over their model's settings (sampling temperature here): an engine
+    whose model differs would run another model's program, so it refuses them, naming the fix."""
+    _, captured = programs
+    talker, flow = managers()
+    colder = StreamingTTSModel(CONFIG, temperature=0.5)
+    with pytest.raises(ValueError, match=r"programs were captured for another model .*TTSPrograms.capture"):
+        Engine(colder, talker=talker, flow=flow, programs=captured, max_batch=2)
+    same = StreamingTTSModel(CONFIG)  # another instance of the same model is fine
+    Engine(same, talker=talker, flow=flow, programs=captured, max_batch=2)
