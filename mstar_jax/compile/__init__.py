@@ -11,9 +11,7 @@ from mstar_jax.compile.buckets import (
     cap_batch_sizes,
 )
 from mstar_jax.compile.capture import (
-    BucketReport,
     CapturedStep,
-    CaptureReport,
     ReplayError,
     capture,
     configure_persistent_cache,
@@ -29,6 +27,7 @@ from mstar_jax.compile.recompile import (
     count_compilations,
     warn_on_compilations,
 )
+from mstar_jax.compile.report import BucketReport, CaptureReport
 from mstar_jax.compile.store import ExecutableStore, describe
 
 __all__ = [
