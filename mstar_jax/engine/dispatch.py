@@ -14,6 +14,7 @@ from mstar_jax.compile import warn_on_compilations
 from mstar_jax.distributed import host_local
 from mstar_jax.engine import batch
 from mstar_jax.engine.records import InFlight, Node, StepRecord
+from mstar_jax.engine.request import StateLostError
 from mstar_jax.resources.step import SubmoduleStep
 
 __all__ = ["Dispatch"]
@@ -131,12 +132,26 @@ class Dispatch:
         """A dispatched step whose outputs cannot be read: its node's cache state, and every later step
         of that node (built on it), are lost. Its requests still hold their slots (a talker slot is
         freed only when its last code is read), so the node recovers as from a lost cache: restored
-        from the last snapshot and replayed, or failed with the retryable `StateLostError`."""
+        from the last snapshot and replayed, or failed with the retryable `StateLostError`. A request
+        of those steps moved to host memory since (offloaded: its copy was read from the lost state)
+        holds no slot for the recovery to rewind; it fails the same way."""
         if step.node.name == "talker":
+            dropped = [s for s in (step, self._talker_in_flight) if s is not None]
             self._talker_in_flight = None
         else:
-            self._audio_in_flight.clear()  # every flow step in flight came after it
+            dropped = [step, *self._audio_in_flight]  # every flow step in flight came after it
+            self._audio_in_flight.clear()
+        manager = step.node.manager
+        offloaded = {
+            row.stream.request_id: row.stream for s in dropped for row in s.rows
+            if not row.stream.phase.finished and manager.slot_of(row.stream.request_id) is None
+        }  # fmt: skip
         self._recover(step.node, [], err, lost=True)
+        for stream in offloaded.values():
+            self._fail(stream, StateLostError(
+                f"a {step.node.name} step with request {stream.request_id!r} failed on the device after it "
+                f"was dispatched ({err!r}); its offloaded copy came from what it left: submit it again"
+            ))  # fmt: skip
 
 
 def _abort(node: Node, sub: SubmoduleStep, err: BaseException) -> None:

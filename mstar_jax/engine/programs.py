@@ -142,7 +142,8 @@ def codes_width(buckets: Buckets, shards: int = 1) -> int:
 
 
 def model_settings(model: StreamingTTSModel) -> tuple:
-    """What the model's step methods close over, for the executable store's keys."""
+    """What the model's step methods close over: the executable store's fingerprint of its programs,
+    and what an engine checks its model against (`TTSPrograms.model`)."""
     mesh = model.mesh
     devices = None if mesh is None else (mesh.axis_names, tuple(d.id for d in mesh.devices.flat))
     settings = (model.config, model.talker_kv, model.flow_kv, model.implementation, model.interpret)

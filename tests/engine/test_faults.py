@@ -193,3 +193,31 @@ def test_inject_faults_refuses_what_it_cannot_inject(programs):
         "schedule(3)='melt' must be None or one of ('before', 'after', 'poison', 'unreadable')"
         in stream.error
     )
+
+
+def test_a_stream_offloaded_while_its_lost_step_was_in_flight_fails_retryably(programs):
+    """Pipelined: a talker step is dispatched with its outputs lost, and before it is read its stream
+    is paused and offloaded (the host copy is read from the lost step's cache). The stream holds no
+    slot for the recovery to rewind, so it fails, retryably, rather than wait forever on a code that
+    never comes; the other stream is lost with the cache; resubmitted, both hear what they hear alone."""
+    engine, voices = make_engine(programs, pipelined=True)
+    streams = [engine.submit(req) for req in crowd(voices)[:2]]
+    calls = inject_faults(engine, "talker", lambda n: "unreadable" if n == 6 else None)
+    while calls[0] < 6:
+        engine.step()
+    assert engine.counters["faults"] == 0  # dispatched, not read yet
+    engine.pause(streams[0].request_id)
+    assert engine.offload(streams[0].request_id) > 0
+    while engine.counters["faults"] == 0:  # the lost step is read while its stream is on the host
+        engine.step()
+    assert streams[0].phase is Phase.FAILED
+    engine.run_until_idle()
+    for stream in streams:
+        assert stream.phase is Phase.FAILED
+        assert type(stream.failure) is StateLostError
+    assert "offloaded copy" in streams[0].error
+    assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
+    again = [engine.submit(req) for req in crowd(voices)[:2]]
+    engine.run_until_idle()
+    for stream in again:
+        assert_same_output(stream, served_alone(programs, stream.request))
