@@ -43,6 +43,8 @@ def sink_window_attention(
     max_retained: int,
     query_window: int | None = None,
     scale: float | None = None,
+    rel_bias: jax.Array | None = None,
+    sink_logits: jax.Array | None = None,
     implementation: Implementation = "auto",
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
@@ -50,7 +52,8 @@ def sink_window_attention(
 
     Each step token attends `stream[retained] ++ step keys` of its row (see `table` for the retained
     positions), masked by `query_window`; equivalent to `sink_window_attention_reference`. Scores and softmax
-    statistics are float32. Jittable: everything but the arrays is static.
+    statistics are float32. Jittable: everything but the arrays is static. Every implementation takes the
+    two optional score terms, alone or together (and with token sinks and any window).
 
     Args:
       q: [N, T, H, D] queries, N = B * R, request-major.
@@ -63,6 +66,11 @@ def sink_window_attention(
       query_window: None (every query sees all retained and step keys) or q >= 1 (causal band of q keys,
         sinks always visible).
       scale: score scale; defaults to 1 / sqrt(D).
+      rel_bias: None or [N, H, T, RB] (RB >= K + 2T - 1): Transformer-XL's per-distance term, added to
+        `q . k` before scaling at column `(retained + i) - j + T - 1` for query token i and key j of the
+        row's `retained ++ step keys` (compacted distances: the sink-window gap does not count).
+      sink_logits: None or [H]: gpt-oss's learned sinks, one logit per query head (in the units of the
+        scaled scores) added to the softmax denominator; no value goes with it.
       implementation: "xla", "pallas_tpu", "pallas_gpu", or "auto": the Pallas kernel of the platform the
         program is lowered for (TPU or CUDA, also when compiled ahead of time from a CPU host), the XLA
         path elsewhere and wherever the kernel raises NotImplementedError. An explicit Pallas
@@ -78,26 +86,31 @@ def sink_window_attention(
       TypeError: a static setting of the wrong type.
       NotImplementedError: an explicitly requested Pallas implementation does not support the case.
     """
+    score_terms = {"rel_bias": rel_bias, "sink_logits": sink_logits}
     validate_inputs(
         q, k, v, cache_k, cache_v, source_k, source_v, table,
-        max_retained=max_retained, query_window=query_window, scale=scale,
+        max_retained=max_retained, query_window=query_window, scale=scale, **score_terms,
     )  # fmt: skip
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; expected one of {IMPLEMENTATIONS}")
-    arrays = (q, k, v, cache_k, cache_v, source_k, source_v, table)
+    # Only the terms given travel as operands: `platform_dependent` takes arrays, not None.
+    given = tuple(name for name, x in score_terms.items() if x is not None)
+    arrays = (q, k, v, cache_k, cache_v, source_k, source_v, table, *(score_terms[n] for n in given))
     settings = {"max_retained": max_retained, "query_window": query_window, "scale": scale}
 
+    def call(fn, **options):
+        def run(*arrays):
+            return fn(*arrays[:8], **dict(zip(given, arrays[8:], strict=True)), **settings, **options)
+
+        return run
+
     if implementation == "xla":
-        return sink_window_attention_xla(*arrays, **settings)
+        return call(sink_window_attention_xla)(*arrays)
     if implementation != "auto":
-        return _pallas_implementation(implementation)(*arrays, **settings, interpret=interpret)
-
-    def kernel(name):
-        return lambda *arrays: _pallas_implementation(name)(*arrays, **settings, interpret=interpret)
-
+        return call(_pallas_implementation(implementation), interpret=interpret)(*arrays)
     return by_lowering_platform(
         *arrays,
-        tpu=kernel("pallas_tpu"),
-        cuda=kernel("pallas_gpu"),
-        default=lambda *arrays: sink_window_attention_xla(*arrays, **settings),
+        tpu=call(_pallas_implementation("pallas_tpu"), interpret=interpret),
+        cuda=call(_pallas_implementation("pallas_gpu"), interpret=interpret),
+        default=call(sink_window_attention_xla),
     )

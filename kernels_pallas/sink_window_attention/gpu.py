@@ -154,7 +154,9 @@ class BlockSizes:
         return cls(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=2)
 
 
-def _online_softmax_step(carry, q, k, v, key_pos, key_ok, q_pos, *, sink, query_window, scale, precision):
+def _online_softmax_step(
+    carry, q, k, v, key_pos, key_ok, q_pos, bias, *, sink, query_window, scale, precision
+):
     """Folds one block of keys into the running (max, sum, accumulator) of every query row.
 
     Args:
@@ -162,12 +164,13 @@ def _online_softmax_step(carry, q, k, v, key_pos, key_ok, q_pos, *, sink, query_
       q: [BQ, DP] query block; k, v: [BK, DP] key and value block (zeros where masked).
       key_pos: i32[BK] stream positions of the keys; key_ok: bool[BK] keys that exist.
       q_pos: i32[BQ] stream positions of the queries.
+      bias: None or f32[BQ, BK], the `rel_bias` term, added before scaling.
     """
     m_prev, l_prev, acc_prev = carry
     s = lax.dot_general(
         q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
     )
-    s = s * scale
+    s = (s if bias is None else s + bias) * scale
     visible = jnp.broadcast_to(key_ok[None, :], s.shape)
     if query_window is not None:
         visible = visible & tbl.query_window_visible(key_pos[None, :], q_pos[:, None], sink, query_window)
@@ -199,9 +202,9 @@ def _sink_window_kernel(
     cache_v_ref,  # [S, R, G, C, D]
     source_k_ref,  # [V, R, G, L, D]
     source_v_ref,  # [V, R, G, L, D]
-    # outputs
-    o_ref,  # [BQ, DP] tile of [N, G, MP, DP]
-    *,
+    *optional_and_output,  # [rel_bias f32[N, H, T, RB]], [sink_logits f32[H]], o_ref [BQ, DP] tile
+    has_rel_bias: bool,
+    has_sink_logits: bool,
     rows_per_request: int,
     max_retained: int,
     query_window: int | None,
@@ -211,6 +214,10 @@ def _sink_window_kernel(
     padded_dim: int,
 ):
     plgpu = _triton()
+    optional = list(optional_and_output[:-1])
+    rel_bias_ref = optional.pop(0) if has_rel_bias else None
+    sink_logits_ref = optional.pop(0) if has_sink_logits else None
+    o_ref = optional_and_output[-1]
     n, g, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, steps, heads, dim = q_ref.shape
     kv_heads = k_ref.shape[2]
@@ -250,6 +257,16 @@ def _sink_window_kernel(
     h = g * group + lax.rem(rows, group)
     q = plgpu.load(q_ref.at[n, t[:, None], h[:, None], d], mask=row_ok[:, None] & d_ok, other=0)
     q_pos = stream_len + t
+
+    def bias(key_index, key_ok):
+        """f32[BQ, BK] of `rel_bias` for keys `key_index` of `retained ++ step keys`, or None."""
+        if rel_bias_ref is None:
+            return None
+        column = tbl.rel_bias_column(key_index[None, :], t[:, None], total, steps)
+        column = jnp.clip(column, 0, rel_bias_ref.shape[3] - 1)
+        mask = row_ok[:, None] & key_ok[None, :]
+        return plgpu.load(rel_bias_ref.at[n, h[:, None], t[:, None], column], mask=mask, other=0)
+
     step = functools.partial(
         _online_softmax_step,
         q_pos=q_pos,
@@ -280,9 +297,8 @@ def _sink_window_kernel(
             return jnp.where(from_source, from_s, from_c)
 
         key_pos = tbl.retained_position(j, sink_kept, window_start, xp=jnp)
-        return step(
-            carry, q, gather(source_k_ref, cache_k_ref), gather(source_v_ref, cache_v_ref), key_pos, key_ok
-        )
+        keys, values = gather(source_k_ref, cache_k_ref), gather(source_v_ref, cache_v_ref)
+        return step(carry, q, keys, values, key_pos, key_ok, bias=bias(j, key_ok))
 
     def own_block(kb, carry):
         u = kb * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
@@ -291,13 +307,13 @@ def _sink_window_kernel(
         at = jnp.minimum(u, steps - 1)[:, None]
         k = plgpu.load(k_ref.at[n, at, g, d], mask=mask, other=0)
         v = plgpu.load(v_ref.at[n, at, g, d], mask=mask, other=0)
-        return step(carry, q, k, v, stream_len + u, key_ok)
+        return step(carry, q, k, v, stream_len + u, key_ok, bias=bias(total + u, key_ok))
 
-    carry = (
-        jnp.full((block_q,), -jnp.inf, jnp.float32),
-        jnp.zeros((block_q,), jnp.float32),
-        jnp.zeros((block_q, padded_dim), jnp.float32),
-    )
+    if sink_logits_ref is None:
+        m, l = jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32)
+    else:  # the sink is one more logit with no value: the state starts as if it had been seen
+        m, l = plgpu.load(sink_logits_ref.at[h]).astype(jnp.float32), jnp.ones((block_q,), jnp.float32)
+    carry = (m, l, jnp.zeros((block_q, padded_dim), jnp.float32))
     carry = lax.fori_loop(0, lax.div(retained + block_k - 1, block_k), retained_block, carry)
     carry = lax.fori_loop(0, lax.div(own + block_k - 1, block_k), own_block, carry)
     _, l, acc = carry
@@ -320,6 +336,8 @@ def sink_window_attention_gpu(
     max_retained: int,
     query_window: int | None = None,
     scale: float | None = None,
+    rel_bias: jax.Array | None = None,
+    sink_logits: jax.Array | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -338,6 +356,9 @@ def sink_window_attention_gpu(
       max_retained: K, the static bound on a row's retained keys; retained keys past it are not read.
       query_window: None (every query sees every key) or q >= 1 (causal band, sinks always visible).
       scale: score scale; defaults to 1 / sqrt(D).
+      rel_bias: None or [N, H, T, RB], the per-distance term (see `table`); each program gathers its
+        [BQ, BK] band of it per key block, as it gathers keys.
+      sink_logits: None or [H], learned sink logits; they seed each query row's softmax state.
       block_sizes: tiles; `BlockSizes.default` when None.
       interpret: run the kernel body in the Pallas interpreter (any backend, e.g. CPU tests).
 
@@ -357,6 +378,7 @@ def sink_window_attention_gpu(
     validate_inputs(
         q, k, v, cache_k, cache_v, source_k, source_v, table,
         max_retained=max_retained, query_window=query_window, scale=scale,
+        rel_bias=rel_bias, sink_logits=sink_logits,
     )  # fmt: skip
     max_retained = int(max_retained)
     query_window = None if query_window is None else int(query_window)
@@ -399,16 +421,19 @@ def sink_window_attention_gpu(
     q_blocks = pl.cdiv(query_rows, block_q)
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
 
+    optional = [x.astype(jnp.float32) for x in (rel_bias, sink_logits) if x is not None]
     itemsize = q.dtype.itemsize
     keys = max_retained + steps
     cost = pl.CostEstimate(
         flops=4 * n_rows * steps * heads * keys * dim,
         transcendentals=n_rows * steps * heads * keys,
         bytes_accessed=itemsize * (2 * q.size + k.size + v.size + 2 * n_rows * kv_heads * max_retained * dim)
-        + 4 * table.size,
+        + 4 * (table.size + sum(x.size for x in optional)),
     )
     kernel = functools.partial(
         _sink_window_kernel,
+        has_rel_bias=rel_bias is not None,
+        has_sink_logits=sink_logits is not None,
         rows_per_request=rows_per_request,
         max_retained=max_retained,
         query_window=query_window,
@@ -423,7 +448,7 @@ def sink_window_attention_gpu(
         kernel,
         out_shape=jax.ShapeDtypeStruct((n_rows, kv_heads, q_blocks * block_q, padded_dim), q.dtype),
         grid=(n_rows, kv_heads, q_blocks),
-        in_specs=[whole] * 8,
+        in_specs=[whole] * (8 + len(optional)),
         out_specs=pl.BlockSpec((None, None, block_q, padded_dim), lambda n, g, qb: (n, g, qb, 0)),
         compiler_params=plgpu.CompilerParams(
             num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
@@ -431,7 +456,7 @@ def sink_window_attention_gpu(
         cost_estimate=cost,
         interpret=interpret,
         name="sink_window_attention_gpu",
-    )(table.astype(jnp.int32), q, k, v, cache_k, cache_v, source_k, source_v)
+    )(table.astype(jnp.int32), q, k, v, cache_k, cache_v, source_k, source_v, *optional)
     # [N, G, T * H/G, D] -> [N, T, G, H/G, D] -> [N, T, H, D]: query head h = g * H/G + h'.
     out = tiles[:, :, :query_rows, :dim].reshape(n_rows, kv_heads, steps, group, dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(n_rows, steps, heads, dim)

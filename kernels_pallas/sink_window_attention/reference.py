@@ -34,7 +34,19 @@ def retained_keys_reference(
 
 
 def sink_window_attention_reference(
-    q, k, v, cache_k, cache_v, source_k, source_v, table, *, query_window=None, scale=None
+    q,
+    k,
+    v,
+    cache_k,
+    cache_v,
+    source_k,
+    source_v,
+    table,
+    *,
+    query_window=None,
+    scale=None,
+    rel_bias=None,
+    sink_logits=None,
 ) -> np.ndarray:
     """Attention of each step token over `stream[R] ++ step tokens`, in float64.
 
@@ -46,6 +58,9 @@ def sink_window_attention_reference(
       table: i32[B, ROW_INTS] plan table.
       query_window: None (every query sees every key) or q >= 1 (causal band, sinks always visible).
       scale: score scale; defaults to 1 / sqrt(D).
+      rel_bias: None or [N, H, T, RB], added to `q . k` before scaling at column
+        `(retained + i) - j + T - 1` for query token i and key j of `retained ++ step keys` (see `table`).
+      sink_logits: None or [H], one more logit per query head in the softmax denominator.
 
     Returns:
       f64[N, T, H, D]; queries past a row's STEP_TOKENS and rows with no visible key give zeros.
@@ -53,7 +68,10 @@ def sink_window_attention_reference(
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     cache_k, cache_v, source_k, source_v = (np.asarray(x) for x in (cache_k, cache_v, source_k, source_v))
     table = np.asarray(table)
-    n_rows, _, heads, dim = q.shape
+    rel_bias, sink_logits = (
+        None if x is None else np.asarray(x, np.float64) for x in (rel_bias, sink_logits)
+    )
+    n_rows, steps, heads, dim = q.shape
     rows_per_request = n_rows // table.shape[0]
     groups = heads // k.shape[2]
     scale = 1.0 / np.sqrt(dim) if scale is None else scale
@@ -66,7 +84,9 @@ def sink_window_attention_reference(
         values, _ = retained_keys_reference(row, cache_v, source_v, c)
         keys = np.concatenate([keys, k[n, :own].transpose(1, 0, 2)], axis=1)  # [G, K_row + own, D]
         values = np.concatenate([values, v[n, :own].transpose(1, 0, 2)], axis=1)
+        retained = len(key_pos)
         key_pos = np.concatenate([key_pos, row[tbl.STREAM_LEN] + np.arange(own)])
+        key_index = np.arange(len(key_pos))  # j in retained ++ step keys
         for i in range(own):
             visible = np.ones(len(key_pos), bool)
             if query_window is not None:
@@ -74,9 +94,14 @@ def sink_window_attention_reference(
                 visible = tbl.query_window_visible(key_pos, p, row[tbl.SINK], query_window)
             if not visible.any():
                 continue
+            columns = tbl.rel_bias_column(key_index[visible], i, retained, steps)
             for h in range(heads):
                 g = h // groups
-                s = keys[g][visible] @ q[n, i, h] * scale
-                p_ = np.exp(s - s.max())
-                out[n, i, h] = (p_ / p_.sum()) @ values[g][visible]
+                s = keys[g][visible] @ q[n, i, h]
+                if rel_bias is not None:
+                    s = s + rel_bias[n, h, i, columns]
+                s = s * scale
+                logits = s if sink_logits is None else np.append(s, sink_logits[h])
+                p_ = np.exp(logits - logits.max())
+                out[n, i, h] = (p_[: len(s)] / p_.sum()) @ values[g][visible]
     return out

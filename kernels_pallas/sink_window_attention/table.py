@@ -27,6 +27,15 @@ config's `reverse_step_order` is set) to slot offsets `slot_start + t` for `t < 
 
 A padding row has every range empty and `STEP_TOKENS == 0`: it reads and writes nothing.
 
+Two optional score terms ride on this order. `rel_bias [N, H, T, RB]` (Transformer-XL's per-distance
+bias, as in the original engine) adds `rel_bias[n, h, i, (retained + i) - j + T - 1]` to the raw score of
+query token `i` and key `j` of the row's concatenation `retained list ++ step keys` (retained key `j` is
+`j`, step key `t` is `retained + t`; `retained` is the sum of the read lengths, `T` the static step
+width), before the score is scaled. Distances are therefore counted in the compacted list, without the gap
+between sink and window; `RB >= K + 2T - 1` covers every pair. `sink_logits [H]` (gpt-oss's learned
+sinks) adds one logit per query head to the softmax denominator, in the units of the scaled scores; no key
+carries it, so it only takes probability mass away.
+
 The helpers at the end are the table's arithmetic, shared by the reference and the kernels. They take the
 array namespace (`numpy`, `jax.numpy`) from the caller, so this module imports neither and the same code
 runs in the float64 oracle, in XLA and inside a Pallas kernel body.
@@ -35,20 +44,35 @@ runs in the float64 oracle, in XLA and inside a Pallas kernel body.
 from types import ModuleType
 from typing import Any
 
-SLOT = 0  # slot index into the cache's S axis
-SOURCE = 1  # source index into the bank's V axis
-STREAM_LEN = 2  # n: stream entries before the step; step token i sits at position n + i
-SINK = 3  # the policy's sink: positions < SINK stay visible to every query under a query window
-SINK_KEPT = 4  # min(sink, n): how many retained keys belong to the sink
-WINDOW_START = 5  # max(sink, n - W): stream position of the first window key
-STEP_TOKENS = 6  # real step tokens (keys and queries) of the row; the rest is bucket padding
-READS = 7  # five (start, len) pairs, see the module docstring
+#: Slot index into the cache's S axis.
+SLOT = 0
+#: Source index into the bank's V axis.
+SOURCE = 1
+#: n, the stream entries before the step; step token i sits at position n + i.
+STREAM_LEN = 2
+#: The policy's sink: positions below it stay visible to every query under a query window.
+SINK = 3
+#: min(sink, n): how many retained keys belong to the sink.
+SINK_KEPT = 4
+#: max(sink, n - W): the stream position of the first window key.
+WINDOW_START = 5
+#: Real step tokens (keys and queries) of the row; the rest is bucket padding.
+STEP_TOKENS = 6
+#: First column of the five (start, len) read pairs, see the module docstring.
+READS = 7
+#: How many read ranges a row has.
 NUM_READS = 5
+#: Per read range, whether it reads the source bank (else the row's slot).
 READ_FROM_SOURCE = (True, False, True, False, False)
-SOURCE_READS = tuple(i for i, s in enumerate(READ_FROM_SOURCE) if s)  # (0, 2): read from the source bank
-SLOT_READS = tuple(i for i, s in enumerate(READ_FROM_SOURCE) if not s)  # (1, 3, 4): read from the slot
-WRITES = READS + 2 * NUM_READS  # three (step_offset, slot_start, len) triples
+#: The read ranges in the source bank: (0, 2).
+SOURCE_READS = tuple(i for i, s in enumerate(READ_FROM_SOURCE) if s)
+#: The read ranges in the slot: (1, 3, 4).
+SLOT_READS = tuple(i for i, s in enumerate(READ_FROM_SOURCE) if not s)
+#: First column of the three (step_offset, slot_start, len) write triples.
+WRITES = READS + 2 * NUM_READS
+#: How many write ranges a row has.
 NUM_WRITES = 3
+#: Columns per table row.
 ROW_INTS = WRITES + 3 * NUM_WRITES
 
 
@@ -98,3 +122,18 @@ def query_window_visible(key_pos: Any, query_pos: Any, sink: Any, query_window: 
       bool array of the broadcast shape.
     """
     return (key_pos <= query_pos) & ((key_pos < sink) | (key_pos > query_pos - query_window))
+
+
+def rel_bias_column(key_index: Any, query_token: Any, retained: Any, steps: int) -> Any:
+    """Column of `rel_bias` for query token `i` and key `j` of the concatenation: `retained + i - j + T - 1`.
+
+    Args:
+      key_index: integer array, `j` in `retained list ++ step keys` (step key `t` is `retained + t`).
+      query_token: integer array, the query's step token `i`.
+      retained: the row's retained count (the sum of its read lengths), broadcastable.
+      steps: T, the static step width (the step arrays' token axis).
+
+    Returns:
+      Integer array of the broadcast shape, in `[0, retained + 2T - 1)` for real keys and queries.
+    """
+    return retained + query_token - key_index + (steps - 1)

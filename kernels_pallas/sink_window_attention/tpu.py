@@ -38,6 +38,7 @@ from kernels_pallas.sink_window_attention.tpu_blocks import (
 )
 from kernels_pallas.sink_window_attention.tpu_kernel import sink_window_kernel
 from kernels_pallas.sink_window_attention.tpu_plan import read_ranges, store_plan
+from kernels_pallas.sink_window_attention.tpu_terms import folded_sinks, own_bias, store_walk_bias, walk_lanes
 from kernels_pallas.sink_window_attention.validate import validate_inputs
 
 __all__ = ["BlockSizes", "sink_window_attention_tpu"]
@@ -83,6 +84,8 @@ def sink_window_attention_tpu(
     max_retained: int,
     query_window: int | None = None,
     scale: float | None = None,
+    rel_bias: jax.Array | None = None,
+    sink_logits: jax.Array | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
@@ -103,6 +106,9 @@ def sink_window_attention_tpu(
       max_retained: K, the static bound on retained keys per row; the key walk is sized by it.
       query_window: None (every query sees every key) or an int >= 1 (causal band, sinks always visible).
       scale: score scale; defaults to 1 / sqrt(D).
+      rel_bias: None or [N, H, T, RB], the per-distance term (see `table`), laid out for the key walk
+        before the call (`tpu_terms`).
+      sink_logits: None or [H], learned sink logits seeding each query row's softmax.
       block_sizes: tile sizes; defaults to `BlockSizes.default(...)`.
       interpret: False on TPU; True (HLO interpreter) or `pltpu.InterpretParams(...)` on CPU.
 
@@ -116,6 +122,7 @@ def sink_window_attention_tpu(
     validate_inputs(
         q, k, v, cache_k, cache_v, source_k, source_v, table,
         max_retained=max_retained, query_window=query_window, scale=scale,
+        rel_bias=rel_bias, sink_logits=sink_logits,
     )  # fmt: skip
     dtype = jnp.dtype(q.dtype)  # validate_inputs made every array share it
     if dtype not in SUPPORTED_DTYPES:
@@ -140,7 +147,7 @@ def sink_window_attention_tpu(
     tiles = choose_tiles(
         max_retained=max_retained, steps=steps, group=group, kv_heads=kv_heads, head_dim=dim,
         itemsize=dtype.itemsize, source_len=source_len, slot_len=slot_len, transposed=transposed,
-        block_sizes=block_sizes,
+        block_sizes=block_sizes, rel_bias=rel_bias is not None, sink_logits=sink_logits is not None,
     )  # fmt: skip
     block_q, block_source, block_slot = tiles.block_q, tiles.block_source, tiles.block_slot
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
@@ -197,20 +204,35 @@ def sink_window_attention_tpu(
             pl.BlockSpec((None, kv_heads, steps, dim), per_row),
             pl.BlockSpec((None, kv_heads, steps, dim), per_row),
         ]
+        operands = [q_folded, source_k, source_v, cache_k, cache_v, k_heads, v_heads]
+        if rel_bias is not None:
+            operands += _rel_bias_operands(
+                rel_bias, table, (source_plan[0], slot_plan[0]), (block_source, block_slot),
+                (source_steps, slot_steps), kv_heads, rows_per_request,
+            )  # fmt: skip
+            in_specs += _rel_bias_specs(
+                kv_heads, block_q, steps, (block_source, block_slot), (source_steps, slot_steps),
+                rows_per_request,
+            )  # fmt: skip
+        if sink_logits is not None:
+            operands.append(folded_sinks(sink_logits, kv_heads=kv_heads, steps=steps))
+            in_specs.append(pl.BlockSpec((kv_heads, block_q, 1), lambda n, qb, step, *_: (0, qb, 0)))
         out_spec = pl.BlockSpec((None, kv_heads, block_q, dim), lambda n, qb, step, *_: (n, 0, qb, 0))
         grid = (n_rows, pl.cdiv(query_rows, block_q), source_steps + slot_steps + 1)
         kernel = functools.partial(
             sink_window_kernel, rows_per_request=rows_per_request, group=group, block_q=block_q,
             block_source=block_source, block_slot=block_slot, source_len=source_len, slot_len=slot_len,
             source_steps=source_steps, slot_steps=slot_steps, transposed=transposed,
-            query_window=query_window, scale=scale,
+            query_window=query_window, scale=scale, rel_bias=rel_bias is not None,
+            sink_logits=sink_logits is not None,
         )  # fmt: skip
         keys_per_row = max_retained + steps
         itemsize = dtype.itemsize
         cost = pl.CostEstimate(
             flops=4 * n_rows * heads * steps * keys_per_row * dim,
             transcendentals=n_rows * heads * steps * keys_per_row,
-            bytes_accessed=itemsize * (2 * q.size + 2 * k.size + 2 * n_rows * kv_heads * max_retained * dim),
+            bytes_accessed=itemsize * (2 * q.size + 2 * k.size + 2 * n_rows * kv_heads * max_retained * dim)
+            + 4 * sum(x.size for x in operands[7:]),
         )
         out = pl.pallas_call(
             kernel,
@@ -233,9 +255,36 @@ def sink_window_attention_tpu(
             interpret=interpret,
             name="sink_window_attention_tpu",
             cost_estimate=cost,
-        )(
-            table.reshape(-1), read_ranges(table), *source_plan, *slot_plan,
-            q_folded, source_k, source_v, cache_k, cache_v, k_heads, v_heads,
-        )  # fmt: skip
+        )(table.reshape(-1), read_ranges(table), *source_plan, *slot_plan, *operands)
         out = out.reshape(n_rows, kv_heads, steps, group, dim).transpose(0, 2, 1, 3, 4)
         return out.reshape(n_rows, steps, heads, dim)
+
+
+def _rel_bias_operands(rel_bias, table, blocks, block, num_steps, kv_heads, rows_per_request):
+    """The source, slot and own bias operands, each laid out for its phase of the walk (`tpu_terms`)."""
+    stores = zip((tbl.SOURCE_READS, tbl.SLOT_READS), blocks, block, num_steps, strict=True)
+    options = {"kv_heads": kv_heads, "rows_per_request": rows_per_request}
+    walks = [
+        store_walk_bias(rel_bias, table, reads, of, block=b, num_steps=s, **options)
+        for reads, of, b, s in stores
+    ]
+    return [*walks, own_bias(rel_bias, table, **options)]
+
+
+def _rel_bias_specs(kv_heads, block_q, steps, block, num_steps, rows_per_request):
+    """BlockSpecs of the bias operands: a phase's block follows its walk step and holds once the row's
+    useful blocks are done (the counts are scalar-prefetched 5th and 8th), so skipped steps move nothing."""
+
+    def phase_index(first_step, counts_at):
+        def index(n, qb, step, *prefetch):
+            count = prefetch[counts_at][lax.div(n, jnp.int32(rows_per_request))]
+            return n, 0, qb, jnp.clip(step - first_step, 0, jnp.maximum(count - 1, 0))
+
+        return index
+
+    source_lanes, slot_lanes = (walk_lanes(b, s) for b, s in zip(block, num_steps, strict=True))
+    return [
+        pl.BlockSpec((None, kv_heads, block_q, source_lanes), phase_index(0, 4)),
+        pl.BlockSpec((None, kv_heads, block_q, slot_lanes), phase_index(num_steps[0], 7)),
+        pl.BlockSpec((None, kv_heads, block_q, steps), lambda n, qb, step, *_: (n, 0, qb, 0)),
+    ]

@@ -80,10 +80,13 @@ def vmem_bytes(
     head_dim: int,
     itemsize: int,
     transposed: tuple[bool, bool] = (False, False),
+    rel_bias: bool = False,
+    sink_logits: bool = False,
 ) -> int:
     """VMEM of one grid step: double-buffered blocks, f32 scratch and the score temporaries, as tiled.
 
-    `transposed` says, for the source bank and the slots, whether the store is read as `[.., D, C]`.
+    `transposed` says, for the source bank and the slots, whether the store is read as `[.., D, C]`;
+    `rel_bias` and `sink_logits` whether the call carries them (f32 blocks beside the queries').
     """
 
     def heads(rows: int, cols: int, size: int = itemsize) -> int:
@@ -96,6 +99,10 @@ def vmem_bytes(
 
     widest = max(block_source, block_slot, steps)
     buffers = 2 * 2 * (source + slot + heads(steps, head_dim) + heads(block_q, head_dim))
+    if rel_bias:  # one f32 bias block per phase, its lanes padded to the tile as any block's
+        buffers += 2 * sum(heads(block_q, keys, 4) for keys in (block_source, block_slot, steps))
+    if sink_logits:
+        buffers += 2 * heads(block_q, 1, 4)
     scratch = 2 * heads(block_q, 1, 4) + heads(block_q, head_dim, 4)
     # scores, probabilities and mask in f32, probabilities cast for the value dot, values with masked zeros
     temporaries = 3 * heads(block_q, widest, 4) + heads(block_q, widest) + max(source, slot)
@@ -144,6 +151,8 @@ class BlockSizes:
         slot_len: int | None = None,
         transposed: tuple[bool, bool] = (False, False),
         vmem_budget: int = VMEM_BUDGET,
+        rel_bias: bool = False,
+        sink_logits: bool = False,
     ) -> BlockSizes:
         """Blocks for `max_retained` keys and `query_rows = T * H/G` folded queries per KV head.
 
@@ -153,7 +162,7 @@ class BlockSizes:
         lanes; `transposed` as for `vmem_bytes`). A store shorter than the block is taken whole, so
         `source_len` and `slot_len` (L and C; None counts a full block) let a short source bank leave its
         VMEM to longer slot blocks. The query block caps the f32 accumulator at 512 rows of `D` floats
-        summed over the G KV heads.
+        summed over the G KV heads. `rel_bias` and `sink_logits` count their blocks as `vmem_bytes` does.
         """
         rows_cap = max(16, 512 // max(kv_heads, 1) // 16 * 16)
         block_q = None if query_rows <= rows_cap else rows_cap
@@ -166,7 +175,8 @@ class BlockSizes:
             slot = block if slot_len is None else max(1, min(block, slot_len))
             return vmem_bytes(
                 kv_heads=kv_heads, block_q=q_rows, block_source=source, block_slot=slot, steps=steps,
-                head_dim=head_dim, itemsize=itemsize, transposed=transposed,
+                head_dim=head_dim, itemsize=itemsize, transposed=transposed, rel_bias=rel_bias,
+                sink_logits=sink_logits,
             )  # fmt: skip
 
         while block_kv > smallest and vmem(block_kv) > vmem_budget:
@@ -205,17 +215,21 @@ def choose_tiles(
     slot_len: int,
     transposed: tuple[bool, bool],
     block_sizes: BlockSizes | None = None,
+    rel_bias: bool = False,
+    sink_logits: bool = False,
 ) -> Tiles:
     """The tiles of a call: `block_sizes` (or `BlockSizes.default`) fitted to the stores' lengths.
 
     Keys lie in sublanes (blocks of 8 rows) or, for a store read transposed (`transposed`: source bank,
     slots), in lanes, where its block is rounded up to 128; a store shorter than the block is one block
-    equal to the full dim, legal on TPU at any length.
+    equal to the full dim, legal on TPU at any length. `rel_bias` and `sink_logits` say whether the call
+    carries them.
     """
     query_rows = steps * group
     blocks = block_sizes or BlockSizes.default(
         max_retained=max_retained, query_rows=query_rows, kv_heads=kv_heads, head_dim=head_dim,
         itemsize=itemsize, steps=steps, source_len=source_len, slot_len=slot_len, transposed=transposed,
+        rel_bias=rel_bias, sink_logits=sink_logits,
     )  # fmt: skip
     block_q = query_rows if blocks.block_q is None else min(blocks.block_q, query_rows)
 
@@ -226,7 +240,8 @@ def choose_tiles(
     block_source, block_slot = block(source_len, transposed[0]), block(slot_len, transposed[1])
     vmem = vmem_bytes(
         kv_heads=kv_heads, block_q=block_q, block_source=block_source, block_slot=block_slot, steps=steps,
-        head_dim=head_dim, itemsize=itemsize, transposed=transposed,
+        head_dim=head_dim, itemsize=itemsize, transposed=transposed, rel_bias=rel_bias,
+        sink_logits=sink_logits,
     )  # fmt: skip
     return Tiles(
         block_q=block_q,

@@ -18,6 +18,10 @@ Store blocks come in each store's orientation (see `tpu_blocks`): `[G, block, D]
 where TPU keeps the store's tokens in lanes (`transposed`). Either way a key's mask and position lie along
 the block's key axis, and the dots contract the head dim wherever it is, so no block is ever transposed
 in VMEM.
+
+The optional score terms arrive laid out for this walk (`tpu_terms`): a `rel_bias` block per phase, under
+the keys of that step's store block, added to the scores before scaling; and each query row's sink logit,
+which seeds the online softmax as a logit already seen (running max the logit, running sum 1, no value).
 """
 
 import jax.numpy as jnp
@@ -49,13 +53,12 @@ def sink_window_kernel(
     cache_v_ref,  # as cache_k_ref
     k_ref,  # [G, T, D]
     v_ref,  # [G, T, D]
-    # outputs
-    o_ref,  # [G, bq, D]
-    # scratch
-    m_scratch,  # f32[G, bq, 1] running max
-    l_scratch,  # f32[G, bq, 1] running sum
-    acc_scratch,  # f32[G, bq, D] unnormalised output
-    *,
+    # With rel_bias, f32 source, slot and own bias blocks [G, bq, lanes]; with sink_logits, f32[G, bq, 1].
+    # Then the output o_ref [G, bq, D] and the scratch: f32 running max m [G, bq, 1], running sum l
+    # [G, bq, 1] and unnormalised output acc [G, bq, D].
+    *refs,
+    rel_bias: bool,
+    sink_logits: bool,
     rows_per_request: int,
     group: int,
     block_q: int,
@@ -70,6 +73,10 @@ def sink_window_kernel(
     scale: float,
 ):
     del source_entries_ref, slot_entries_ref
+    refs = list(refs)
+    source_bias_ref, slot_bias_ref, own_bias_ref = [refs.pop(0) for _ in range(3)] if rel_bias else [None] * 3
+    sinks_ref = refs.pop(0) if sink_logits else None
+    o_ref, m_scratch, l_scratch, acc_scratch = refs
     # lax.div (truncating) rather than `//`: the operands are >= 0 and Mosaic lowers it without fix-ups.
     request = lax.div(pl.program_id(0), jnp.int32(rows_per_request))
     q_block, step = pl.program_id(1), pl.program_id(2)
@@ -86,8 +93,12 @@ def sink_window_kernel(
 
     @pl.when(step == 0)
     def _init():
-        m_scratch[...] = jnp.full(m_scratch.shape, MASK_VALUE, jnp.float32)
-        l_scratch[...] = jnp.zeros(l_scratch.shape, jnp.float32)
+        if sinks_ref is None:
+            m_scratch[...] = jnp.full(m_scratch.shape, MASK_VALUE, jnp.float32)
+            l_scratch[...] = jnp.zeros(l_scratch.shape, jnp.float32)
+        else:
+            m_scratch[...] = sinks_ref[...]
+            l_scratch[...] = jnp.ones(l_scratch.shape, jnp.float32)
         acc_scratch[...] = jnp.zeros(acc_scratch.shape, jnp.float32)
 
     def dot(a, b, contracting):
@@ -97,13 +108,14 @@ def sink_window_kernel(
             a, b, (contracting, ((0,), (0,))), precision=precision, preferred_element_type=jnp.float32
         )
 
-    def attend(keys, values, key_ok, key_pos, value_ok, *, keys_minor):
+    def attend(keys, values, key_ok, key_pos, value_ok, bias, *, keys_minor):
         """One online-softmax update over every KV head.
 
         Args:
           keys, values: [G, bk, D] (keys_minor=False) or [G, D, bk] (keys_minor=True).
           key_ok, key_pos: [1, 1, bk] (the same keys are valid for every head).
           value_ok: key_ok laid along the values' key axis: [1, bk, 1], or [1, 1, bk] when keys_minor.
+          bias: None or f32[G, bq, bk], the rel_bias term.
 
         Returns the updated (running sum, accumulator) so the last step need not reload them.
         """
@@ -112,9 +124,10 @@ def sink_window_kernel(
         if keys.shape[key_dim] == 1 and not keys_minor:
             # A single key row (decode's own key): Mosaic cannot lower a bf16 dot of that shape, and the
             # VPU does it as well as the MXU would.
-            s = jnp.sum(q.astype(jnp.float32) * keys.astype(jnp.float32), axis=2, keepdims=True) * scale
+            s = jnp.sum(q.astype(jnp.float32) * keys.astype(jnp.float32), axis=2, keepdims=True)
         else:
-            s = dot(q, keys, ((2,), (3 - key_dim,))) * scale  # [G, bq, bk]
+            s = dot(q, keys, ((2,), (3 - key_dim,)))  # [G, bq, bk]
+        s = (s if bias is None else s + bias) * scale
         tokens = token()
         mask = (tokens < col(tbl.STEP_TOKENS)) & key_ok  # [1, bq, bk]
         if query_window is not None:
@@ -137,7 +150,7 @@ def sink_window_kernel(
         return total, acc
 
     def attend_store(
-        k_block_ref, v_block_ref, blocks_ref, steps, phase_step, block, store_len, reads, keys_minor
+        k_block_ref, v_block_ref, bias_ref, blocks_ref, steps, phase_step, block, store_len, reads, keys_minor
     ):
         block_start = blocks_ref[request * steps + phase_step] * block
         # Row form masks scores; the values' form is built from its own iota (no relayout in VMEM).
@@ -161,13 +174,16 @@ def sink_window_kernel(
                 j = offset + ranges_ref[at + 2]  # the retained index; positions as in table.py
                 pos = tbl.retained_position(j, sink_kept, window_start, xp=jnp)
                 key_pos = jnp.where(inside, pos, key_pos)
-        attend(k_block_ref[...], v_block_ref[...], key_ok, key_pos, value_ok, keys_minor=keys_minor)
+        bias = None
+        if bias_ref is not None:  # its lanes past the block (padding to a lane tile) are not read
+            bias = bias_ref[...] if bias_ref.shape[2] == block else bias_ref[:, :, :block]
+        attend(k_block_ref[...], v_block_ref[...], key_ok, key_pos, value_ok, bias, keys_minor=keys_minor)
 
     @pl.when(step < source_counts_ref[request])
     def _source():
         attend_store(
-            source_k_ref, source_v_ref, source_blocks_ref, source_steps, step, block_source, source_len,
-            tbl.SOURCE_READS, transposed[0],
+            source_k_ref, source_v_ref, source_bias_ref, source_blocks_ref, source_steps, step, block_source,
+            source_len, tbl.SOURCE_READS, transposed[0],
         )  # fmt: skip
 
     slot_step = step - source_steps
@@ -175,8 +191,8 @@ def sink_window_kernel(
     @pl.when((slot_step >= 0) & (slot_step < slot_counts_ref[request]))
     def _slot():
         attend_store(
-            cache_k_ref, cache_v_ref, slot_blocks_ref, slot_steps, slot_step, block_slot, slot_len,
-            tbl.SLOT_READS, transposed[1],
+            cache_k_ref, cache_v_ref, slot_bias_ref, slot_blocks_ref, slot_steps, slot_step, block_slot,
+            slot_len, tbl.SLOT_READS, transposed[1],
         )  # fmt: skip
 
     @pl.when(step == source_steps + slot_steps)
@@ -185,8 +201,10 @@ def sink_window_kernel(
         step_tokens = col(tbl.STEP_TOKENS)
         own = lax.broadcasted_iota(jnp.int32, (1, 1, steps), 2)
         own_ok = lax.broadcasted_iota(jnp.int32, (1, steps, 1), 1) < step_tokens
+        bias = None if own_bias_ref is None else own_bias_ref[...]
         total, acc = attend(
-            k_ref[...], v_ref[...], own < step_tokens, col(tbl.STREAM_LEN) + own, own_ok, keys_minor=False
-        )
+            k_ref[...], v_ref[...], own < step_tokens, col(tbl.STREAM_LEN) + own, own_ok, bias,
+            keys_minor=False,
+        )  # fmt: skip
         out = acc / jnp.where(total > 0, total, 1.0)
         o_ref[...] = jnp.where(total > 0, out, 0.0).astype(o_ref.dtype)

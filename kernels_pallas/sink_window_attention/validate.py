@@ -21,7 +21,20 @@ def _shape_error(name: str, array, expected: str) -> ValueError:
 
 
 def validate_inputs(
-    q, k, v, cache_k, cache_v, source_k, source_v, table, *, max_retained, query_window=None, scale=None
+    q,
+    k,
+    v,
+    cache_k,
+    cache_v,
+    source_k,
+    source_v,
+    table,
+    *,
+    max_retained,
+    query_window=None,
+    scale=None,
+    rel_bias=None,
+    sink_logits=None,
 ) -> None:
     """Checks shapes, dtypes and static settings of a `sink_window_attention` call.
 
@@ -96,3 +109,23 @@ def validate_inputs(
             raise TypeError(f"scale={scale!r} must be None or a Python float (it is static)")
         if not math.isfinite(scale):
             raise ValueError(f"{scale=} must be finite")
+    _validate_score_terms(q, max_retained, rel_bias, sink_logits)
+
+
+def _validate_score_terms(q, max_retained: int, rel_bias, sink_logits) -> None:
+    """Checks the optional `rel_bias [N, H, T, RB]` and `sink_logits [H]` against q's shape."""
+    n_rows, steps, heads, _ = q.shape
+    if rel_bias is not None:
+        width = max_retained + 2 * steps - 1
+        expected = f"[N, H, T, RB] = [{n_rows}, {heads}, {steps}, RB] with RB >= K + 2T - 1 = {width}"
+        if len(rel_bias.shape) != 4 or tuple(rel_bias.shape[:3]) != (n_rows, heads, steps):
+            raise _shape_error("rel_bias", rel_bias, expected)
+        if rel_bias.shape[3] < width:
+            raise _shape_error("rel_bias", rel_bias, expected)
+        if not jnp.issubdtype(rel_bias.dtype, jnp.floating):
+            raise ValueError(f"rel_bias has dtype {rel_bias.dtype}; expected a floating dtype")
+    if sink_logits is not None:
+        if tuple(sink_logits.shape) != (heads,):
+            raise _shape_error("sink_logits", sink_logits, f"[H] = [{heads}], one logit per query head")
+        if not jnp.issubdtype(sink_logits.dtype, jnp.floating):
+            raise ValueError(f"sink_logits has dtype {sink_logits.dtype}; expected a floating dtype")

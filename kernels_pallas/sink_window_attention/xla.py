@@ -28,11 +28,12 @@ _PRECISION = lax.Precision.HIGHEST
 
 @dataclasses.dataclass(frozen=True)
 class _Part:
-    """One group of keys sharing the softmax: K and V entries, their stream positions and validity."""
+    """One group of keys sharing the softmax: K and V entries, stream positions, places and validity."""
 
     keys: jax.Array  # [N, G, P, D]
     values: jax.Array  # [N, G, P, D], zero where not valid
     positions: jax.Array  # i32[N, P]
+    index: jax.Array  # i32[N, P]: the key's place j in `retained ++ step keys` (for rel_bias)
     valid: jax.Array  # bool[N, P]
 
 
@@ -88,7 +89,12 @@ def _gather_part(
     keys, values = store_k[at], store_v[at]
     # Unread entries may hold anything (NaN in tests); 0 * NaN would leak through the value product.
     values = jnp.where(valid[:, None, :, None], values, jnp.zeros((), values.dtype))
-    return _Part(keys, values, positions, valid)
+    return _Part(keys, values, positions, retained_j, valid)
+
+
+def _retained(rows: jax.Array) -> jax.Array:
+    """i32[N]: each row's retained count, the sum of its read lengths."""
+    return sum(rows[:, tbl.read_len(i)] for i in range(tbl.NUM_READS))
 
 
 def _own_part(rows: jax.Array, k: jax.Array, v: jax.Array) -> _Part:
@@ -99,8 +105,39 @@ def _own_part(rows: jax.Array, k: jax.Array, v: jax.Array) -> _Part:
     values = jnp.where(valid[:, :, None, None], v, jnp.zeros((), v.dtype))
     # [N, T, G, D] -> [N, G, T, D], the layout of the gathered parts.
     return _Part(
-        k.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3), rows[:, tbl.STREAM_LEN][:, None] + i, valid
+        k.transpose(0, 2, 1, 3),
+        values.transpose(0, 2, 1, 3),
+        rows[:, tbl.STREAM_LEN][:, None] + i,
+        _retained(rows)[:, None] + i,
+        valid,
     )
+
+
+def rel_bias_at(rel_bias: jax.Array, key_index: jax.Array, retained: jax.Array, kv_heads: int) -> jax.Array:
+    """f32[N, G, T, H/G, P]: `rel_bias [N, H, T, RB]` under keys `key_index` (i32[N, P], places in
+    `retained ++ step keys`, see `table`), heads split by KV head as the scores are.
+
+    One scalar gather from the flattened bias, its index built in the output's own shape: the output's
+    minor dim is the key, so no backend stages it through relayouts (a batched gather over heads put the
+    small head dims minor, which TPU pads to whole tiles). Columns outside `[0, RB)` (only keys masked
+    anyway) are clamped.
+    """
+    n_rows, heads, steps, width = rel_bias.shape
+    if rel_bias.size >= 2**31:
+        raise ValueError(f"rel_bias has shape {tuple(rel_bias.shape)}; expected fewer than 2**31 entries")
+    group = heads // kv_heads
+    token = jnp.arange(steps, dtype=jnp.int32)
+    column = tbl.rel_bias_column(key_index[:, None, :], token[None, :, None], retained[:, None, None], steps)
+    column = jnp.clip(column, 0, width - 1)[:, None, :, None, :]  # [N, 1, T, 1, P]
+    head = jnp.arange(heads, dtype=jnp.int32).reshape(1, kv_heads, 1, group, 1)
+    row = jnp.arange(n_rows, dtype=jnp.int32).reshape(n_rows, 1, 1, 1, 1)
+    flat = ((row * heads + head) * steps + token.reshape(1, 1, steps, 1, 1)) * width + column
+    return rel_bias.astype(jnp.float32).reshape(-1).at[flat].get(mode="promise_in_bounds")
+
+
+def _rel_bias_scores(rel_bias: jax.Array, rows: jax.Array, part: _Part, kv_heads: int) -> jax.Array:
+    """f32[N, G, T, I, P]: the `rel_bias` term of each query and key of `part` (see `table`)."""
+    return rel_bias_at(rel_bias, part.index, _retained(rows), kv_heads)
 
 
 def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -133,6 +170,8 @@ def sink_window_attention_xla(
     max_retained: int,
     query_window: int | None = None,
     scale: float | None = None,
+    rel_bias: jax.Array | None = None,
+    sink_logits: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of each step token over its row's retained keys and the step's own keys, in pure XLA.
 
@@ -149,6 +188,8 @@ def sink_window_attention_xla(
       max_retained: K, the static bound on a row's retained keys (keys past it are not read).
       query_window: None (every query sees every key) or q >= 1 (causal band, sinks always visible).
       scale: score scale; defaults to 1 / sqrt(D).
+      rel_bias: None or [N, H, T, RB], the per-distance term added before scaling (see `table`).
+      sink_logits: None or [H], one learned logit per query head in the softmax denominator.
 
     Returns:
       [N, T, H, D] in q's dtype; queries past a row's STEP_TOKENS and queries with no visible key give 0.
@@ -175,16 +216,24 @@ def sink_window_attention_xla(
             qg = q.reshape(n_rows, steps, groups, heads // groups, dim)  # [N, T, G, I, D]
             scores = []  # [N, G, T, I, P] per part: (n, g) lead, as the dots batch them
             for part in parts:
-                s = _dot("ntgid,ngpd->ngtip", qg, part.keys) * scale
+                s = _dot("ntgid,ngpd->ngtip", qg, part.keys)
+                if rel_bias is not None:
+                    s = s + _rel_bias_scores(rel_bias, rows, part, groups)
+                s = s * scale
                 visible = _visible(rows, part, steps, query_window)[:, None, :, None, :]  # [N, 1, T, 1, P]
                 scores.append(jnp.where(visible, s, -jnp.inf))
 
         with jax.named_scope("softmax"):
             m = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)  # [N, G, T, I]
+            if sink_logits is not None:
+                sinks = sink_logits.astype(jnp.float32).reshape(1, groups, 1, heads // groups)
+                m = jnp.maximum(m, sinks)
             # A query that sees nothing has m = -inf; shifting by 0 keeps exp(-inf) = 0 instead of NaN.
-            m = jnp.where(jnp.isfinite(m), m, 0.0)[..., None]
-            probs = [jnp.exp(s - m) for s in scores]
+            m = jnp.where(jnp.isfinite(m), m, 0.0)
+            probs = [jnp.exp(s - m[..., None]) for s in scores]
             total = sum(ordered_sum(p) for p in probs)  # [N, G, T, I], rounded alike in any batch
+            if sink_logits is not None:
+                total = total + jnp.exp(sinks - m)
             out = sum(
                 _dot("ngtip,ngpd->ngtid", p.astype(part.values.dtype), part.values)
                 for p, part in zip(probs, parts, strict=True)

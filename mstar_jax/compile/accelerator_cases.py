@@ -10,7 +10,6 @@ Shape legend: see `kernels_pallas.sink_window_attention.table`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -84,17 +83,29 @@ class AttentionCase:
             jax.ShapeDtypeStruct((self.batch, tbl.ROW_INTS), jnp.int32),
         )
 
-    def attention(self, dtype: Any, implementation: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        """The public op on one layer: (function, argument specs)."""
+    def score_term_specs(self, dtype: Any, names: tuple[str, ...]) -> dict[str, jax.ShapeDtypeStruct]:
+        """Specs of the optional score terms `names` ("rel_bias", "sink_logits"), both float32."""
+        width = self.config(dtype).max_retained + 2 * self.steps - 1
+        shapes = {"rel_bias": (self.batch, self.heads, self.steps, width), "sink_logits": (self.heads,)}
+        return {name: jax.ShapeDtypeStruct(shapes[name], jnp.float32) for name in names}
+
+    def attention(
+        self, dtype: Any, implementation: str, score_terms: tuple[str, ...] = ()
+    ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """The public op on one layer: (function, argument specs); `score_terms` join as trailing specs."""
         config = self.config(dtype)
         q, k, v, table = self.step_arrays(dtype)
         cache = BoundedKVCache.abstract(config)
         bank = SourceBank.abstract(config, num_sources=4)
-        fn = functools.partial(
-            sink_window_attention, max_retained=config.max_retained, query_window=self.query_window,
-            implementation=implementation,
-        )  # fmt: skip
-        return fn, (q, k, v, cache.k[0], cache.v[0], bank.k[0], bank.v[0], table)
+        terms = self.score_term_specs(dtype, score_terms)
+
+        def fn(*arrays):
+            return sink_window_attention(
+                *arrays[:8], **dict(zip(terms, arrays[8:], strict=True)), max_retained=config.max_retained,
+                query_window=self.query_window, implementation=implementation,
+            )  # fmt: skip
+
+        return fn, (q, k, v, cache.k[0], cache.v[0], bank.k[0], bank.v[0], table, *terms.values())
 
     def step(self, dtype: Any, implementation: str = "auto") -> tuple[Callable[..., Any], tuple[Any, ...]]:
         """A whole step of `STEP_LAYERS` layers through `attend`: (function, specs); donate argument 0."""

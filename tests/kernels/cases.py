@@ -21,7 +21,7 @@ from kernels_pallas.sink_window_attention import reference
 from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.resources.kv.bounded import layout
 
-__all__ = ["KernelCase", "make_case", "races_found", "standard_cases"]
+__all__ = ["KernelCase", "make_case", "races_found", "score_term_cases", "score_terms", "standard_cases"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq would compare arrays
@@ -55,12 +55,14 @@ class KernelCase:
     rows_per_request: int
     reverse: bool = False
 
-    def reference_output(self, scale: float | None = None) -> np.ndarray:
-        """f64[N, T, H, D], the oracle's output for this case."""
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The op's eight positional arrays, in order."""
+        return self.q, self.k, self.v, self.cache_k, self.cache_v, self.source_k, self.source_v, self.table
+
+    def reference_output(self, scale: float | None = None, **score_terms) -> np.ndarray:
+        """f64[N, T, H, D], the oracle's output for this case (`score_terms`: rel_bias, sink_logits)."""
         return reference.sink_window_attention_reference(
-            *(self.q, self.k, self.v, self.cache_k, self.cache_v, self.source_k, self.source_v, self.table),
-            query_window=self.query_window,
-            scale=scale,
+            *self.arrays(), query_window=self.query_window, scale=scale, **score_terms
         )
 
 
@@ -307,3 +309,36 @@ def races_found() -> bool | None:
         return None
     races = getattr(interpret_pallas_call, "races", None)
     return None if races is None else bool(races.races_found)
+
+
+def score_terms(
+    case: KernelCase, *, seed: int, rel_bias: bool = True, sink_logits: bool = True, extra_width: int = 3
+) -> dict[str, np.ndarray]:
+    """Random `rel_bias` (f32[N, H, T, K + 2T - 1 + extra_width], x4 as the original's test) and sinks.
+
+    The sink logits span both signs and a logit far above any score, so a sink that took all the mass or
+    none would show.
+    """
+    rng = np.random.default_rng(seed)
+    rows, steps, heads, _ = case.q.shape
+    terms = {}
+    if rel_bias:
+        width = case.max_retained + 2 * steps - 1 + extra_width
+        terms["rel_bias"] = 4 * rng.standard_normal((rows, heads, steps, width), dtype=np.float32)
+    if sink_logits:
+        logits = rng.uniform(-3.0, 3.0, heads).astype(np.float32)
+        logits[0] = 8.0
+        terms["sink_logits"] = logits
+    return terms
+
+
+def score_term_cases(dtype: npt.DTypeLike = np.float32) -> list[KernelCase]:
+    """Standard cases that cover what the score terms must honour: sinks inside and past the source,
+    wrapped windows, read-only and padded rows, reverse order, query windows, GQA and several rows per
+    request."""
+    names = {
+        "decode", "chunk", "many_wraps", "sink_over_source", "sink0", "window0", "mixed",
+        "two_rows_per_request", "query_window_chunk", "query_window_decode", "window_includes_step",
+        "padding_rows", "empty_retained", "gqa_kv1", "bucket_padded_tokens", "reverse",
+    }  # fmt: skip
+    return [case for case in standard_cases(dtype) if case.name in names]

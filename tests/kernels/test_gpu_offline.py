@@ -128,3 +128,18 @@ def test_attend_step_lowers_both_kernels_in_place(name, dtype):
     for kernel in stats:
         assert (kernel.spill_store_bytes, kernel.spill_load_bytes) == (0, 0), kernel
         assert kernel.shared_memory_bytes < SM90_SHARED_MEMORY_BYTES, kernel
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("name", ["decode_d64", "decode_d128", "prefill_d128_t16", "prefill_d256_t64"])
+def test_score_terms_build_without_spills(name, dtype):
+    # The per-key gather of the rel_bias band and the sink-seeded softmax state, with the default blocks.
+    case = next(c for c in accelerator_cases.CASES if c.name == name)
+    fn, specs = case.attention(dtype, "pallas_gpu", ("rel_bias", "sink_logits"))
+    (kernel,) = triton_kernel_stats(
+        jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)), compute_capability="9.0"
+    )
+    assert kernel.name == "sink_window_attention_gpu"
+    assert (kernel.spill_store_bytes, kernel.spill_load_bytes) == (0, 0), kernel
+    assert kernel.registers <= MAX_REGISTERS, kernel
+    assert kernel.shared_memory_bytes < SM90_SHARED_MEMORY_BYTES, kernel

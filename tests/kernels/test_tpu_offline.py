@@ -80,3 +80,33 @@ def test_small_layer_step_keeps_the_cache_in_hbm():
     fn, specs = case.step(jnp.bfloat16)
     compiled = offline_tpu.compile_for_tpu(fn, *specs, generation="v5e", donate_argnums=0)
     assert offline_tpu.large_copies(compiled, case.layer_bytes(jnp.bfloat16) // 8) == []
+
+
+TERM_CASES = ["decode_d64", "decode_d64_short_voice", "prefill_d128_t16", "prefill_d256_t64"]
+# The bias is laid out for the kernel's key walk before the call (`tpu_terms`), a gather whose output and
+# index are about the bias's size each, in the kernel's fold [N, G, T * H/G, W], which TPU tiles in
+# (8, 128): decode with 2 query heads per KV head pads its 2 rows to 8.
+MAX_TERM_TEMP_FACTOR = 4
+
+
+def _tiled_bias_bytes(case: accelerator_cases.AttentionCase, width: int) -> int:
+    rows = -(-case.steps * (case.heads // case.kv_heads) // 8) * 8
+    return 4 * case.batch * case.kv_heads * rows * -(-width // 128) * 128
+
+
+@pytest.mark.parametrize(
+    ("dtype", "generations"),
+    [(jnp.bfloat16, GENERATIONS), (jnp.float32, ("v6e",))],
+    ids=["bf16", "f32"],
+)
+@pytest.mark.parametrize("name", TERM_CASES)
+def test_attention_kernel_with_score_terms_compiles(name, dtype, generations):
+    case = CASES[name]
+    fn, specs = case.attention(dtype, "pallas_tpu", ("rel_bias", "sink_logits"))
+    layer, bias_bytes = case.layer_bytes(dtype), _tiled_bias_bytes(case, specs[8].shape[3])
+    for generation in generations:
+        compiled = offline_tpu.compile_for_tpu(fn, *specs, generation=generation)
+        assert offline_tpu.large_copies(compiled, layer // 4) == []
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        assert temp <= MAX_TEMP_FRACTION * layer + MAX_TERM_TEMP_FACTOR * bias_bytes, (generation, temp)
+        assert len(_ATTENTION_CALL.findall(compiled.as_text())) == 1
