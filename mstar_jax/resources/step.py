@@ -282,6 +282,23 @@ class StepContext:
             object.__setattr__(self, "_padding", None)
         object.__setattr__(self, name, value)
 
+    @classmethod
+    def for_step(cls, step: ResourceStep, bucket: BucketKey | None = None) -> StepContext:
+        """The context of a step driven without an engine: the step's rows, padding told apart by id.
+
+        Rows whose ids start with `PAD` are padding, the others real; with a `bucket` the step is leased
+        to it (its walk, double-buffer slot 0), else it runs eagerly. Resources that take `ctx=None` use
+        this.
+        """
+        ids = step.request_ids()
+        real = [rid for rid in ids if not rid.startswith(PAD)]
+        walk = "eager" if bucket is None else bucket.graph_walk
+        lease = None if bucket is None else SlotLease(0, bucket)
+        ctx = cls(real, walk, 0, capture=False, slot_lease=lease)
+        if len(real) < len(ids):
+            ctx.set_padded_rids(real + [rid for rid in ids if rid.startswith(PAD)])
+        return ctx
+
     @property
     def padded_request_ids(self) -> Sequence[str]:
         """The rows a bucketed step runs: the real ones, then padding (the real ones when unpadded)."""

@@ -1,7 +1,8 @@
 """The bounded KV cache: sink + sliding-window retention over a shared source prefix.
 
 `BoundedKVManager` is the resource (slots, admission, plans, the source bank, offload); `attend` is the
-per-layer entry point a model calls with the manager's cache, bank and plan.
+per-layer entry point a model calls with the cache, the manager's bank and its plan; `pad_step` pads a
+step to a compiled bucket.
 """
 
 from mstar_jax.resources.kv.bounded.attention import attend
@@ -14,6 +15,7 @@ from mstar_jax.resources.kv.bounded.config import (
     StreamPosition,
 )
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+from mstar_jax.resources.kv.bounded.padding import PaddedStep, pad_step
 
 __all__ = [
     "BoundedKVCache",
@@ -22,8 +24,10 @@ __all__ = [
     "BoundedKVPlan",
     "BoundedKVSpec",
     "BoundedKVStep",
+    "PaddedStep",
     "SinkWindow",
     "SourceBank",
     "StreamPosition",
     "attend",
+    "pad_step",
 ]

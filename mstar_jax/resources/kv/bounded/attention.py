@@ -10,7 +10,37 @@ from kernels_pallas.sink_window_attention import sink_window_attention
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank, write_step
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig
 
-__all__ = ["attend"]
+__all__ = ["attend", "check_step_width"]
+
+
+def check_step_width(plan: BoundedKVPlan, q: jax.Array) -> None:
+    """Refuse step arrays whose token axis is not the width the plan was made for.
+
+    Tokens past a row's declared step tokens are never attended, so arrays wider than the step declares
+    would lose their lookahead silently, and narrower ones would leave declared tokens unread.
+
+    Args:
+      plan: the manager's plan (`num_tokens` None: nothing to check).
+      q: [N, T, H, D] the step's queries.
+
+    Raises:
+      ValueError: `T != plan.num_tokens`.
+    """
+    width, tokens = plan.num_tokens, q.shape[1]
+    if width is None or tokens == width:
+        return
+    if tokens > width:
+        raise ValueError(
+            f"q carries {tokens} tokens per row (q.shape={tuple(q.shape)}), but the step declares at most "
+            f"{width} (plan.num_tokens={width}): tokens past a row's step_tokens would be dropped, not "
+            "attended. Declare every token a row brings in BoundedKVStep.step_tokens (span counts the "
+            "written ones, the rest are lookahead), or run the step in a bucket as wide as the arrays "
+            "(pad_step, or a StepContext whose slot_lease names the bucket)"
+        )
+    raise ValueError(
+        f"q carries {tokens} tokens per row (q.shape={tuple(q.shape)}), but the step declares rows of up "
+        f"to {width} (plan.num_tokens={width}); pass arrays as wide as the largest step_tokens"
+    )
 
 
 def attend(
@@ -24,6 +54,9 @@ def attend(
     *,
     config: BoundedKVConfig,
     scale: float | None = None,
+    rel_bias: jax.Array | None = None,
+    sink_logits: jax.Array | None = None,
+    write: bool = True,
     implementation: str = "auto",
     interpret=False,
 ) -> tuple[jax.Array, BoundedKVCache]:
@@ -39,19 +72,34 @@ def attend(
       k, v: [N, T, G, D] the step's keys (RoPE applied) and values.
       config: the cache's config (static).
       scale: passed to `sink_window_attention`.
+      rel_bias: None or float [N, H, T, RB]: a per-head Transformer-XL bias added to the raw scores before
+        scaling, indexed by compacted distance: query `i` and key `j` of the concatenation
+        `retained ++ own` read column `(total + i) - j + T - 1`, `total` the row's retained count
+        (`RB >= max_retained + 2T - 1`).
+      sink_logits: None or f32[H]: gpt-oss's learned sink logit per query head, in the softmax
+        denominator.
+      write: False attends without storing the step's keys (the cache is returned as it came).
       implementation, interpret: passed to `sink_window_attention` and to the store (`write_step`): "xla"
         means both XLA paths, "pallas_tpu" / "pallas_gpu" both kernels of that platform, and "auto" picks
         each op's own way (the store follows the platform the program is lowered for).
 
     Returns:
       (out [N, T, H, D] in q's dtype, the updated cache).
+
+    Raises:
+      ValueError: q's token axis is not the plan's `num_tokens` (`check_step_width`), and whatever
+        `sink_window_attention` refuses; raised while tracing, before anything runs.
     """
+    check_step_width(plan, q)
+    terms = {name: x for name, x in (("rel_bias", rel_bias), ("sink_logits", sink_logits)) if x is not None}
     with jax.named_scope(f"bounded_kv_layer{layer}"):
         out = sink_window_attention(
             q, k, v, cache.k[layer], cache.v[layer], bank.k[layer], bank.v[layer], plan.table,
-            max_retained=config.max_retained, query_window=config.query_window, scale=scale,
+            max_retained=config.max_retained, query_window=config.query_window, scale=scale, **terms,
             implementation=implementation, interpret=interpret,
         )  # fmt: skip
+        if not write:
+            return out, cache
         new_k, new_v, out = write_step(
             cache.k[layer], cache.v[layer], k, v, plan.table, reverse=config.reverse_step_order, after=out,
             implementation=implementation, interpret=interpret,

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.sink_window_attention import table as tbl
 from kernels_pallas.sink_window_attention.store import store_step_after
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, store_capacity
 
@@ -52,7 +53,7 @@ class BoundedKVCache:
 
     @classmethod
     def abstract(cls, config: BoundedKVConfig, data_shards: int = 1) -> BoundedKVCache:
-        """The cache as `jax.ShapeDtypeStruct`s, for ahead-of-time compilation (allocates nothing)."""
+        """The cache as `jax.ShapeDtypeStruct` specs, for ahead-of-time compilation (allocates nothing)."""
         layers = _per_layer(cls.slot_shape(config, data_shards), config.dtype, config.num_layers)
         return cls(k=layers, v=layers)
 
@@ -100,13 +101,47 @@ class SourceBank:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BoundedKVPlan:
-    """What device code needs for one step: the int32 plan table `[B, ROW_INTS]` (see `table.py`)."""
+    """What device code needs for one step: the int32 plan table `[B, ROW_INTS]` (see `table.py`).
+
+    Attributes:
+      table: i32[B, ROW_INTS] the rows' reads and writes.
+      num_tokens: static: T, the step tokens per row the step's arrays must carry (`attend` refuses
+        others), or None where nothing is known to check: a plan for a bucket (a captured program fixes
+        the arrays at the bucket's width, which admission checks every row against) or one built by
+        hand from a table.
+    """
 
     table: jax.Array | np.ndarray
+    num_tokens: int | None = dataclasses.field(default=None, metadata={"static": True})
+
+    def __post_init__(self):
+        n = self.num_tokens
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
+                raise ValueError(f"num_tokens={n!r} must be None or an int >= 1")
+            object.__setattr__(self, "num_tokens", int(n))  # a static field: hashed, compared, printed
 
     @property
     def num_requests(self) -> int:
         return self.table.shape[0]
+
+    def stream_lengths(self) -> jax.Array:
+        """i32[B]: `n`, each row's stream length before the step (0 for padding rows)."""
+        return jnp.asarray(self.table)[:, tbl.STREAM_LEN]
+
+    def positions(self, num_tokens: int) -> jax.Array:
+        """i32[B, T]: the stream position of each row's step token `i`, `n + i` (RoPE's positions).
+
+        Args:
+          num_tokens: T, the step arrays' token axis.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int | np.integer) or num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 0")
+        return self.stream_lengths()[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+
+    def step_tokens(self) -> jax.Array:
+        """i32[B]: each row's real step tokens (0 for padding rows); the rest of the token axis is padding."""
+        return jnp.asarray(self.table)[:, tbl.STEP_TOKENS]
 
 
 @jax.named_scope("bounded_kv_write")

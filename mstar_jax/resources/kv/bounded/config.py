@@ -323,7 +323,8 @@ class BoundedKVSpec(NodeResourceSpec):
         """Return this spec with its YAML block applied: only `max_slots` is tunable.
 
         Raises:
-          TypeError: for any other key. ValueError: for an invalid `max_slots`.
+          TypeError: for any other key.
+          ValueError: for an invalid `max_slots`.
         """
         self._reject_unknown_yaml_keys(unknown)
         if max_slots is None:

@@ -1,8 +1,9 @@
 """`BoundedKVManager`: slots, the source bank, admission, plans and commits of the bounded KV cache.
 
 Host state is plain Python (a free list, one record per request); device state is the functional
-`BoundedKVCache` and `SourceBank`, which the engine threads through its compiled steps
-(`manager.cache` is replaced by each step's returned cache, since the old one was donated).
+`BoundedKVCache` and `SourceBank`. A caller either takes the cache and holds it itself (`take_cache()`,
+then each step's `attend` returns the next one) or lets the manager hold it (`manager.cache`, which the
+engine replaces by each step's returned cache, since the old one was donated).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from mstar_jax.resources.base import Resource
 from mstar_jax.resources.kv.bounded import layout
+from mstar_jax.resources.kv.bounded.admission import SegmentChecks, refuse, step_tokens_of
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, BoundedKVStep, StreamPosition
 from mstar_jax.resources.kv.bounded.host import HostCopies, RequestRecord
@@ -27,7 +29,6 @@ from mstar_jax.resources.step import (
     AdmitOutcome,
     AdmitRuntimeError,
     AllocationFailed,
-    RequestOffloading,
     ResourceStep,
     Segment,
     StepContext,
@@ -40,15 +41,7 @@ __all__ = ["DEFAULT_NUM_SOURCES", "BoundedKVManager"]
 DEFAULT_NUM_SOURCES = 8
 
 
-def _refuse(reason) -> AdmitOutcome:
-    return (
-        AdmitOutcome(False, False, reason)
-        if isinstance(reason, AdmitRuntimeError)
-        else AdmitOutcome(False, True, reason)
-    )
-
-
-class BoundedKVManager(HostCopies, Sources, Resource):
+class BoundedKVManager(HostCopies, Sources, SegmentChecks, Resource):
     """Serves a `BoundedKVSpec`: one slot per live request, sources read in place.
 
     Admission is atomic: a refused `admit` claims nothing. `plan` is a pure function of the step and
@@ -58,8 +51,13 @@ class BoundedKVManager(HostCopies, Sources, Resource):
     multi-process deployment a process admits only into its `local_data_shards`
     (`mstar_jax.distributed.local_data_shards`); None admits into every shard.
 
+    `admit`, `plan`, `commit` and `abort_step` take `ctx=None` for a step driven without an engine
+    (`StepContext.for_step`).
+
     Attributes:
-      cache: the device cache; the engine replaces it with each step's result.
+      cache: the device cache the manager holds (offload, reload, snapshots and recovery work on it); the
+        engine replaces it with each step's result. After `take_cache()` the caller holds it instead,
+        and reading this raises until it is assigned back.
       bank: the source bank.
     """
 
@@ -82,11 +80,11 @@ class BoundedKVManager(HostCopies, Sources, Resource):
         self.placed = [0] * data_shards  # requests whose first step ran on each data shard (reports)
         # With fewer KV heads than model shards every shard stores a copy of its head (docs/design.md §10).
         self.stored_heads = stored_heads(self.config.num_heads, model_shards)
-        storage = self.config
+        self._storage = self.config
         if self.stored_heads != self.config.num_heads:
-            storage = dataclasses.replace(self.config, num_heads=self.stored_heads)
-        self.cache = BoundedKVCache.create(storage, data_shards=data_shards)
-        self.bank = SourceBank.create(storage, num_sources)
+            self._storage = dataclasses.replace(self.config, num_heads=self.stored_heads)
+        self._cache: BoundedKVCache | None = BoundedKVCache.create(self._storage, data_shards=data_shards)
+        self.bank = SourceBank.create(self._storage, num_sources)
         self._requests: dict[str, RequestRecord] = {}
         self._source_lengths: dict[int, int] = {}
         self._readers: Counter[int] = Counter()
@@ -97,6 +95,38 @@ class BoundedKVManager(HostCopies, Sources, Resource):
         if not isinstance(spec, BoundedKVSpec):
             raise TypeError(f"BoundedKVManager builds a BoundedKVSpec, got {type(spec).__name__}")
         return cls(spec, **kwargs)
+
+    # Device state.
+    def abstract_cache(self) -> BoundedKVCache:
+        """The cache as `jax.ShapeDtypeStruct` specs (allocates nothing), for ahead-of-time compilation."""
+        return BoundedKVCache.abstract(self._storage, self._slots.shards)
+
+    def take_cache(self) -> BoundedKVCache:
+        """Hand the device cache to the caller, who threads it through the steps from now on.
+
+        `attend` returns each step's next cache (donate the old one); the manager keeps only host
+        bookkeeping, and `manager.cache` raises until the caller assigns it back (offload, reload,
+        snapshots and recovery work on `manager.cache`).
+
+        Raises:
+          RuntimeError: the cache was taken already and not given back.
+        """
+        cache = self.cache
+        self._cache = None
+        return cache
+
+    @property
+    def cache(self) -> BoundedKVCache:
+        if self._cache is None:
+            raise RuntimeError(
+                "manager.cache: the caller holds the device cache (take_cache() handed it out); pass the "
+                "cache you hold, or give it back with manager.cache = cache first"
+            )
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache: BoundedKVCache) -> None:
+        self._cache = cache
 
     # Introspection.
     @property
@@ -176,76 +206,13 @@ class BoundedKVManager(HostCopies, Sources, Resource):
         # A capture step only traces shapes: it claims nothing, so every row plans as bucket filler.
         return ctx.capture or ctx.is_padding_row(request_id)
 
-    def _check_segment(
-        self, seg: Segment, pos: StreamPosition | None, step_tokens: int, ctx: StepContext
-    ) -> AdmitRuntimeError | RequestOffloading | None:
-        rid, cfg = seg.request_id, self.config
-        request = self._requests.get(rid)
-        if request is None:
-            return AdmitRuntimeError(
-                f"bounded KV: request {rid!r} was never ingested (call ingest_request first)"
-            )
-        if request.host_copy is not None:
-            return RequestOffloading(f"bounded KV: {rid!r} is offloaded to host memory", seg.label, rid)
-        if pos is None:
-            return AdmitRuntimeError(f"bounded KV step declares no position for {rid!r}")
-        for field, value in zip(StreamPosition._fields, pos, strict=True):
-            if not _is_int(value) or value < 0:
-                return AdmitRuntimeError(f"{rid!r} declares {field}={value!r}; it must be an int >= 0")
-        for field, value in (("span", seg.span), ("step tokens", step_tokens)):
-            if not _is_int(value):
-                return AdmitRuntimeError(f"{rid!r} declares {field}={value!r}; it must be an int")
-        if not cfg.min_source_len <= pos.source_len <= cfg.max_source_len:
-            return AdmitRuntimeError(
-                f"{rid!r} has a {pos.source_len}-token source; the slots hold sources of "
-                f"[{cfg.min_source_len}, {cfg.max_source_len}] tokens"
-            )
-        if not 0 <= pos.source < self.bank.num_sources:
-            return AdmitRuntimeError(
-                f"{rid!r} declares source={pos.source!r}; sources are indexed [0, {self.bank.num_sources})"
-            )
-        if pos.source_len > 0:
-            length = self._source_lengths.get(pos.source)
-            if length is None:
-                return AdmitRuntimeError(
-                    f"{rid!r} reads source {pos.source}, which is not registered; "
-                    f"registered: {sorted(self._source_lengths)}"
-                )
-            if pos.source_len > length:
-                return AdmitRuntimeError(
-                    f"{rid!r} reads {pos.source_len} tokens of source {pos.source}, which holds {length}"
-                )
-        if request.source_len is not None and (pos.source, pos.source_len) != (
-            request.source,
-            request.source_len,
-        ):
-            return AdmitRuntimeError(
-                f"{rid!r} declares source {pos.source} of length {pos.source_len}, but its stream started on "
-                f"source {request.source} of length {request.source_len}"
-            )
-        if pos.written != request.written:
-            return AdmitRuntimeError(
-                f"{rid!r} declares {pos.written} written tokens; {request.written} were committed "
-                "(positions must continue from the last committed step)"
-            )
-        if step_tokens < 1:
-            return AdmitRuntimeError(f"{rid!r}: step tokens={step_tokens} must be >= 1")
-        if not 0 <= seg.span <= step_tokens:
-            return AdmitRuntimeError(f"{rid!r}: span={seg.span} must be in [0, step tokens={step_tokens}]")
-        lease = ctx.slot_lease
-        if lease is not None and lease.bucket is not None and step_tokens > lease.bucket.num_tokens:
-            return AdmitRuntimeError(
-                f"{rid!r} brings {step_tokens} tokens; bucket {lease.bucket} holds "
-                f"{lease.bucket.num_tokens} per row"
-            )
-        return None
-
-    def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
+    def admit(self, step: ResourceStep, ctx: StepContext | None = None) -> AdmitOutcome:
         """Check every segment, then claim slots for first-time requests, all or nothing.
 
         Every check runs before anything is claimed, so a refusal (or a bad step type) changes nothing.
         """
         step = _as_bounded_step(step)
+        ctx = ctx or StepContext.for_step(step)
         if ctx.capture:
             return ADMIT_OK
         need_slot: list[str] = []
@@ -254,16 +221,16 @@ class BoundedKVManager(HostCopies, Sources, Resource):
             if self._is_padding(seg.request_id, ctx):
                 continue
             if seg.request_id in admitted:  # two rows would share one slot and one write range
-                return _refuse(
+                return refuse(
                     AdmitRuntimeError(
                         f"bounded KV step declares {seg.request_id!r} twice; "
                         "a request adds one segment per step"
                     )
                 )
             pos = step.positions.get(seg.request_id)
-            reason = self._check_segment(seg, pos, _step_tokens(step, seg), ctx)
+            reason = self._check_segment(seg, pos, step_tokens_of(step, seg), ctx)
             if reason is not None:
-                return _refuse(reason)
+                return refuse(reason)
             admitted[seg.request_id] = (pos, seg.span)
             if self._requests[seg.request_id].slot is None:
                 need_slot.append(seg.request_id)
@@ -271,7 +238,7 @@ class BoundedKVManager(HostCopies, Sources, Resource):
         if len(need_slot) > free:
             rid = need_slot[free]
             label = next(seg.label for seg in step.segments if seg.request_id == rid)
-            return _refuse(
+            return refuse(
                 AllocationFailed(
                     f"bounded KV is full: {self.config.max_slots} slots, {free} free, "
                     f"{len(need_slot)} needed",
@@ -327,7 +294,7 @@ class BoundedKVManager(HostCopies, Sources, Resource):
                 )
         return real
 
-    def plan_rows(self, step: ResourceStep, ctx: StepContext) -> tuple[int, dict[str, int]]:
+    def plan_rows(self, step: ResourceStep, ctx: StepContext | None = None) -> tuple[int, dict[str, int]]:
         """The plan table's row count and each real request's row.
 
         On one data shard, row `i` is segment `i`, padded to the bucket's rows. Over several, the table is
@@ -338,6 +305,7 @@ class BoundedKVManager(HostCopies, Sources, Resource):
           ValueError: a data shard has more of the step's requests than the bucket's rows per shard.
         """
         step = _as_bounded_step(step)
+        ctx = ctx or StepContext.for_step(step)
         segments = step.segments or ()
         real = [i for i, seg in enumerate(segments) if not self._is_padding(seg.request_id, ctx)]
         lease = ctx.slot_lease
@@ -360,10 +328,16 @@ class BoundedKVManager(HostCopies, Sources, Resource):
             rid: shard * width + j for shard, rids in enumerate(by_shard) for j, rid in enumerate(rids)
         }
 
-    def plan(self, step: ResourceStep, ctx: StepContext) -> BoundedKVPlan:
+    def plan(self, step: ResourceStep, ctx: StepContext | None = None) -> BoundedKVPlan:
         """The plan table for `step`'s requests, laid out by `plan_rows` (padding rows plan empty, on
-        each shard's padding slot); slots are local to each request's data shard."""
+        each shard's padding slot); slots are local to each request's data shard.
+
+        The plan's `num_tokens` is the most step tokens a row declares, which `attend` requires of the
+        step's arrays; None for a step leased to a bucket (its arrays are the bucket's width) or with no
+        real rows.
+        """
         step = _as_bounded_step(step)
+        ctx = ctx or StepContext.for_step(step)
         real = self._real_segments(step, ctx, "plan")
         rows, row_of = self.plan_rows(step, ctx)
         table = layout.padding_rows(rows, self.padding_slot)
@@ -377,7 +351,7 @@ class BoundedKVManager(HostCopies, Sources, Resource):
                 source_len=ints(p.source_len for p in positions),
                 written=ints(p.written for p in positions),
                 span=ints(seg.span for seg in real),
-                step_tokens=ints(_step_tokens(step, seg) for seg in real),
+                step_tokens=ints(step_tokens_of(step, seg) for seg in real),
                 sink=ints(r.policy.sink for r in records),
                 window=ints(r.policy.window for r in records),
                 window_includes_step=np.fromiter(
@@ -387,9 +361,12 @@ class BoundedKVManager(HostCopies, Sources, Resource):
                 reverse=self.config.reverse_step_order,
             )
         table.setflags(write=False)
-        return BoundedKVPlan(table)
+        # A bucket's width is no static of the plan: captured programs take the plans of every step.
+        bucketed = ctx.slot_lease is not None and ctx.slot_lease.bucket is not None
+        width = None if bucketed or not real else max(step_tokens_of(step, seg) for seg in real)
+        return BoundedKVPlan(table, num_tokens=width)
 
-    def commit(self, step: ResourceStep, ctx: StepContext) -> None:
+    def commit(self, step: ResourceStep, ctx: StepContext | None = None) -> None:
         """Record that the step ran: each request's `written` becomes its declared position plus span.
 
         Raises:
@@ -397,6 +374,7 @@ class BoundedKVManager(HostCopies, Sources, Resource):
           UnknownRequestError: a row names a request that was never ingested.
         """
         step = _as_bounded_step(step)
+        ctx = ctx or StepContext.for_step(step)
         if ctx.capture:
             return
         for seg in self._admitted_segments(step, ctx):
@@ -408,7 +386,7 @@ class BoundedKVManager(HostCopies, Sources, Resource):
             request.admitted = None
         self._claimed_in_step = []
 
-    def abort_step(self, step: ResourceStep, ctx: StepContext) -> None:
+    def abort_step(self, step: ResourceStep, ctx: StepContext | None = None) -> None:
         """Forget the step's admission; return the slots it claimed for requests that have written nothing."""
         for seg in step.segments or ():
             request = self._requests.get(seg.request_id)
@@ -435,13 +413,5 @@ def _as_bounded_step(step: ResourceStep) -> BoundedKVStep:
     return step
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
-
-
 def _describe(pos: StreamPosition, span: int) -> str:
     return f"(source={pos.source}, source_len={pos.source_len}, written={pos.written}, span={span})"
-
-
-def _step_tokens(step: BoundedKVStep, seg: Segment) -> int:
-    return step.step_tokens.get(seg.request_id, max(seg.span, 1))
