@@ -113,8 +113,8 @@ def capture(
       The `CapturedStep`.
 
     Raises:
-      ValueError: for no buckets or a bucket given twice. TypeError: for abstract arguments that are
-        not `jax.ShapeDtypeStruct`s.
+      ValueError: for no buckets or a bucket given twice.
+      TypeError: for abstract arguments that are not `jax.ShapeDtypeStruct` specs.
     """
     keys = tuple(buckets)
     if not keys:

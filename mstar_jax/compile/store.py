@@ -107,9 +107,9 @@ def _code_digest(fn: Callable[..., Any]) -> str | None:
 
 def describe(value: Any) -> str:
     """`value` as text that is the same in every process: `repr`, but functions (a retention policy in a
-    config, say) by module, name, code and closure rather than by address, and bound methods by their
-    function alone. A value whose description still holds an address (`<object at 0x...>`) cannot be
-    keyed (`_ADDRESS`)."""
+    config, say) by module, name, code and closure rather than by address, bound methods by their
+    function alone, and meshes by their devices too. A value whose description still holds an address
+    (`<object at 0x...>`) cannot be keyed (`_ADDRESS`)."""
     if isinstance(value, functools.partial):
         bound = [describe(a) for a in value.args]
         bound += [f"{k}={describe(v)}" for k, v in sorted(value.keywords.items())]
@@ -119,6 +119,9 @@ def describe(value: Any) -> str:
     if inspect.isfunction(value):
         cells = ", ".join(describe(cell.cell_contents) for cell in value.__closure__ or ())
         return f"{value.__module__}.{value.__qualname__}[{_code_hash(value.__code__)}]({cells})"
+    if isinstance(value, jax.sharding.Mesh):  # its repr names its axes but not its devices
+        ids = [d.id for d in value.devices.flat]
+        return f"Mesh({dict(value.shape)}, axis_types={value.axis_types}, devices={ids})"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = ", ".join(f"{f.name}={describe(getattr(value, f.name))}" for f in dataclasses.fields(value))
         return f"{type(value).__module__}.{type(value).__qualname__}({fields})"

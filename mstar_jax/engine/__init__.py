@@ -1,7 +1,7 @@
 """The engine: requests in, batches per graph walk through the resources and captured programs, audio out."""
 
 from mstar_jax.engine.engine import FLOW_KV, TALKER_KV, Engine, StepRecord
-from mstar_jax.engine.programs import TTSPrograms, tts_buckets
+from mstar_jax.engine.programs import SettingsMismatchError, TTSPrograms, tts_buckets
 from mstar_jax.engine.request import AudioChunk, Phase, Stream, TTSRequest
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "AudioChunk",
     "Engine",
     "Phase",
+    "SettingsMismatchError",
     "StepRecord",
     "Stream",
     "TTSPrograms",

@@ -39,13 +39,12 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mstar_jax.compile import describe
 from mstar_jax.engine import batch, recovery
 from mstar_jax.engine.admission import Admission
 from mstar_jax.engine.dispatch import Dispatch
 from mstar_jax.engine.lockstep import Lockstep, MultiProcessError
 from mstar_jax.engine.outputs import Outputs
-from mstar_jax.engine.programs import TTSPrograms, model_settings
+from mstar_jax.engine.programs import TTSPrograms
 from mstar_jax.engine.records import InFlight, Node, StepRecord
 from mstar_jax.engine.recovery import Recovery
 from mstar_jax.engine.request import (
@@ -84,7 +83,8 @@ class Engine(Admission, Dispatch, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
     Args:
       model: the step functions and weights.
       talker, flow: the two caches' managers (geometry as the programs were captured for).
-      programs: the captured programs (`TTSPrograms.capture`); they may be shared between engines.
+      programs: the captured programs (`TTSPrograms.capture`); they may be shared between engines whose
+        models have the settings they were captured for (`SettingsMismatchError` otherwise).
       max_batch: most rows in one step (at most the largest bucket).
       hold_backoff_s: how long a request refused for lack of room waits before it is retried.
       offload_idle_after_s: streams no step has touched for this long move to host memory (None:
@@ -139,12 +139,7 @@ class Engine(Admission, Dispatch, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
                 "its steps synchronously"
             )
         self.pipelined = pipelined
-        if programs.model != describe(model_settings(model)):
-            raise ValueError(
-                "programs were captured for another model (its config, cache configs, implementation, "
-                f"temperature or mesh differ): captured for {programs.model[:300]}...; capture them for "
-                "this model (TTSPrograms.capture(model, ...))"
-            )
+        programs.check(model.settings)  # SettingsMismatchError, naming the settings that differ
         self._talker_in_flight: InFlight | None = None
         self._audio_in_flight: collections.deque[InFlight] = collections.deque()
         self._dispatched = 0

@@ -10,8 +10,10 @@ Walks and their buckets (`B` the batch sizes):
   `max_prefill_rows(B)` prefill rows beside its B decode rows;
 - `flow_chunk`: B x (the smallest token count holding a whole flow chunk,).
 
-Every program takes `(params, cache, bank, plan, *inputs)` with the cache donated, so `TTSPrograms`
-built for one cache geometry serve any engine whose managers have that geometry (tests share them).
+Every program takes `(params, cache, bank, plan, *inputs)` with the cache donated, and is compiled for
+the model's `settings` (the steps' static argument), so `TTSPrograms` built for one cache geometry serve
+any engine whose managers have that geometry and whose model has those settings (tests share them); an
+engine refuses programs captured for other settings (`SettingsMismatchError`).
 
 The talker programs take the previous talker step's codes as they are on the device, so a pipelined
 engine can dispatch step t + 1 before it reads step t: their inputs begin `prev_codes i32[C], feed
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,13 +52,17 @@ from mstar_jax.models.streaming_tts.model import (
     TALKER_MIXED,
     TALKER_PREFILL,
     StreamingTTSModel,
+    flow_step,
+    talker_combined_step,
+    talker_step,
 )
+from mstar_jax.models.streaming_tts.settings import StreamingTTSSettings
 from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.kv.bounded.sharding import DATA
 from mstar_jax.resources.step import BucketKey
 
-__all__ = ["TTSPrograms", "codes_width", "fed", "model_settings", "tts_buckets"]
+__all__ = ["SettingsMismatchError", "TTSPrograms", "codes_width", "fed", "tts_buckets"]
 
 WALKS = (TALKER_DECODE, TALKER_PREFILL, TALKER_MIXED, FLOW_CHUNK)
 
@@ -115,17 +122,17 @@ def _s(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-def fed(step, *, text_vocab: int, width: int | None):
-    """`step` (a talker step) reading fed decode tokens from `prev_codes`, its codes padded to `width`
-    (None: as they are, sharded like its rows, for a mesh engine, which never feeds).
+def fed(step, *, width: int | None):
+    """`step` (a talker step function) reading fed decode tokens from `prev_codes`, its codes padded to
+    `width` (None: as they are, sharded like its rows, for a mesh engine, which never feeds).
 
-    A fed row's token is `text_vocab + prev_codes[feed]`, as the scheduler would have written it.
+    A fed row's token is `text_vocab_size + prev_codes[feed]`, as the scheduler would have written it.
     """
 
-    def fed_step(params, cache, bank, plan, prev_codes, feed, decode_tokens, *inputs):
-        from_device = jnp.take(prev_codes, jnp.maximum(feed, 0), axis=0) + text_vocab
+    def fed_step(params, cache, bank, plan, prev_codes, feed, decode_tokens, *inputs, settings):
+        from_device = jnp.take(prev_codes, jnp.maximum(feed, 0), axis=0) + settings.config.text_vocab_size
         decode_tokens = jnp.where((feed >= 0)[:, None], from_device[:, None], decode_tokens)
-        cache, codes = step(params, cache, bank, plan, decode_tokens, *inputs)
+        cache, codes = step(params, cache, bank, plan, decode_tokens, *inputs, settings=settings)
         return cache, codes if width is None else jnp.pad(codes, (0, width - codes.shape[0]))
 
     fed_step.__qualname__ = f"fed({step.__qualname__})"  # the executable store tells walks apart by it
@@ -141,28 +148,49 @@ def codes_width(buckets: Buckets, shards: int = 1) -> int:
     return shards * max(rows)
 
 
-def model_settings(model: StreamingTTSModel) -> tuple:
-    """What the model's step methods close over: the executable store's fingerprint of its programs,
-    and what an engine checks its model against (`TTSPrograms.model`)."""
-    mesh = model.mesh
-    devices = None if mesh is None else (mesh.axis_names, tuple(d.id for d in mesh.devices.flat))
-    settings = (model.config, model.talker_kv, model.flow_kv, model.implementation, model.interpret)
-    return (*settings, model.temperature, devices)
+class SettingsMismatchError(ValueError):
+    """Programs were captured for other model settings than those of the model meant to run them.
+
+    Attributes:
+      differences: `(name, captured, this model's)` for each setting that differs
+        (`StreamingTTSSettings.differences`).
+    """
+
+    def __init__(self, differences: tuple[tuple[str, Any, Any], ...]):
+        self.differences = differences
+        shown = "; ".join(
+            f"{name}: captured for {_show(captured)}, this model has {_show(own)}"
+            for name, captured, own in differences
+        )
+        super().__init__(
+            f"programs were captured for another model ({shown}); capture them for this model "
+            "(TTSPrograms.capture(model, ...)), or build the model with the settings they were captured for"
+        )
+
+
+def _show(value: Any) -> str:
+    text = describe(value)  # a mesh by its device ids too, which its repr leaves out
+    return text if len(text) <= 200 else f"{text[:200]}..."
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TTSPrograms:
     """Every walk's `CapturedStep`, and the buckets they were captured for.
 
-    Build with `TTSPrograms.capture`. `codes_width` is `C` of the module docstring; `model` describes
-    the model settings the programs were captured with (its config, cache configs, implementation,
-    temperature and mesh), which an engine checks its own model against.
+    Build with `TTSPrograms.capture`. `codes_width` is `C` of the module docstring; `settings` are the
+    model's settings the programs were compiled for, which an engine checks its own model's against
+    (`check`).
     """
 
     buckets: Buckets
     steps: dict[str, CapturedStep]
     codes_width: int
-    model: str
+    settings: StreamingTTSSettings
+
+    def check(self, settings: StreamingTTSSettings) -> None:
+        """Raise `SettingsMismatchError` unless the programs were captured for `settings`."""
+        if settings != self.settings:
+            raise SettingsMismatchError(self.settings.differences(settings))
 
     @classmethod
     def capture(
@@ -179,7 +207,7 @@ class TTSPrograms:
         """Compile every bucket of every walk ahead of time, from abstract arguments only (or load it).
 
         Args:
-          model: the step functions.
+          model: its weights and `settings`, which every program is compiled for.
           buckets: from `tts_buckets`.
           talker, flow: managers whose cache and bank shapes the programs are compiled for.
           progress: one tqdm bar per walk.
@@ -221,22 +249,23 @@ class TTSPrograms:
             bs, t = key.bs, key.num_tokens
             return (*flow_state, plan(bs), rows_of(bs, t), rows_of(bs, dtype=u32))
 
-        feeding = {"text_vocab": model.text_vocab, "width": None if mesh is not None else width}
+        fed_width = None if mesh is not None else width
         plans = {
-            TALKER_DECODE: (fed(model.talker_step, **feeding), plain),
-            TALKER_PREFILL: (fed(model.talker_step, **feeding), plain),
-            TALKER_MIXED: (fed(model.talker_combined_step, **feeding), mixed),
-            FLOW_CHUNK: (model.flow_step, chunk),
+            TALKER_DECODE: (fed(talker_step, width=fed_width), plain),
+            TALKER_PREFILL: (fed(talker_step, width=fed_width), plain),
+            TALKER_MIXED: (fed(talker_combined_step, width=fed_width), mixed),
+            FLOW_CHUNK: (flow_step, chunk),
         }
         steps = {}
-        fingerprint = model_settings(model)
+        # A static argument: what the store's keys describe, so nothing else needs a fingerprint.
+        static = {"settings": model.settings}
         for walk in buckets.walks:
             fn, abstract = plans[walk]
             steps[walk] = capture(
-                fn, buckets[walk].keys(), abstract, donate_argnums=1, name=walk, progress=progress,
-                max_workers=max_workers, store=store, fingerprint=fingerprint,
+                fn, buckets[walk].keys(), abstract, static_kwargs=static, donate_argnums=1, name=walk,
+                progress=progress, max_workers=max_workers, store=store,
             )  # fmt: skip
-        return cls(buckets=buckets, steps=steps, codes_width=width, model=describe(fingerprint))
+        return cls(buckets=buckets, steps=steps, codes_width=width, settings=model.settings)
 
     @property
     def reports(self) -> list[CaptureReport]:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mstar_jax.compile import BucketSet, ExecutableStore, capture, count_compilations
+from mstar_jax.compile import BucketSet, ExecutableStore, capture, count_compilations, describe
 from mstar_jax.compile import store as store_module
 
 BUCKETS = BucketSet(graph_walk="tiny", batch_sizes=(1, 2), token_counts=(3, 5))
@@ -183,6 +183,14 @@ def test_a_fresh_process_loads_what_another_stored(tmp_path):
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert (found["compiled"], found["loaded"]) == (0, len(BUCKETS))
     np.testing.assert_allclose(found["out"], _oracle(BUCKETS.key(2, 5))[1], rtol=1e-6)
+
+
+def test_a_mesh_is_described_by_its_axes_and_devices():
+    """A mesh's repr leaves its devices out; programs for the same axes over other devices differ."""
+    devices = jax.devices()[:1]
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    assert describe(mesh) == f"Mesh({{'data': 1}}, axis_types={mesh.axis_types}, devices={[devices[0].id]})"
+    assert describe(mesh) != describe(jax.sharding.Mesh(np.array(devices), ("model",)))
 
 
 def test_a_store_needs_a_directory():

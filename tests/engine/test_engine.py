@@ -17,13 +17,15 @@ import yaml
 
 from mstar_jax import cli
 from mstar_jax.compile import (
+    Buckets,
     RecompileWarning,
     assert_no_compilations,
 )
-from mstar_jax.engine import Engine, Phase, TTSRequest
+from mstar_jax.engine import Engine, Phase, TTSPrograms, TTSRequest
+from mstar_jax.engine.programs import SettingsMismatchError
 from mstar_jax.engine.request import RequestError
 from mstar_jax.engine.voices import Voice
-from mstar_jax.models.streaming_tts.model import StreamingTTSModel
+from mstar_jax.models.streaming_tts.model import TALKER_DECODE, StreamingTTSModel
 from mstar_jax.resources.step import UnknownRequestError
 from tests.engine.support import (
     BATCH_SIZES,
@@ -368,12 +370,24 @@ def test_mstar_jax_run_end_to_end_on_a_tiny_deployment(programs, cache_dir, tmp_
 
 
 def test_programs_captured_for_another_model_are_refused(programs):
-    """The captured steps close over their model's settings (sampling temperature here): an engine
-    whose model differs would run another model's program, so it refuses them, naming the fix."""
-    _, captured = programs
+    """The captured programs are compiled for their model's settings (sampling temperature here): an
+    engine whose model has other settings would run another model's programs, so it refuses them, naming
+    each setting that differs with both values, and the fix."""
+    model, captured = programs
+    assert captured.settings == model.settings
     talker, flow = managers()
-    colder = StreamingTTSModel(CONFIG, temperature=0.5)
-    with pytest.raises(ValueError, match=r"programs were captured for another model .*TTSPrograms.capture"):
-        Engine(colder, talker=talker, flow=flow, programs=captured, max_batch=2)
-    same = StreamingTTSModel(CONFIG)  # another instance of the same model is fine
+    colder = StreamingTTSModel(CONFIG, temperature=0.7)
+    # One walk is enough: the engine checks the settings before it looks at the buckets.
+    decode_only = Buckets((captured.buckets[TALKER_DECODE],))
+    cold = TTSPrograms.capture(colder, decode_only, talker=talker, flow=flow, progress=False)
+    assert cold.settings == colder.settings
+    assert cold.settings.temperature == 0.7
+    with pytest.raises(
+        SettingsMismatchError, match=r"temperature: captured for 0\.7, this model has 1\.0"
+    ) as err:
+        Engine(model, talker=talker, flow=flow, programs=cold, max_batch=2)
+    assert err.value.differences == (("temperature", 0.7, 1.0),)
+    assert isinstance(err.value, ValueError)
+    assert "TTSPrograms.capture(model, ...)" in str(err.value)
+    same = StreamingTTSModel(CONFIG)  # another instance with the same settings is fine
     Engine(same, talker=talker, flow=flow, programs=captured, max_batch=2)

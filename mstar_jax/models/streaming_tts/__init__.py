@@ -1,5 +1,6 @@
 """The streaming TTS model: a talker (text -> codec frames) and a chunked flow decoder (frames -> mel)."""
 
 from mstar_jax.models.streaming_tts.config import DTYPES, StreamingTTSConfig
+from mstar_jax.models.streaming_tts.settings import StreamingTTSSettings
 
-__all__ = ["DTYPES", "StreamingTTSConfig"]
+__all__ = ["DTYPES", "StreamingTTSConfig", "StreamingTTSSettings"]

@@ -1,9 +1,11 @@
 """`StreamingTTSModel`: the talker and the flow decoder as pure step functions over the bounded caches.
 
-Every step function has the form `(params, cache, bank, plan, *inputs) -> (cache, outputs)`: pure,
-jittable with the cache donated (argument 1), and compilable ahead of time from
-`jax.ShapeDtypeStruct`s. Per-step numbers (positions, lengths, seeds) are array data, so a new
-position never recompiles; only the shapes (the bucket) pick the program.
+Every step function has the form `(params, cache, bank, plan, *inputs, settings) -> (cache, outputs)`:
+pure, jittable with the cache donated (argument 1) and `settings` (a `StreamingTTSSettings`) static, and
+compilable ahead of time from `jax.ShapeDtypeStruct`s. Per-step numbers (positions, lengths, seeds) are
+array data, so a new position never recompiles; only the shapes (the bucket) and the settings pick the
+program. `StreamingTTSModel` holds the weights and its `settings`; its step methods call these
+functions with them.
 
 Graph walks (the `BucketKey.graph_walk` of each program):
 
@@ -28,12 +30,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from kernels_pallas.sink_window_attention import sink_window_attention
 from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.flow import FlowDecoder
+from mstar_jax.models.streaming_tts.settings import StreamingTTSSettings
 from mstar_jax.models.streaming_tts.sharding import param_shardings
 from mstar_jax.models.streaming_tts.talker import Talker, sample_codes
+from mstar_jax.models.streaming_tts.weights import draw_weights
 from mstar_jax.resources.kv.bounded.attention import attend
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig
@@ -51,6 +54,9 @@ __all__ = [
     "TALKER_PREFILL",
     "StreamingTTSModel",
     "dense_attention",
+    "flow_step",
+    "talker_combined_step",
+    "talker_step",
 ]
 
 FRAME_RATE_HZ = 12.5
@@ -88,30 +94,26 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     return out.reshape(n, t, heads, dim)
 
 
-def _draw_weights(abstract: nnx.State, rng: np.random.Generator, dtype: np.dtype) -> nnx.State:
-    """Random weights for an abstract state, drawn on the host in NumPy and stored as `dtype`.
+def _modules(config: StreamingTTSConfig) -> tuple[Talker, FlowDecoder]:
+    rngs = nnx.Rngs(config.seed)
+    talker = Talker(
+        text_vocab=config.text_vocab_size, codec_vocab=config.codec_vocab_size, d_model=config.d_model,
+        layers=config.talker_layers, heads=config.talker_heads, kv_heads=config.talker_kv_heads,
+        head_dim=config.talker_head_dim, ffn_dim=config.talker_ffn_dim, rngs=rngs,
+    )  # fmt: skip
+    flow = FlowDecoder(
+        codec_vocab=config.codec_vocab_size, mel_bins=config.mel_bins, d_model=config.flow_d_model,
+        layers=config.flow_layers, heads=config.flow_heads, head_dim=config.flow_head_dim,
+        samples_per_frame=SAMPLES_PER_FRAME, rngs=rngs,
+    )  # fmt: skip
+    return talker, flow
 
-    Kernels are normal with std `1 / sqrt(fan_in)`, embeddings standard normal, norm scales one and
-    biases zero. NumPy rather than `jax.random`: the weights are the same on every backend, and the
-    host draws them in milliseconds where compiling an initialiser of every threefry call takes
-    seconds on a CPU.
-    """
 
-    def draw(path, leaf):
-        name = next(
-            str(getattr(k, "key", "")) for k in reversed(path) if isinstance(getattr(k, "key", None), str)
-        )
-        if name == "scale":
-            value = np.ones(leaf.shape, np.float32)
-        elif name == "bias":
-            value = np.zeros(leaf.shape, np.float32)
-        elif name == "embedding":
-            value = rng.standard_normal(leaf.shape, np.float32)
-        else:
-            value = rng.standard_normal(leaf.shape, np.float32) / np.float32(np.sqrt(leaf.shape[0]))
-        return jnp.asarray(value, dtype)
-
-    return jax.tree_util.tree_map_with_path(draw, abstract)
+@functools.cache
+def _graphdefs(config: StreamingTTSConfig) -> tuple[nnx.GraphDef, nnx.GraphDef]:
+    """The talker's and the flow's structure, which the step functions merge their `params` into."""
+    talker, flow = nnx.eval_shape(lambda: _modules(config))
+    return nnx.graphdef(talker), nnx.graphdef(flow)
 
 
 class StreamingTTSModel:
@@ -126,6 +128,12 @@ class StreamingTTSModel:
       mesh: a `(data, model)` mesh (`sharding.make_mesh`): the weights are laid out Megatron-style on
         `model` and every attention call runs `sharded_attend`, so the steps take global, shard-major
         batches and caches of `BoundedKVManager(data_shards=...)` placed on the mesh. None: one device.
+
+    Attributes:
+      settings: the arguments but the weights, as the `StreamingTTSSettings` every step is compiled
+        for; `config`, `talker_kv`, `flow_kv`, `implementation`, `interpret`, `temperature` and `mesh`
+        read its fields.
+      talker_params, flow_params: the weights.
     """
 
     def __init__(
@@ -139,34 +147,19 @@ class StreamingTTSModel:
         temperature: float = 1.0,
         mesh: Mesh | None = None,
     ):
-        self.config = config
-        self.mesh = mesh
-        self.talker_kv = talker_kv or config.talker_kv_config
-        self.flow_kv = flow_kv or config.flow_kv_config
-        self.implementation, self.interpret, self.temperature = implementation, interpret, float(temperature)
-
-        def build() -> tuple[Talker, FlowDecoder]:
-            rngs = nnx.Rngs(config.seed)
-            talker = Talker(
-                text_vocab=config.text_vocab_size, codec_vocab=config.codec_vocab_size,
-                d_model=config.d_model,
-                layers=config.talker_layers, heads=config.talker_heads, kv_heads=config.talker_kv_heads,
-                head_dim=config.talker_head_dim, ffn_dim=config.talker_ffn_dim, rngs=rngs,
-            )  # fmt: skip
-            flow = FlowDecoder(
-                codec_vocab=config.codec_vocab_size, mel_bins=config.mel_bins, d_model=config.flow_d_model,
-                layers=config.flow_layers, heads=config.flow_heads, head_dim=config.flow_head_dim,
-                samples_per_frame=SAMPLES_PER_FRAME, rngs=rngs,
-            )  # fmt: skip
-            return talker, flow
-
-        talker, flow = nnx.eval_shape(build)  # the structure only; weights are drawn below
+        self.settings = StreamingTTSSettings(
+            config=config, talker_kv=talker_kv or config.talker_kv_config,
+            flow_kv=flow_kv or config.flow_kv_config, implementation=implementation, interpret=interpret,
+            temperature=temperature, mesh=mesh,
+        )  # fmt: skip
+        _graphdefs(config)  # built here, not first inside a trace on one of capture's threads
+        talker, flow = nnx.eval_shape(lambda: _modules(config))  # the structure only; weights are drawn below
         rng = np.random.default_rng(config.seed)
         self._talker_def, self.talker_params = nnx.split(talker)
         self._flow_def, self.flow_params = nnx.split(flow)
         # Weights in the storage dtype (bf16 deployments compute in bf16, softmax statistics in f32).
-        self.talker_params = _draw_weights(self.talker_params, rng, config.storage_dtype)
-        self.flow_params = _draw_weights(self.flow_params, rng, config.storage_dtype)
+        self.talker_params = draw_weights(self.talker_params, rng, config.storage_dtype)
+        self.flow_params = draw_weights(self.flow_params, rng, config.storage_dtype)
         if mesh is not None:  # the same weights, laid out Megatron-style (`sharding.param_shardings`)
             self.talker_params = jax.device_put(
                 self.talker_params, param_shardings(self.talker_params, mesh, kv_heads=config.talker_kv_heads)
@@ -177,107 +170,52 @@ class StreamingTTSModel:
         self.bos = talker.bos
         self.text_vocab = config.text_vocab_size
 
-    # Attention closures: how a block's queries meet the bounded cache.
-    def _cached(self, bank: SourceBank, table: jax.Array, config: BoundedKVConfig):
-        """Attend over the retained stream and store the step's keys (`attend`)."""
+    # Read-only: a step compiled for the settings would not see a new value.
+    config = property(lambda self: self.settings.config)
+    talker_kv = property(lambda self: self.settings.talker_kv)
+    flow_kv = property(lambda self: self.settings.flow_kv)
+    implementation = property(lambda self: self.settings.implementation)
+    interpret = property(lambda self: self.settings.interpret)
+    temperature = property(lambda self: self.settings.temperature)
+    mesh = property(lambda self: self.settings.mesh)
+
+    def _read_only(self, bank: SourceBank, table: jax.Array, config: BoundedKVConfig):
+        """Attend over the retained stream without storing anything."""
         plan = BoundedKVPlan(table)
+        options = {"config": config, "implementation": self.implementation, "interpret": self.interpret}
 
         def fn(cache, layer, q, k, v):
             dt = config.dtype
             args = (cache, bank, plan, layer, q.astype(dt), k.astype(dt), v.astype(dt))
-            options = {"config": config, "implementation": self.implementation, "interpret": self.interpret}
             if self.mesh is not None:
-                return sharded_attend(self.mesh, *args, **options)
-            return attend(*args, **options)
+                return sharded_attend(self.mesh, *args, **options, write=False)
+            return attend(*args, **options, write=False)
 
         return fn
-
-    def _read_only(self, bank: SourceBank, table: jax.Array, config: BoundedKVConfig):
-        """Attend over the retained stream without storing anything."""
-
-        def fn(cache, layer, q, k, v):
-            dt = config.dtype
-            if self.mesh is not None:
-                return sharded_attend(
-                    self.mesh, cache, bank, BoundedKVPlan(table), layer, q.astype(dt), k.astype(dt),
-                    v.astype(dt), config=config, implementation=self.implementation, interpret=self.interpret,
-                    write=False,
-                )  # fmt: skip
-            out = sink_window_attention(
-                q.astype(dt), k.astype(dt), v.astype(dt), cache.k[layer], cache.v[layer], bank.k[layer],
-                bank.v[layer], table, max_retained=config.max_retained, query_window=config.query_window,
-                implementation=self.implementation, interpret=self.interpret,
-            )  # fmt: skip
-            return out, cache
-
-        return fn
-
-    # Talker.
-    def _talker_codes(self, talker: Talker, hidden, table, lengths, seeds) -> jax.Array:
-        """Sample the next frame from the hidden state of each row's last real token."""
-        last = jnp.maximum(lengths - 1, 0)
-        h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-        positions = table[:, tbl.STREAM_LEN] + last
-        return sample_codes(talker.logits(h_last), seeds, positions, temperature=self.temperature)
 
     @staticmethod
     def _positions(table: jax.Array, tokens: jax.Array) -> jax.Array:
         """Absolute stream positions of a step's tokens: `n + i` (the plan's stream length is `n`)."""
-        return table[:, tbl.STREAM_LEN][:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        return BoundedKVPlan(table).positions(tokens.shape[1])
 
-    def talker_step(
-        self, params: nnx.State, cache: BoundedKVCache, bank: SourceBank, plan: BoundedKVPlan,
-        tokens: jax.Array, lengths: jax.Array, seeds: jax.Array,
-    ) -> tuple[BoundedKVCache, jax.Array]:  # fmt: skip
-        """One talker step: prefill chunks (T tokens) or decode (T = 1), same code.
+    # The step functions with this model's settings (also what notebooks jit).
+    def talker_step(self, params, cache, bank, plan, *inputs) -> tuple[BoundedKVCache, jax.Array]:
+        """`talker_step(..., settings=self.settings)`."""
+        return talker_step(params, cache, bank, plan, *inputs, settings=self.settings)
 
-        Args:
-          params: `talker_params`.
-          cache, bank: the talker's cache (donated) and source bank.
-          plan: the manager's plan, its table i32[B, ROW_INTS].
-          tokens: i32[B, T] input tokens; row b's first `lengths[b]` are real.
-          lengths: i32[B] real tokens per row (0 for padding rows).
-          seeds: u32[B] per-request sampling seeds.
+    def talker_combined_step(self, params, cache, bank, plan, *inputs) -> tuple[BoundedKVCache, jax.Array]:
+        """`talker_combined_step(..., settings=self.settings)`."""
+        return talker_combined_step(params, cache, bank, plan, *inputs, settings=self.settings)
 
-        Returns:
-          (cache, i32[B] the frame each row's last real token predicts; meaningless for padding rows).
-        """
-        talker = nnx.merge(self._talker_def, params)
-        table = plan.table
-        positions = self._positions(table, tokens)
-        (hidden,), cache = talker([tokens], [positions], cache, [self._cached(bank, table, self.talker_kv)])
-        return cache, self._talker_codes(talker, hidden, table, lengths, seeds)
+    def flow_step(
+        self, params, cache, bank, plan, *inputs
+    ) -> tuple[BoundedKVCache, tuple[jax.Array, jax.Array]]:
+        """`flow_step(..., settings=self.settings)`."""
+        return flow_step(params, cache, bank, plan, *inputs, settings=self.settings)
 
-    def talker_combined_step(
-        self, params: nnx.State, cache: BoundedKVCache, bank: SourceBank, plan: BoundedKVPlan,
-        decode_tokens: jax.Array, decode_lengths: jax.Array, prefill_tokens: jax.Array,
-        prefill_lengths: jax.Array, seeds: jax.Array,
-    ) -> tuple[BoundedKVCache, jax.Array]:  # fmt: skip
-        """Decode rows and prefill rows in one program, each group on its own attention call.
-
-        Args:
-          plan: its table i32[Bd + Bp, ROW_INTS] holds the decode rows, then the prefill rows.
-          decode_tokens: i32[Bd, 1]; decode_lengths: i32[Bd].
-          prefill_tokens: i32[Bp, T]; prefill_lengths: i32[Bp].
-          seeds: u32[Bd + Bp].
-
-        Returns:
-          (cache, i32[Bd + Bp] next frames, decode rows first).
-        """
-        talker = nnx.merge(self._talker_def, params)
-        bd = decode_tokens.shape[0]
-        tables = (plan.table[:bd], plan.table[bd:])
-        groups = (decode_tokens, prefill_tokens)
-        positions = [self._positions(t, g) for t, g in zip(tables, groups, strict=True)]
-        attends = [self._cached(bank, t, self.talker_kv) for t in tables]
-        hiddens, cache = talker(list(groups), positions, cache, attends)
-        codes = [
-            self._talker_codes(talker, h, t, n, s)
-            for h, t, n, s in zip(
-                hiddens, tables, (decode_lengths, prefill_lengths), (seeds[:bd], seeds[bd:]), strict=True
-            )
-        ]
-        return cache, jnp.concatenate(codes)
+    def flow_noise(self, starts: jax.Array, seeds: jax.Array, frames: int) -> jax.Array:
+        """`flow_noise(self.config.mel_bins, ...)`."""
+        return flow_noise(self.config.mel_bins, starts, seeds, frames)
 
     def talker_voice_kv(self, params: nnx.State, tokens: jax.Array, length: jax.Array):
         """Keys and values of a voice prompt, as the talker's source prefix (causal, positions 0..P-1).
@@ -308,49 +246,6 @@ class StreamingTTSModel:
         return k, v
 
     # Flow decoder.
-    def flow_noise(self, starts: jax.Array, seeds: jax.Array, frames: int) -> jax.Array:
-        """f32[B, T, M] starting noise; frame i of a row depends only on (seed, starts + i).
-
-        Args:
-          starts: i32[B] each row's stream length before the chunk.
-          seeds: u32[B] per-request seeds.
-          frames: T.
-        """
-        mel_bins = self.config.mel_bins
-
-        def row(seed, start):
-            key = jax.random.fold_in(jax.random.key(seed), _FLOW_NOISE_STREAM)
-            ids = start + jnp.arange(frames, dtype=jnp.int32)
-            return jax.vmap(lambda i: jax.random.normal(jax.random.fold_in(key, i), (mel_bins,)))(ids)
-
-        return jax.vmap(row)(seeds, starts)
-
-    def flow_step(
-        self, params: nnx.State, cache: BoundedKVCache, bank: SourceBank, plan: BoundedKVPlan,
-        codes: jax.Array, seeds: jax.Array,
-    ) -> tuple[BoundedKVCache, tuple[jax.Array, jax.Array]]:  # fmt: skip
-        """Decode one chunk of codec frames per row into mel frames and samples.
-
-        Args:
-          params: `flow_params`.
-          cache, bank: the flow's cache (donated) and source bank.
-          plan: its table i32[B, ROW_INTS] (STEP_TOKENS say how many frames are real).
-          codes: i32[B, T] codec frames (indices in [0, V)); padding frames may be anything valid.
-          seeds: u32[B] per-request seeds.
-
-        Returns:
-          (cache, (mel f32[B, T, M], samples f32[B, T * SAMPLES_PER_FRAME])); frames past a row's real
-          count are meaningless.
-        """
-        flow = nnx.merge(self._flow_def, params)
-        table = plan.table
-        noise = self.flow_noise(table[:, tbl.STREAM_LEN], seeds, codes.shape[1])
-        mel, cache = flow.decode(
-            codes, noise, cache, read=self._read_only(bank, table, self.flow_kv),
-            write=self._cached(bank, table, self.flow_kv), steps=self.config.flow_steps,
-        )  # fmt: skip
-        return cache, (mel, flow.vocode(mel))
-
     def flow_voice_kv(
         self, params: nnx.State, codes: jax.Array, mel: jax.Array, noise: jax.Array, length: jax.Array
     ):
@@ -387,3 +282,142 @@ class StreamingTTSModel:
     def jitted_voice_kv(self):
         """The two voice-prompt functions, jitted (one program each: prompts are padded to a fixed P)."""
         return jax.jit(self.talker_voice_kv), jax.jit(self.flow_voice_kv)
+
+
+# The step functions: pure in their arguments, `settings` static.
+
+
+def _cached(settings: StreamingTTSSettings, bank: SourceBank, table: jax.Array, config: BoundedKVConfig):
+    """Attend over the retained stream and store the step's keys (`attend`)."""
+    plan = BoundedKVPlan(table)
+    options = {"config": config, "implementation": settings.implementation, "interpret": settings.interpret}
+
+    def fn(cache, layer, q, k, v):
+        dt = config.dtype
+        args = (cache, bank, plan, layer, q.astype(dt), k.astype(dt), v.astype(dt))
+        if settings.mesh is not None:
+            return sharded_attend(settings.mesh, *args, **options)
+        return attend(*args, **options)
+
+    return fn
+
+
+def _read_only(settings: StreamingTTSSettings, bank: SourceBank, table: jax.Array, config: BoundedKVConfig):
+    """Attend over the retained stream without storing anything."""
+    # The method reads only settings the settings hold under the model's attribute names.
+    return StreamingTTSModel._read_only(settings, bank, table, config)
+
+
+def _talker_codes(settings: StreamingTTSSettings, talker: Talker, hidden, table, lengths, seeds) -> jax.Array:
+    """Sample the next frame from the hidden state of each row's last real token."""
+    last = jnp.maximum(lengths - 1, 0)
+    h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    positions = table[:, tbl.STREAM_LEN] + last
+    return sample_codes(talker.logits(h_last), seeds, positions, temperature=settings.temperature)
+
+
+def talker_step(
+    params: nnx.State, cache: BoundedKVCache, bank: SourceBank, plan: BoundedKVPlan, tokens: jax.Array,
+    lengths: jax.Array, seeds: jax.Array, *, settings: StreamingTTSSettings,
+) -> tuple[BoundedKVCache, jax.Array]:  # fmt: skip
+    """One talker step: prefill chunks (T tokens) or decode (T = 1), same code.
+
+    Args:
+      params: `talker_params`.
+      cache, bank: the talker's cache (donated) and source bank.
+      plan: the manager's plan, its table i32[B, ROW_INTS].
+      tokens: i32[B, T] input tokens; row b's first `lengths[b]` are real.
+      lengths: i32[B] real tokens per row (0 for padding rows).
+      seeds: u32[B] per-request sampling seeds.
+      settings: static; the model's `settings`.
+
+    Returns:
+      (cache, i32[B] the frame each row's last real token predicts; meaningless for padding rows).
+    """
+    talker = nnx.merge(_graphdefs(settings.config)[0], params)
+    table = plan.table
+    positions = StreamingTTSModel._positions(table, tokens)
+    (hidden,), cache = talker(
+        [tokens], [positions], cache, [_cached(settings, bank, table, settings.talker_kv)]
+    )
+    return cache, _talker_codes(settings, talker, hidden, table, lengths, seeds)
+
+
+def talker_combined_step(
+    params: nnx.State, cache: BoundedKVCache, bank: SourceBank, plan: BoundedKVPlan,
+    decode_tokens: jax.Array, decode_lengths: jax.Array, prefill_tokens: jax.Array,
+    prefill_lengths: jax.Array, seeds: jax.Array, *, settings: StreamingTTSSettings,
+) -> tuple[BoundedKVCache, jax.Array]:  # fmt: skip
+    """Decode rows and prefill rows in one program, each group on its own attention call.
+
+    Args:
+      plan: its table i32[Bd + Bp, ROW_INTS] holds the decode rows, then the prefill rows.
+      decode_tokens: i32[Bd, 1]; decode_lengths: i32[Bd].
+      prefill_tokens: i32[Bp, T]; prefill_lengths: i32[Bp].
+      seeds: u32[Bd + Bp].
+      settings: static; the model's `settings`.
+
+    Returns:
+      (cache, i32[Bd + Bp] next frames, decode rows first).
+    """
+    talker = nnx.merge(_graphdefs(settings.config)[0], params)
+    bd = decode_tokens.shape[0]
+    tables = (plan.table[:bd], plan.table[bd:])
+    groups = (decode_tokens, prefill_tokens)
+    positions = [StreamingTTSModel._positions(t, g) for t, g in zip(tables, groups, strict=True)]
+    attends = [_cached(settings, bank, t, settings.talker_kv) for t in tables]
+    hiddens, cache = talker(list(groups), positions, cache, attends)
+    codes = [
+        _talker_codes(settings, talker, h, t, n, s)
+        for h, t, n, s in zip(
+            hiddens, tables, (decode_lengths, prefill_lengths), (seeds[:bd], seeds[bd:]), strict=True
+        )
+    ]
+    return cache, jnp.concatenate(codes)
+
+
+def flow_noise(mel_bins: int, starts: jax.Array, seeds: jax.Array, frames: int) -> jax.Array:
+    """f32[B, T, M] starting noise; frame i of a row depends only on (seed, starts + i).
+
+    Args:
+      mel_bins: M.
+      starts: i32[B] each row's stream length before the chunk.
+      seeds: u32[B] per-request seeds.
+      frames: T.
+    """
+
+    def row(seed, start):
+        key = jax.random.fold_in(jax.random.key(seed), _FLOW_NOISE_STREAM)
+        ids = start + jnp.arange(frames, dtype=jnp.int32)
+        return jax.vmap(lambda i: jax.random.normal(jax.random.fold_in(key, i), (mel_bins,)))(ids)
+
+    return jax.vmap(row)(seeds, starts)
+
+
+def flow_step(
+    params: nnx.State, cache: BoundedKVCache, bank: SourceBank, plan: BoundedKVPlan, codes: jax.Array,
+    seeds: jax.Array, *, settings: StreamingTTSSettings,
+) -> tuple[BoundedKVCache, tuple[jax.Array, jax.Array]]:  # fmt: skip
+    """Decode one chunk of codec frames per row into mel frames and samples.
+
+    Args:
+      params: `flow_params`.
+      cache, bank: the flow's cache (donated) and source bank.
+      plan: its table i32[B, ROW_INTS] (STEP_TOKENS say how many frames are real).
+      codes: i32[B, T] codec frames (indices in [0, V)); padding frames may be anything valid.
+      seeds: u32[B] per-request seeds.
+      settings: static; the model's `settings`.
+
+    Returns:
+      (cache, (mel f32[B, T, M], samples f32[B, T * SAMPLES_PER_FRAME])); frames past a row's real
+      count are meaningless.
+    """
+    flow = nnx.merge(_graphdefs(settings.config)[1], params)
+    table = plan.table
+    noise = flow_noise(settings.config.mel_bins, table[:, tbl.STREAM_LEN], seeds, codes.shape[1])
+    kv = settings.flow_kv
+    mel, cache = flow.decode(
+        codes, noise, cache, read=_read_only(settings, bank, table, kv),
+        write=_cached(settings, bank, table, kv), steps=settings.config.flow_steps,
+    )  # fmt: skip
+    return cache, (mel, flow.vocode(mel))
