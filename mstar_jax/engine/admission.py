@@ -90,10 +90,9 @@ class Admission:
             largest = min(self.programs.buckets.max_batch(walk) for walk in self.programs.buckets.walks)
             rows, width = batch.fit_shards(rows, placed, largest if bucket is None else bucket.bs)
         if bucket is None:
-            walk, bucket = batch.choose_bucket(self.programs.buckets, node.name, rows, rows_per_shard=width)
-        walk = bucket.graph_walk
+            _, bucket = batch.choose_bucket(self.programs.buckets, node.name, rows, rows_per_shard=width)
         step, ctx, ordered = batch.declare(
-            walk, bucket, rows, written=lambda s: s.written_in(node.name), pad=self.mesh is None
+            bucket, rows, written=lambda s: s.written_in(node.name), pad=self.mesh is None
         )
         return self._submodule(node, step, ctx), bucket, ordered
 

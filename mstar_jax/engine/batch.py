@@ -23,7 +23,8 @@ from mstar_jax.engine.request import Stream
 from mstar_jax.engine.scheduler import FlowRow
 from mstar_jax.models.streaming_tts.model import FLOW_CHUNK, TALKER_DECODE, TALKER_MIXED, TALKER_PREFILL
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep
-from mstar_jax.resources.step import PAD, BucketKey, Segment, SlotLease, StepContext
+from mstar_jax.resources.kv.bounded.padding import pad_step
+from mstar_jax.resources.step import PAD, BucketKey, Segment, StepContext
 
 __all__ = [
     "PAD",
@@ -84,12 +85,12 @@ def row_groups(bucket: BucketKey, rows: Sequence) -> list[tuple[list, int]]:
 
 
 def declare(
-    walk: str, bucket: BucketKey, rows: Sequence, *, written: Callable[[Stream], int], pad: bool = True
+    bucket: BucketKey, rows: Sequence, *, written: Callable[[Stream], int], pad: bool = True
 ) -> tuple[BoundedKVStep, StepContext, list]:
-    """The cache step of `rows`, padded to `bucket`, and its context (leased to the bucket).
+    """The cache step of `rows`, padded to `bucket` (`pad_step`), and its context (leased to the bucket).
 
     Args:
-      walk, bucket: from `choose_bucket`.
+      bucket: from `choose_bucket`.
       rows: `TalkerRow`s or `FlowRow`s.
       written: a stream's entries already committed to this node's cache.
       pad: declare padding rows (False on a mesh, where the caches pad each data shard themselves).
@@ -97,21 +98,15 @@ def declare(
     Returns:
       (step, ctx, the rows in bucket order).
     """
-    segments, positions, step_tokens, pads, ordered = [], {}, {}, [], []
-    for group, size in row_groups(bucket, rows):
-        for row in group:
-            stream = row.stream
-            segments.append(Segment(stream.request_id, "main", row.span))
-            positions[stream.request_id] = stream.request.voice.position(written(stream))
-            step_tokens[stream.request_id] = row.span
-            ordered.append(row)
-        for _ in range(size - len(group) if pad else 0):
-            pads.append(f"{PAD}{len(pads)}")
-            segments.append(Segment(pads[-1], "main", 0))
-    real = [r.stream.request_id for r in ordered]
-    ctx = StepContext(real, walk, 0, capture=False, slot_lease=SlotLease(0, bucket))
-    ctx.set_padded_rids(real + pads)
-    return BoundedKVStep(tuple(segments), positions, step_tokens), ctx, ordered
+    groups = row_groups(bucket, rows)
+    ordered = [row for group, _ in groups for row in group]
+    step = BoundedKVStep(
+        tuple(Segment(row.stream.request_id, "main", row.span) for row in ordered),
+        {row.stream.request_id: row.stream.request.voice.position(written(row.stream)) for row in ordered},
+        {row.stream.request_id: row.span for row in ordered},
+    )
+    padded = pad_step(step, bucket, groups=[(len(group), size) for group, size in groups], pad=pad)
+    return padded.step, padded.ctx, ordered
 
 
 def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None) -> tuple[np.ndarray, ...]:
