@@ -35,7 +35,6 @@ Not done here: splitting long key walks across programs (flash-decoding split-K)
 rows therefore runs N * G programs, each walking up to K keys.
 """
 
-import dataclasses
 import functools
 import importlib
 import math
@@ -48,13 +47,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.sink_window_attention import table as tbl
+from kernels_pallas.sink_window_attention.gpu_blocks import MIN_DOT_DIM, BlockSizes, next_power_of_two
 from kernels_pallas.sink_window_attention.validate import validate_inputs
 
+__all__ = ["BlockSizes", "sink_window_attention_gpu"]
+
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# Triton's tensor-core dot needs every operand dimension >= 16.
-_MIN_DOT_DIM = 16
-# float32 tiles keep block_q * block_k * DP within this (see `BlockSizes.default`).
-_F32_DOT_VOLUME = 2**17
 _TRITON_MODULE = "jax.experimental.pallas.triton"
 # Emitted (jax >= 0.11) each time a Triton-backend pallas_call is lowered; matched from its start.
 _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
@@ -79,79 +77,6 @@ def _ignore_triton_deprecation() -> None:
     test harness installs per test, such as pytest's `filterwarnings = error`).
     """
     warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
-
-
-def _is_power_of_two(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
-def _next_power_of_two(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class BlockSizes:
-    """Tile sizes and launch settings of the GPU kernel.
-
-    Attributes:
-      block_q: query rows per program (step tokens × the query heads of one KV head); a power of two.
-      block_k: keys per inner-loop step; a power of two.
-      num_warps: warps per program (Triton launch setting).
-      num_stages: software-pipelining stages of the key loops (Triton launch setting).
-    """
-
-    block_q: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def __post_init__(self):
-        for name in ("block_q", "block_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or not _is_power_of_two(value):
-                raise ValueError(f"BlockSizes.{name}={value!r} must be a positive power of two")
-        for name in ("num_warps", "num_stages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"BlockSizes.{name}={value!r} must be an int >= 1")
-
-    @classmethod
-    def default(cls, *, query_rows: int, head_dim: int, max_retained: int, itemsize: int = 2) -> "BlockSizes":
-        """Default tiles for `query_rows = T * (H / G)` query rows per KV head.
-
-        Small problems get small tiles (a decode step of 4 grouped heads needs 16 rows, not 128); keys are
-        never blocked past the padded key count. The rule keys on DP (the head dim padded to a power of
-        two: D 80 and 96 build like 128) and the dtype, and was read off `ptxas -v` for sm_90a
-        (`mstar_jax.compile.offline_gpu`, 270 cases: D 64-256 × GQA 1/4/8 × decode and prefill chunks
-        with and without a query window × K 32-8192; `tests/kernels/test_gpu_offline.py` keeps to it):
-
-        * 16-bit dtypes (tensor-core dots): block_q <= 64, block_k 64 (32 at DP 256), 2 stages, 8 warps
-          once block_q * DP >= 4096, else 4. No spills; at most 224 registers (DP 256, [64, 32]) and
-          128 KiB of shared memory. 4 warps spilled at DP 128 [64, 64] and DP 256 [64, 32], and hit
-          255 registers at DP 128 [32, 64] and DP 256 [16, 32].
-        * float32 (HIGHEST precision runs the dots on FMA units: a thread holds its share of both operands
-          over the whole contraction, so registers grow with block_q * block_k * DP): 1 stage, 16 warps,
-          block_q <= 4096 / DP and block_q * block_k * DP <= 2**17. No spills; at most 102 registers
-          (of 128 at 16 warps) and 80 KiB of shared memory. The 16-bit tiles with 2 stages spilled in
-          all float32 cases but one (0.6-56 KB of spill stores) and took up to 256 KiB.
-
-        Args:
-          query_rows: query rows per KV head, T * H/G.
-          head_dim: D.
-          max_retained: K.
-          itemsize: bytes per element of the inputs (2: bfloat16 or float16; 4: float32).
-        """
-        padded_dim = max(_next_power_of_two(head_dim), _MIN_DOT_DIM)
-        block_q = max(_next_power_of_two(query_rows), _MIN_DOT_DIM)
-        max_keys = max(_next_power_of_two(max_retained), _MIN_DOT_DIM)
-        if itemsize >= 4:
-            block_q = min(block_q, max(_MIN_DOT_DIM, 4096 // padded_dim))
-            block_k = min(64, _F32_DOT_VOLUME // (block_q * padded_dim), max_keys)
-            return cls(block_q=block_q, block_k=block_k, num_warps=16, num_stages=1)
-        block_q = min(block_q, 64)
-        block_k = min(32 if padded_dim > 128 else 64, max_keys)
-        num_warps = 8 if block_q * padded_dim >= 4096 else 4
-        return cls(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=2)
 
 
 def _online_softmax_step(
@@ -412,11 +337,11 @@ def sink_window_attention_gpu(
         block_sizes = BlockSizes.default(
             query_rows=query_rows, head_dim=dim, max_retained=max_retained, itemsize=q.dtype.itemsize
         )
-    padded_dim = _next_power_of_two(dim)
+    padded_dim = next_power_of_two(dim)
     if not interpret:
-        padded_dim = max(padded_dim, _MIN_DOT_DIM)
-        if min(block_sizes.block_q, block_sizes.block_k) < _MIN_DOT_DIM:
-            raise ValueError(f"{block_sizes=}: compiled Triton dots need block_q, block_k >= {_MIN_DOT_DIM}")
+        padded_dim = max(padded_dim, MIN_DOT_DIM)
+        if min(block_sizes.block_q, block_sizes.block_k) < MIN_DOT_DIM:
+            raise ValueError(f"{block_sizes=}: compiled Triton dots need block_q, block_k >= {MIN_DOT_DIM}")
     block_q, block_k = block_sizes.block_q, block_sizes.block_k
     q_blocks = pl.cdiv(query_rows, block_q)
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)

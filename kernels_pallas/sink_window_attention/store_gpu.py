@@ -31,7 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.sink_window_attention import table as tbl
-from kernels_pallas.sink_window_attention.gpu import _ignore_triton_deprecation, _next_power_of_two, _triton
+from kernels_pallas.sink_window_attention.gpu import _ignore_triton_deprecation, _triton
+from kernels_pallas.sink_window_attention.gpu_blocks import next_power_of_two
 
 __all__ = ["SUPPORTED_DTYPES", "store_step_gpu"]
 
@@ -125,10 +126,10 @@ def store_step_gpu(
     if min(num_requests, steps, capacity) == 0 or rows * groups * dim == 0:
         return cache_k, cache_v  # nothing can be written
     limit = min(steps, capacity)
-    padded_dim = _next_power_of_two(dim)
+    padded_dim = next_power_of_two(dim)
     # A program's tile stays within _TILE_ELEMENTS (a pointer and a value per element live in registers);
     # longer ranges take more programs along the grid's last axis.
-    block_t = min(_next_power_of_two(limit), max(1, _TILE_ELEMENTS // padded_dim))
+    block_t = min(next_power_of_two(limit), max(1, _TILE_ELEMENTS // padded_dim))
     written_bytes = 2 * num_requests * rows * groups * limit * dim * dtype.itemsize  # at most, K and V
     kernel = functools.partial(
         _store_kernel,
