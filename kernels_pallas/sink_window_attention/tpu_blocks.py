@@ -106,6 +106,8 @@ def vmem_bytes(
     scratch = 2 * heads(block_q, 1, 4) + heads(block_q, head_dim, 4)
     # scores, probabilities and mask in f32, probabilities cast for the value dot, values with masked zeros
     temporaries = 3 * heads(block_q, widest, 4) + heads(block_q, widest) + max(source, slot)
+    if rel_bias:  # the bias block sliced to the keys, and the biased scores
+        temporaries += 2 * heads(block_q, widest, 4)
     return buffers + scratch + temporaries
 
 

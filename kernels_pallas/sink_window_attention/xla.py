@@ -132,7 +132,7 @@ def rel_bias_at(rel_bias: jax.Array, key_index: jax.Array, retained: jax.Array, 
     head = jnp.arange(heads, dtype=jnp.int32).reshape(1, kv_heads, 1, group, 1)
     row = jnp.arange(n_rows, dtype=jnp.int32).reshape(n_rows, 1, 1, 1, 1)
     flat = ((row * heads + head) * steps + token.reshape(1, 1, steps, 1, 1)) * width + column
-    return rel_bias.astype(jnp.float32).reshape(-1).at[flat].get(mode="promise_in_bounds")
+    return jnp.asarray(rel_bias, jnp.float32).reshape(-1).at[flat].get(mode="promise_in_bounds")
 
 
 def _rel_bias_scores(rel_bias: jax.Array, rows: jax.Array, part: _Part, kv_heads: int) -> jax.Array:

@@ -222,7 +222,11 @@ class TTSPrograms:
         talker_state = tuple(_abstract(x, sharded) for x in (model.talker_params, talker.cache, talker.bank))
         flow_state = tuple(_abstract(x, sharded) for x in (model.flow_params, flow.cache, flow.bank))
         i32, u32 = jnp.int32, jnp.uint32
-        plan = lambda rows: BoundedKVPlan(_s((shards * rows, tbl.ROW_INTS), i32, rows_sharding))  # noqa: E731
+
+        def plan(rows: int, key: BucketKey) -> BoundedKVPlan:  # the manager's plan of a step in `key`
+            return BoundedKVPlan(
+                _s((shards * rows, tbl.ROW_INTS), i32, rows_sharding), num_tokens=key.num_tokens
+            )
 
         def rows_of(bs: int, *shape: int, dtype=i32) -> jax.ShapeDtypeStruct:
             return _s((shards * bs, *shape), dtype, rows_sharding)
@@ -233,7 +237,7 @@ class TTSPrograms:
         def plain(key: BucketKey) -> tuple:
             bs, t = key.bs, key.num_tokens
             return (
-                *talker_state, plan(bs), prev_codes, rows_of(bs),
+                *talker_state, plan(bs, key), prev_codes, rows_of(bs),
                 rows_of(bs, t), rows_of(bs), rows_of(bs, dtype=u32),
             )  # fmt: skip
 
@@ -241,13 +245,13 @@ class TTSPrograms:
             rows: CombinedRows = key.cg_key_info
             d, p, t = rows.decode_rows, rows.prefill_rows, key.num_tokens
             return (
-                *talker_state, plan(d + p), prev_codes, _s((d,), i32), _s((d, 1), i32), _s((d,), i32),
+                *talker_state, plan(d + p, key), prev_codes, _s((d,), i32), _s((d, 1), i32), _s((d,), i32),
                 _s((p, t), i32), _s((p,), i32), _s((d + p,), u32),
             )  # fmt: skip
 
         def chunk(key: BucketKey) -> tuple:
             bs, t = key.bs, key.num_tokens
-            return (*flow_state, plan(bs), rows_of(bs, t), rows_of(bs, dtype=u32))
+            return (*flow_state, plan(bs, key), rows_of(bs, t), rows_of(bs, dtype=u32))
 
         fed_width = None if mesh is not None else width
         plans = {

@@ -317,14 +317,22 @@ def score_terms(
     """Random `rel_bias` (f32[N, H, T, K + 2T - 1 + extra_width], x4 as the original's test) and sinks.
 
     The sink logits span both signs and a logit far above any score, so a sink that took all the mass or
-    none would show.
+    none would show. The bias is NaN wherever no (query, key) pair of a row reads it: the columns past
+    or before the row's distances, and the rows of padding tokens.
     """
     rng = np.random.default_rng(seed)
     rows, steps, heads, _ = case.q.shape
     terms = {}
     if rel_bias:
         width = case.max_retained + 2 * steps - 1 + extra_width
-        terms["rel_bias"] = 4 * rng.standard_normal((rows, heads, steps, width), dtype=np.float32)
+        bias = 4 * rng.standard_normal((rows, heads, steps, width), dtype=np.float32)
+        table = np.repeat(case.table, case.rows_per_request, axis=0)
+        retained = sum(table[:, tbl.read_len(i)] for i in range(tbl.NUM_READS))[:, None, None]
+        own = table[:, tbl.STEP_TOKENS][:, None, None]
+        i, column = np.arange(steps)[None, :, None], np.arange(width)[None, None, :]
+        # Keys j in [0, retained + own) give columns retained + i - j + T - 1 for real tokens i < own.
+        read = (i < own) & (column >= i - own + steps) & (column <= retained + i + steps - 1)
+        terms["rel_bias"] = np.where(read[:, None], bias, np.float32(np.nan))
     if sink_logits:
         logits = rng.uniform(-3.0, 3.0, heads).astype(np.float32)
         logits[0] = 8.0

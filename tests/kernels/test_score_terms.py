@@ -83,6 +83,29 @@ def test_oracle_bias_counts_compacted_distances():
             np.testing.assert_allclose(out[n, i], newest, rtol=1e-6, atol=1e-6)
 
 
+def test_oracle_bias_distances_skip_the_gap_between_sink_and_window():
+    # Key 0 (the first sink entry) sits `retained + i` places before query i in the compacted list, but
+    # `n + i` positions before it in the stream; a spike at the compacted column selects it, so the gap
+    # between sink and window does not count.
+    case = CASES["many_wraps"]
+    out = case.reference_output(rel_bias=_column_spike(case, lambda retained, i: 0 if retained else None))
+    groups = case.q.shape[2] // case.k.shape[2]
+    checked = 0
+    for n in range(case.q.shape[0]):
+        row = case.table[n // case.rows_per_request]
+        if not 0 < row[tbl.SINK_KEPT] < row[tbl.WINDOW_START]:
+            continue
+        values, _ = reference.retained_keys_reference(
+            row, case.cache_v, case.source_v, n % case.rows_per_request
+        )
+        for i in range(int(row[tbl.STEP_TOKENS])):
+            np.testing.assert_allclose(
+                out[n, i], np.repeat(values[:, 0], groups, axis=0), rtol=1e-6, atol=1e-6
+            )
+            checked += 1
+    assert checked
+
+
 def test_oracle_lone_key_beside_a_sink_weighs_sigmoid():
     # A fresh stream's first token sees only itself: out = v * e^s / (e^s + e^sink), s = q . k / sqrt(D).
     case = cases.make_case("lone", seed=7, batch=2, steps=1, source_len=0, written=0, max_source_len=4)
@@ -228,3 +251,17 @@ def test_bad_terms_are_refused_by_name(field, make, match, implementation):
             **{field: make(case)},
         )  # fmt: skip
     assert field in str(error.value)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "auto"])
+def test_host_arrays_outside_jit(implementation):
+    # NumPy terms, called eagerly: the op converts them itself.
+    case = CASES["mixed"]
+    terms = _terms("mixed", "both", case)
+    out = sink_window_attention(
+        *case.arrays(), max_retained=case.max_retained, implementation=implementation, **terms
+    )
+    tol = TOLERANCE[np.dtype(case.q.dtype)]
+    np.testing.assert_allclose(
+        np.asarray(out, np.float64), case.reference_output(**terms), rtol=tol, atol=tol
+    )

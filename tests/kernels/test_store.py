@@ -33,7 +33,7 @@ from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.compile import offline_tpu
 from mstar_jax.resources.kv.bounded import attention as bounded_attention
 from mstar_jax.resources.kv.bounded import layout
-from mstar_jax.resources.kv.bounded.cache import write_step
+from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan, write_step
 from tests.kernels import cases
 
 
@@ -462,7 +462,7 @@ def test_write_step_and_attend_pass_the_implementation_through(monkeypatch):
     config = dataclasses.make_dataclass("Config", ["max_retained", "query_window", "reverse_step_order"])
     cache = dataclasses.make_dataclass("Cache", ["k", "v"])((cache_k,), (cache_v,))
     bounded_attention.attend(
-        cache, cache, type("Plan", (), {"table": table})(), 0, k, k, v, config=config(8, None, True),
+        cache, cache, BoundedKVPlan(table), 0, k, k, v, config=config(8, None, True),
         implementation="pallas_gpu", interpret=marker,
     )  # fmt: skip
     assert (forwarded["implementation"], forwarded["interpret"]) == ("pallas_gpu", marker)

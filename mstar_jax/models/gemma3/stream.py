@@ -189,9 +189,7 @@ class Gemma3Streams:
         """
         model = nnx.merge(self._graphdef, params)
         configs = (self.local.config, self.global_.config)
-        positions = (
-            tables[0][:, tbl.STREAM_LEN][:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        )
+        positions = BoundedKVPlan(tables[0]).positions(tokens.shape[1])
 
         def attend_fn(state, is_global, index, q, k, v):
             kind = int(is_global)

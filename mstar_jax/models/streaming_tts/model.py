@@ -30,7 +30,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.flow import FlowDecoder
 from mstar_jax.models.streaming_tts.settings import StreamingTTSSettings
@@ -179,25 +178,6 @@ class StreamingTTSModel:
     temperature = property(lambda self: self.settings.temperature)
     mesh = property(lambda self: self.settings.mesh)
 
-    def _read_only(self, bank: SourceBank, table: jax.Array, config: BoundedKVConfig):
-        """Attend over the retained stream without storing anything."""
-        plan = BoundedKVPlan(table)
-        options = {"config": config, "implementation": self.implementation, "interpret": self.interpret}
-
-        def fn(cache, layer, q, k, v):
-            dt = config.dtype
-            args = (cache, bank, plan, layer, q.astype(dt), k.astype(dt), v.astype(dt))
-            if self.mesh is not None:
-                return sharded_attend(self.mesh, *args, **options, write=False)
-            return attend(*args, **options, write=False)
-
-        return fn
-
-    @staticmethod
-    def _positions(table: jax.Array, tokens: jax.Array) -> jax.Array:
-        """Absolute stream positions of a step's tokens: `n + i` (the plan's stream length is `n`)."""
-        return BoundedKVPlan(table).positions(tokens.shape[1])
-
     # The step functions with this model's settings (also what notebooks jit).
     def talker_step(self, params, cache, bank, plan, *inputs) -> tuple[BoundedKVCache, jax.Array]:
         """`talker_step(..., settings=self.settings)`."""
@@ -287,8 +267,10 @@ class StreamingTTSModel:
 # The step functions: pure in their arguments, `settings` static.
 
 
-def _cached(settings: StreamingTTSSettings, bank: SourceBank, table: jax.Array, config: BoundedKVConfig):
-    """Attend over the retained stream and store the step's keys (`attend`)."""
+def _attention(
+    settings: StreamingTTSSettings, bank: SourceBank, table: jax.Array, config: BoundedKVConfig, *, write=True
+):
+    """A layer's attention over the retained stream (`attend`), storing the step's keys when `write`."""
     plan = BoundedKVPlan(table)
     options = {"config": config, "implementation": settings.implementation, "interpret": settings.interpret}
 
@@ -296,23 +278,17 @@ def _cached(settings: StreamingTTSSettings, bank: SourceBank, table: jax.Array, 
         dt = config.dtype
         args = (cache, bank, plan, layer, q.astype(dt), k.astype(dt), v.astype(dt))
         if settings.mesh is not None:
-            return sharded_attend(settings.mesh, *args, **options)
-        return attend(*args, **options)
+            return sharded_attend(settings.mesh, *args, **options, write=write)
+        return attend(*args, **options, write=write)
 
     return fn
-
-
-def _read_only(settings: StreamingTTSSettings, bank: SourceBank, table: jax.Array, config: BoundedKVConfig):
-    """Attend over the retained stream without storing anything."""
-    # The method reads only settings the settings hold under the model's attribute names.
-    return StreamingTTSModel._read_only(settings, bank, table, config)
 
 
 def _talker_codes(settings: StreamingTTSSettings, talker: Talker, hidden, table, lengths, seeds) -> jax.Array:
     """Sample the next frame from the hidden state of each row's last real token."""
     last = jnp.maximum(lengths - 1, 0)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    positions = table[:, tbl.STREAM_LEN] + last
+    positions = BoundedKVPlan(table).stream_lengths() + last
     return sample_codes(talker.logits(h_last), seeds, positions, temperature=settings.temperature)
 
 
@@ -336,9 +312,9 @@ def talker_step(
     """
     talker = nnx.merge(_graphdefs(settings.config)[0], params)
     table = plan.table
-    positions = StreamingTTSModel._positions(table, tokens)
+    positions = BoundedKVPlan(table).positions(tokens.shape[1])
     (hidden,), cache = talker(
-        [tokens], [positions], cache, [_cached(settings, bank, table, settings.talker_kv)]
+        [tokens], [positions], cache, [_attention(settings, bank, table, settings.talker_kv)]
     )
     return cache, _talker_codes(settings, talker, hidden, table, lengths, seeds)
 
@@ -364,8 +340,8 @@ def talker_combined_step(
     bd = decode_tokens.shape[0]
     tables = (plan.table[:bd], plan.table[bd:])
     groups = (decode_tokens, prefill_tokens)
-    positions = [StreamingTTSModel._positions(t, g) for t, g in zip(tables, groups, strict=True)]
-    attends = [_cached(settings, bank, t, settings.talker_kv) for t in tables]
+    positions = [BoundedKVPlan(t).positions(g.shape[1]) for t, g in zip(tables, groups, strict=True)]
+    attends = [_attention(settings, bank, t, settings.talker_kv) for t in tables]
     hiddens, cache = talker(list(groups), positions, cache, attends)
     codes = [
         _talker_codes(settings, talker, h, t, n, s)
@@ -414,10 +390,10 @@ def flow_step(
     """
     flow = nnx.merge(_graphdefs(settings.config)[1], params)
     table = plan.table
-    noise = flow_noise(settings.config.mel_bins, table[:, tbl.STREAM_LEN], seeds, codes.shape[1])
+    noise = flow_noise(settings.config.mel_bins, BoundedKVPlan(table).stream_lengths(), seeds, codes.shape[1])
     kv = settings.flow_kv
     mel, cache = flow.decode(
-        codes, noise, cache, read=_read_only(settings, bank, table, kv),
-        write=_cached(settings, bank, table, kv), steps=settings.config.flow_steps,
+        codes, noise, cache, read=_attention(settings, bank, table, kv, write=False),
+        write=_attention(settings, bank, table, kv), steps=settings.config.flow_steps,
     )  # fmt: skip
     return cache, (mel, flow.vocode(mel))

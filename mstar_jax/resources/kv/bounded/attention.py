@@ -39,7 +39,8 @@ def check_step_width(plan: BoundedKVPlan, q: jax.Array) -> None:
         )
     raise ValueError(
         f"q carries {tokens} tokens per row (q.shape={tuple(q.shape)}), but the step declares rows of up "
-        f"to {width} (plan.num_tokens={width}); pass arrays as wide as the largest step_tokens"
+        f"to {width} (plan.num_tokens={width}); pass arrays that wide (the bucket's width, or the largest "
+        "step_tokens; PaddedStep.pad pads them)"
     )
 
 
@@ -76,7 +77,7 @@ def attend(
         scaling, indexed by compacted distance: query `i` and key `j` of the concatenation
         `retained ++ own` read column `(total + i) - j + T - 1`, `total` the row's retained count
         (`RB >= max_retained + 2T - 1`).
-      sink_logits: None or f32[H]: gpt-oss's learned sink logit per query head, in the softmax
+      sink_logits: None or float [H]: gpt-oss's learned sink logit per query head, in the softmax
         denominator.
       write: False attends without storing the step's keys (the cache is returned as it came).
       implementation, interpret: passed to `sink_window_attention` and to the store (`write_step`): "xla"

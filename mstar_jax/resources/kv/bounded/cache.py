@@ -106,9 +106,9 @@ class BoundedKVPlan:
     Attributes:
       table: i32[B, ROW_INTS] the rows' reads and writes.
       num_tokens: static: T, the step tokens per row the step's arrays must carry (`attend` refuses
-        others), or None where nothing is known to check: a plan for a bucket (a captured program fixes
-        the arrays at the bucket's width, which admission checks every row against) or one built by
-        hand from a table.
+        others): a bucketed step's bucket width, else the most tokens a row declares; None where nothing
+        is known (a plan built by hand from a table, a step with no real rows). Part of the plan's tree
+        structure: a program compiled ahead of time for a bucket takes that bucket's plans.
     """
 
     table: jax.Array | np.ndarray

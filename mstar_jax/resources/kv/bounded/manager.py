@@ -361,9 +361,12 @@ class BoundedKVManager(HostCopies, Sources, SegmentChecks, Resource):
                 reverse=self.config.reverse_step_order,
             )
         table.setflags(write=False)
-        # A bucket's width is no static of the plan: captured programs take the plans of every step.
-        bucketed = ctx.slot_lease is not None and ctx.slot_lease.bucket is not None
-        width = None if bucketed or not real else max(step_tokens_of(step, seg) for seg in real)
+        # A bucketed step's arrays are as wide as its bucket (a program captured for it says so too).
+        bucket = None if ctx.slot_lease is None else ctx.slot_lease.bucket
+        if bucket is not None:
+            width = bucket.num_tokens
+        else:
+            width = max((step_tokens_of(step, seg) for seg in real), default=None)
         return BoundedKVPlan(table, num_tokens=width)
 
     def commit(self, step: ResourceStep, ctx: StepContext | None = None) -> None:

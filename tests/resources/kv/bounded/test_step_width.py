@@ -114,11 +114,14 @@ def test_bucket_padding_stays_legal(rng):
     ctx = StepContext.for_step(step, BucketKey("walk", 2, 4))
     assert manager.admit(step, ctx).ok
     plan = manager.plan(step, ctx)
-    assert plan.num_tokens is None  # planned for the bucket: its arrays are the bucket's width
+    assert plan.num_tokens == 4  # planned for the bucket: its arrays are the bucket's width
     q, k, v = draw(rng, 4, H, rows=2), draw(rng, 4, G, rows=2), draw(rng, 4, G, rows=2)
     for x in (q, k, v):
         x[0, 2:] = x[1] = np.nan  # padding tokens and the padding row are never read
-    out, _ = run(manager.take_cache(), manager.bank, plan, q=q, k=k, v=v)
+    cache = manager.take_cache()
+    with pytest.raises(ValueError, match=r"q carries 2 tokens per row .*plan.num_tokens=4.*PaddedStep.pad"):
+        run(cache, manager.bank, plan, q=q[:, :2], k=k[:, :2], v=v[:, :2])  # not padded to the bucket
+    out, _ = run(cache, manager.bank, plan, q=q, k=k, v=v)
     out = np.asarray(out)
     np.testing.assert_allclose(
         out[0, :2], oracle(k[0, :2], v[0, :2], q[0, :2], retained=0), rtol=1e-5, atol=1e-6
