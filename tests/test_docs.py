@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sphinx", reason="Sphinx is not installed (the `dev` or `docs` extra): no API reference to build")
+pytest.importorskip("sphinx", reason="Sphinx is not installed (the dev or docs extra): no API reference")
 
 ROOT = Path(__file__).resolve().parents[1]
 
