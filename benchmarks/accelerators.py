@@ -4,6 +4,7 @@ Run from the repository root with the `aot` extra installed (libtpu, the CUDA pl
 
     python -m benchmarks.accelerators            # every case of mstar_jax.compile.accelerator_cases
     python -m benchmarks.accelerators --quick    # the first three cases, bf16 only
+    python -m benchmarks.accelerators --score-terms   # with rel_bias and sink_logits: temp ÷ the bias
 
 TPU, per generation and case, for the public op with the Pallas TPU kernel (libtpu on compile-only devices):
 compiled or why not; the VMEM the call asks for (`vmem_limit_bytes`, the tiled estimate plus headroom);
@@ -44,9 +45,10 @@ class TpuRow:
     temp_per_layer: float
     accessed_per_retained: float
     roofline_us: float
+    temp_per_bias: float = float("nan")  # with --score-terms: temporaries ÷ rel_bias's bytes
 
 
-def _vmem_request(case: accelerator_cases.AttentionCase, dtype) -> int:
+def _vmem_request(case: accelerator_cases.AttentionCase, dtype, terms: tuple[str, ...] = ()) -> int:
     """The `vmem_limit_bytes` the kernel asks for with its default tiles (the wrapper's own choice)."""
     _, specs = case.attention(dtype, "pallas_tpu")
     source, slot = specs[5].shape, specs[3].shape  # as allocated: at least a sublane tile, never empty
@@ -55,18 +57,19 @@ def _vmem_request(case: accelerator_cases.AttentionCase, dtype) -> int:
         kv_heads=case.kv_heads, head_dim=case.head_dim, itemsize=jnp.dtype(dtype).itemsize,
         source_len=source[3], slot_len=slot[3],
         transposed=(tpu_blocks.tokens_in_lanes(source), tpu_blocks.tokens_in_lanes(slot)),
+        rel_bias="rel_bias" in terms, sink_logits="sink_logits" in terms,
     )  # fmt: skip
     return tiles.vmem_limit_bytes
 
 
-def tpu_rows(cases, dtypes) -> list[TpuRow]:
+def tpu_rows(cases, dtypes, terms: tuple[str, ...] = ()) -> list[TpuRow]:
     rows = []
     for generation, chip in offline_tpu.GENERATIONS.items():
         for case in cases:
             for dtype in dtypes:
                 name = jnp.dtype(dtype).name
-                fn, specs = case.attention(dtype, "pallas_tpu")
-                vmem = _vmem_request(case, dtype) / 2**20
+                fn, specs = case.attention(dtype, "pallas_tpu", terms)
+                vmem = _vmem_request(case, dtype, terms) / 2**20
                 try:
                     compiled = offline_tpu.compile_for_tpu(fn, *specs, generation=generation)
                 except Exception as e:  # report the compiler's refusal in the table
@@ -76,19 +79,25 @@ def tpu_rows(cases, dtypes) -> list[TpuRow]:
                     )
                     continue
                 copies = offline_tpu.large_copies(compiled, case.layer_bytes(dtype) // 4)
-                temp = compiled.memory_analysis().temp_size_in_bytes / case.layer_bytes(dtype)
+                temp_bytes = compiled.memory_analysis().temp_size_in_bytes
+                temp = temp_bytes / case.layer_bytes(dtype)
                 accessed = float(compiled.cost_analysis()["bytes accessed"])
                 compiled_cell = "yes" if not copies else f"yes, {len(copies)} copies"
                 ratio, roofline = accessed / case.retained_bytes(dtype), 1e6 * accessed / chip.hbm_bytes_per_s
-                rows.append(TpuRow(generation, case.name, name, compiled_cell, vmem, temp, ratio, roofline))
+                bias = case.score_term_specs(dtype, terms).get("rel_bias")
+                per_bias = temp_bytes / (4 * bias.size) if bias is not None else float("nan")
+                row = TpuRow(
+                    generation, case.name, name, compiled_cell, vmem, temp, ratio, roofline, per_bias
+                )
+                rows.append(row)
     return rows
 
 
-def gpu_rows(cases, dtypes) -> list[tuple]:
+def gpu_rows(cases, dtypes, terms: tuple[str, ...] = ()) -> list[tuple]:
     rows = []
     for case in cases:
         for dtype in dtypes:
-            fn, specs = case.attention(dtype, "pallas_gpu")
+            fn, specs = case.attention(dtype, "pallas_gpu", terms)
             lowered = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
             for stats in offline_gpu.triton_kernel_stats(lowered):
                 spills = f"{stats.spill_store_bytes}/{stats.spill_load_bytes}"
@@ -147,30 +156,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--summary", action="store_true", help="one TPU row per case and dtype (the README's)"
     )
+    parser.add_argument(
+        "--score-terms",
+        action="store_true",
+        help="the kernels with rel_bias and sink_logits (temp ÷ the bias)",
+    )
     args = parser.parse_args(argv)
     cases = accelerator_cases.CASES[:3] if args.quick else accelerator_cases.CASES
     dtypes = (jnp.bfloat16,) if args.quick else accelerator_cases.DTYPES
-    label = " (--quick: a subset)" if args.quick else ""
+    terms = ("rel_bias", "sink_logits") if args.score_terms else ()
+    label = (" (--quick: a subset)" if args.quick else "") + (
+        ", with rel_bias and sink_logits" if terms else ""
+    )
 
     if (missing := offline_tpu.tpu_toolchain_missing()) is None:
         print(f"TPU, Pallas kernel compiled by libtpu{label}")
-        rows = tpu_rows(cases, dtypes)
+        rows = tpu_rows(cases, dtypes, terms)
         if args.summary:
             _print_tpu_summary(rows)
         else:
             header = ("gen", "case", "dtype", "compiled", "VMEM asked MiB", "temp ÷ layer")
+            header += ("accessed ÷ retained", "roofline µs") + (("temp ÷ rel_bias",) if terms else ())
             cells = [
                 (r.generation, r.case, r.dtype, r.compiled, f"{r.vmem_mib:.1f}", f"{r.temp_per_layer:.4f}",
                  f"{r.accessed_per_retained:.2f}", f"{r.roofline_us:.1f}")
+                + ((f"{r.temp_per_bias:.2f}",) if terms else ())
                 for r in rows
             ]  # fmt: skip
-            _print_table((*header, "accessed ÷ retained", "roofline µs"), cells)
+            _print_table(header, cells)
     else:
         print(f"TPU: skipped, {missing}")
     if (missing := offline_gpu.gpu_toolchain_missing()) is None:
         print(f"\nGPU sm_90a, Pallas Triton kernel, ptxas -v{label}")
         header = ("case", "dtype", "registers", "spill st/ld B", "smem KiB", "warps")
-        _print_table(header, gpu_rows(cases, dtypes))
+        _print_table(header, gpu_rows(cases, dtypes, terms))
     else:
         print(f"GPU: skipped, {missing}")
 

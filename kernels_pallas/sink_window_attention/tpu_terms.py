@@ -6,10 +6,10 @@ the kernel does not look the columns up: each phase gets the bias already gather
 `[N, G, T * H/G, steps * lanes]` (the queries' fold, see `tpu`), whose block for walk step `s` lies under
 the store block that step reads. It holds a column per key the walk passes, about as many as `rel_bias`
 has (`RB >= K + 2T - 1`; more where the last block of a store is mostly past its reads). The gather moves
-all heads per index, but XLA on TPU stages it through relayout copies: compiled by libtpu for v5e, the
-temporaries come to about a quarter of `rel_bias`'s bytes for decode and up to 4.4 times them for a
-16-token chunk of 64 heads over 4,197 keys. An in-kernel rel-shift would need none of it, and lane
-gathers Mosaic does not offer.
+all heads per index, and its output and index are tile-padded: compiled by libtpu, the temporaries come
+to 0.26 to 5.75 times `rel_bias`'s bytes over the serving geometries of `benchmarks.accelerators
+--score-terms` (v5p the most). An in-kernel rel-shift would need none of it, and lane gathers Mosaic
+does not offer.
 
 Shape legend: see `kernels_pallas.sink_window_attention.table`.
 """
