@@ -124,6 +124,11 @@ def query_window_visible(key_pos: Any, query_pos: Any, sink: Any, query_window: 
     return (key_pos <= query_pos) & ((key_pos < sink) | (key_pos > query_pos - query_window))
 
 
+def retained_count(rows: Any) -> Any:
+    """Retained keys per row, the sum of its read lengths: `rows [..., ROW_INTS]` -> `[...]`."""
+    return sum(rows[..., read_len(i)] for i in range(NUM_READS))
+
+
 def rel_bias_column(key_index: Any, query_token: Any, retained: Any, steps: int) -> Any:
     """Column of `rel_bias` for query token `i` and key `j` of the concatenation: `retained + i - j + T - 1`.
 

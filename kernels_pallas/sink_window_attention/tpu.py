@@ -130,7 +130,7 @@ def sink_window_attention_tpu(
     max_retained = int(max_retained)
     query_window = None if query_window is None else int(query_window)
     if isinstance(table, np.ndarray):  # host tables are checked for free; device tables would sync
-        retained = table[:, [tbl.read_len(i) for i in range(tbl.NUM_READS)]].sum(axis=1)
+        retained = tbl.retained_count(table)
         if (retained > max_retained).any():
             raise ValueError(f"table retains up to {retained.max()} keys per row, past {max_retained=}")
     n_rows, steps, heads, dim = q.shape

@@ -28,24 +28,12 @@ def walk_lanes(block: int, num_steps: int) -> int:
     return block if num_steps == 1 or block % LANES == 0 else -(-block // LANES) * LANES
 
 
-def _fold(x: jax.Array, kv_heads: int) -> jax.Array:
-    """[N, H, T, W] -> [N, G, T * H/G, W], the queries' fold: row `t * H/G + h'` is head `g * H/G + h'`."""
-    n_rows, heads, steps, width = x.shape
-    x = x.reshape(n_rows, kv_heads, heads // kv_heads, steps, width).transpose(0, 1, 3, 2, 4)
-    return x.reshape(n_rows, kv_heads, steps * (heads // kv_heads), width)
-
-
-def _retained(table: jax.Array) -> jax.Array:
-    """i32[B]: each request's retained count, the sum of its read lengths."""
-    return sum(table[:, tbl.read_len(i)] for i in range(tbl.NUM_READS))
-
-
 def _walk_bias(
     rel_bias: jax.Array, key_index: jax.Array, table: jax.Array, kv_heads: int, rows_per_request: int
 ):
     """f32[N, G, T * H/G, W] of `rel_bias` under keys `key_index` (i32[B, W], one list per request)."""
     key_index = jnp.repeat(key_index, rows_per_request, axis=0)
-    retained = jnp.repeat(_retained(table), rows_per_request)
+    retained = jnp.repeat(tbl.retained_count(table), rows_per_request)
     bias = rel_bias_at(rel_bias, key_index, retained, kv_heads)  # [N, G, T, H/G, W]: the fold, unmerged
     return bias.reshape(*bias.shape[:2], -1, bias.shape[-1])
 
@@ -89,12 +77,11 @@ def store_walk_bias(
 def own_bias(rel_bias: jax.Array, table: jax.Array, *, kv_heads: int, rows_per_request: int) -> jax.Array:
     """f32[N, G, T * H/G, T]: the bias under the step's own keys (key `t` is `retained + t`)."""
     steps = rel_bias.shape[2]
-    key_index = _retained(table)[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
+    key_index = tbl.retained_count(table)[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
     return _walk_bias(rel_bias, key_index, table, kv_heads, rows_per_request)
 
 
 def folded_sinks(sink_logits: jax.Array, *, kv_heads: int, steps: int) -> jax.Array:
-    """f32[G, T * H/G, 1]: each folded query row's sink logit."""
-    heads = sink_logits.shape[0]
-    per_row = jnp.broadcast_to(sink_logits.astype(jnp.float32)[None, :, None, None], (1, heads, steps, 1))
-    return _fold(per_row, kv_heads)[0]
+    """f32[G, T * H/G, 1]: each folded query row's sink logit (row `t * H/G + h'` is head `g * H/G + h'`)."""
+    per_kv_head = sink_logits.astype(jnp.float32).reshape(kv_heads, 1, -1)  # [G, 1, H/G]
+    return jnp.tile(per_kv_head, (1, steps, 1)).reshape(kv_heads, -1, 1)

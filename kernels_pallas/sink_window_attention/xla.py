@@ -92,11 +92,6 @@ def _gather_part(
     return _Part(keys, values, positions, retained_j, valid)
 
 
-def _retained(rows: jax.Array) -> jax.Array:
-    """i32[N]: each row's retained count, the sum of its read lengths."""
-    return sum(rows[:, tbl.read_len(i)] for i in range(tbl.NUM_READS))
-
-
 def _own_part(rows: jax.Array, k: jax.Array, v: jax.Array) -> _Part:
     """The step's own keys: token `i` at stream position `STREAM_LEN + i`, valid below `STEP_TOKENS`."""
     steps = k.shape[1]
@@ -108,7 +103,7 @@ def _own_part(rows: jax.Array, k: jax.Array, v: jax.Array) -> _Part:
         k.transpose(0, 2, 1, 3),
         values.transpose(0, 2, 1, 3),
         rows[:, tbl.STREAM_LEN][:, None] + i,
-        _retained(rows)[:, None] + i,
+        tbl.retained_count(rows)[:, None] + i,
         valid,
     )
 
@@ -137,7 +132,7 @@ def rel_bias_at(rel_bias: jax.Array, key_index: jax.Array, retained: jax.Array, 
 
 def _rel_bias_scores(rel_bias: jax.Array, rows: jax.Array, part: _Part, kv_heads: int) -> jax.Array:
     """f32[N, G, T, I, P]: the `rel_bias` term of each query and key of `part` (see `table`)."""
-    return rel_bias_at(rel_bias, part.index, _retained(rows), kv_heads)
+    return rel_bias_at(rel_bias, part.index, tbl.retained_count(rows), kv_heads)
 
 
 def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:

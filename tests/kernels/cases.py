@@ -327,7 +327,7 @@ def score_terms(
         width = case.max_retained + 2 * steps - 1 + extra_width
         bias = 4 * rng.standard_normal((rows, heads, steps, width), dtype=np.float32)
         table = np.repeat(case.table, case.rows_per_request, axis=0)
-        retained = sum(table[:, tbl.read_len(i)] for i in range(tbl.NUM_READS))[:, None, None]
+        retained = tbl.retained_count(table)[:, None, None]
         own = table[:, tbl.STEP_TOKENS][:, None, None]
         i, column = np.arange(steps)[None, :, None], np.arange(width)[None, None, :]
         # Keys j in [0, retained + own) give columns retained + i - j + T - 1 for real tokens i < own.

@@ -33,7 +33,7 @@ BIG = 1e4  # a bias that outweighs every score (scores are O(10) here)
 
 
 def _retained(row: np.ndarray) -> int:
-    return int(sum(row[tbl.read_len(i)] for i in range(tbl.NUM_READS)))
+    return int(tbl.retained_count(row))
 
 
 def _column_spike(case: cases.KernelCase, key_of_query) -> np.ndarray:
