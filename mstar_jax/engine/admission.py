@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from mstar_jax.engine import batch
 from mstar_jax.engine.request import RequestError
-from mstar_jax.resources.kv.bounded.config import BoundedKVStep
 from mstar_jax.resources.step import (
     AdmitOutcome,
     AdmitRuntimeError,
@@ -25,9 +24,9 @@ from mstar_jax.resources.step import (
     BucketKey,
     FullAdmitOutcome,
     RequestOffloading,
-    StepContext,
     SubmoduleStep,
 )
+from mstar_jax.serving.transaction import Declared
 
 if TYPE_CHECKING:
     from mstar_jax.engine.records import Node
@@ -38,16 +37,14 @@ __all__ = ["Admission"]
 class Admission:
     """The part of `Engine` that admits a step's rows and answers refusals (module doc)."""
 
-    def _admit(
-        self, node: Node, rows: list, bucket: BucketKey | None = None
-    ) -> tuple[SubmoduleStep, BucketKey, list] | None:
+    def _admit(self, node: Node, rows: list, bucket: BucketKey | None = None) -> tuple[Declared, list] | None:
         """Admit the largest part of `rows` the resources accept, handling each refusal (module doc);
         in `bucket` when one is given (the bucket every process agreed on), else the tightest."""
         while rows:
-            sub, chosen, rows = self._declare(node, rows, bucket)
-            full = self._try_admit(node, sub)
+            declared, rows = self._declare(node, rows, bucket)
+            full = self._try_admit(node, declared.sub)
             if full.ok and full.ready:
-                return sub, chosen, rows
+                return declared, rows
             reason, rids = full.reason, {r.stream.request_id for r in rows}
             if not full.ok and isinstance(reason, AllocationFailed):
                 self.counters["allocation_failed"] += 1
@@ -75,9 +72,7 @@ class Admission:
                 rows = self._hold(rows, rids)
         return None
 
-    def _declare(
-        self, node: Node, rows: Sequence, bucket: BucketKey | None = None
-    ) -> tuple[SubmoduleStep, BucketKey, list]:
+    def _declare(self, node: Node, rows: Sequence, bucket: BucketKey | None = None) -> tuple[Declared, list]:
         """The step of `rows` padded to its tightest bucket (or to `bucket`), its rows in the bucket's
         order.
 
@@ -91,25 +86,18 @@ class Admission:
             rows, width = batch.fit_shards(rows, placed, largest if bucket is None else bucket.bs)
         if bucket is None:
             _, bucket = batch.choose_bucket(self.programs.buckets, node.name, rows, rows_per_shard=width)
-        step, ctx, ordered = batch.declare(
-            bucket, rows, written=lambda s: s.written_in(node.name), pad=self.mesh is None
+        return batch.declare(
+            bucket, rows, key=node.key, written=lambda s: s.written_in(node.name), pad=self.mesh is None
         )
-        return self._submodule(node, step, ctx), bucket, ordered
-
-    @staticmethod
-    def _submodule(node: Node, step: BoundedKVStep, ctx: StepContext) -> SubmoduleStep:
-        sub = SubmoduleStep({node.key: step})
-        sub.set_ctx(ctx)
-        return sub
 
     def _terminal_rows(self, node: Node, rows: list) -> dict[str, str]:
         """Admit each row alone (then abort it) to find those refused for good, with their messages."""
         culprits = {}
         for row in rows:
-            sub, _, _ = self._declare(node, [row])
-            full = self._try_admit(node, sub)
+            declared, _ = self._declare(node, [row])
+            full = self._try_admit(node, declared.sub)
             if full.ok:
-                node.runner.abort_step(sub)
+                node.runner.abort_step(declared.sub)
             elif isinstance(full.reason, AdmitRuntimeError):
                 culprits[row.stream.request_id] = full.reason.message
         return culprits

@@ -23,8 +23,9 @@ from mstar_jax.engine.request import Stream
 from mstar_jax.engine.scheduler import FlowRow
 from mstar_jax.models.streaming_tts.model import FLOW_CHUNK, TALKER_DECODE, TALKER_MIXED, TALKER_PREFILL
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep
-from mstar_jax.resources.kv.bounded.padding import pad_step
-from mstar_jax.resources.step import PAD, BucketKey, Segment, StepContext
+from mstar_jax.resources.step import PAD, BucketKey, Segment
+from mstar_jax.serving import transaction
+from mstar_jax.serving.transaction import Declared
 
 __all__ = [
     "PAD",
@@ -85,18 +86,19 @@ def row_groups(bucket: BucketKey, rows: Sequence) -> list[tuple[list, int]]:
 
 
 def declare(
-    bucket: BucketKey, rows: Sequence, *, written: Callable[[Stream], int], pad: bool = True
-) -> tuple[BoundedKVStep, StepContext, list]:
-    """The cache step of `rows`, padded to `bucket` (`pad_step`), and its context (leased to the bucket).
+    bucket: BucketKey, rows: Sequence, *, key: str, written: Callable[[Stream], int], pad: bool = True
+) -> tuple[Declared, list]:
+    """The cache step of `rows` on the cache `key`, padded to `bucket` (`pad_step`) and leased to it.
 
     Args:
       bucket: from `choose_bucket`.
       rows: `TalkerRow`s or `FlowRow`s.
+      key: the node's cache.
       written: a stream's entries already committed to this node's cache.
       pad: declare padding rows (False on a mesh, where the caches pad each data shard themselves).
 
     Returns:
-      (step, ctx, the rows in bucket order).
+      (the declared step, the rows in bucket order).
     """
     groups = row_groups(bucket, rows)
     ordered = [row for group, _ in groups for row in group]
@@ -105,8 +107,8 @@ def declare(
         {row.stream.request_id: row.stream.request.voice.position(written(row.stream)) for row in ordered},
         {row.stream.request_id: row.span for row in ordered},
     )
-    padded = pad_step(step, bucket, groups=[(len(group), size) for group, size in groups], pad=pad)
-    return padded.step, padded.ctx, ordered
+    sizes = [(len(group), size) for group, size in groups]
+    return transaction.declare((key,), step, bucket, groups=sizes, pad=pad), ordered
 
 
 def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None) -> tuple[np.ndarray, ...]:

@@ -15,7 +15,7 @@ from mstar_jax.distributed import host_local
 from mstar_jax.engine import batch
 from mstar_jax.engine.records import InFlight, Node, StepRecord
 from mstar_jax.engine.request import StateLostError
-from mstar_jax.resources.step import SubmoduleStep
+from mstar_jax.serving.transaction import Resources, run_admitted
 
 __all__ = ["Dispatch"]
 
@@ -35,33 +35,36 @@ class Dispatch:
             if agreed is None:
                 return False
             admitted = self._declare(node, [], agreed)  # the others run it: enter it with no rows
-        sub, bucket, rows = admitted
+        declared, rows = admitted
+        bucket, node_step = declared.bucket, declared.sub.steps[node.key]
         params = self.model.talker_params if node.name == "talker" else self.model.flow_params
         positions = tuple(r.stream.written_in(node.name) for r in rows)
         talker = node.name == "talker"
-        try:  # from here on an error must give back what admit claimed
-            plan = node.runner.plan(sub)[node.key]
-            layout = node.manager.plan_rows(sub.steps[node.key], sub.ctx) if self.mesh is not None else None
+        layout = None  # a mesh's placement of the rows, made once the step is planned
+
+        def replay(resources: Resources):
+            nonlocal layout
+            if self.mesh is not None:
+                layout = node.manager.plan_rows(node_step, declared.sub.ctx)
             inputs = batch.step_inputs(bucket, rows, layout)
             if talker:
                 step = self._talker_in_flight
                 inputs = (self._no_codes if step is None else step.outputs, *inputs)
+            (cache,), (bank,), (plan,) = resources.caches, resources.banks, resources.plans
             with warn_on_compilations(f"engine step {bucket}") as counter:
                 cache, outputs = self.programs.steps[bucket.graph_walk].replay(
-                    bucket, params, node.manager.cache, node.manager.bank, plan, *inputs
+                    bucket, params, cache, bank, plan, *inputs
                 )
-                if not self.pipelined:  # read inside the guard: a failed read fails the step
+                if not self.pipelined:  # read inside the transaction: a failed read fails the step
                     outputs = host_local(outputs)  # this process's rows (every row, in one process)
+            return (cache,), (outputs, counter)
+
+        try:  # an error aborts what admit claimed (run_admitted), then the node recovers
+            outputs, counter = run_admitted(node.runner, declared, replay)
         except Exception as err:
-            _abort(node, sub, err)
             self.drain()  # the streams as every earlier step left them, for the recovery
             self._recover(node, rows, err)
             return True
-        except BaseException as err:
-            _abort(node, sub, err)
-            raise
-        node.manager.cache = cache
-        node.runner.commit(sub)
         if self.warmed_up:
             self.compilations += counter.count
         if not rows:
@@ -152,12 +155,3 @@ class Dispatch:
                 f"a {step.node.name} step with request {stream.request_id!r} failed on the device after it "
                 f"was dispatched ({err!r}); its offloaded copy came from what it left: submit it again"
             ))  # fmt: skip
-
-
-def _abort(node: Node, sub: SubmoduleStep, err: BaseException) -> None:
-    """Abort the step's admission after the step raised `err`; should aborting raise too, `err` stays the
-    error (what the recovery, and the requests' messages, are about) with the other noted on it."""
-    try:
-        node.runner.abort_step(sub)
-    except Exception as abort_error:
-        err.add_note(f"aborting the step's admission raised too: {abort_error!r}")

@@ -61,6 +61,7 @@ from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.kv.bounded.sharding import DATA
 from mstar_jax.resources.step import BucketKey
+from mstar_jax.serving.abstract import abstract, shaped
 
 __all__ = ["SettingsMismatchError", "TTSPrograms", "codes_width", "fed", "tts_buckets"]
 
@@ -109,17 +110,6 @@ def tts_buckets(
             BucketSet(graph_walk=FLOW_CHUNK, batch_sizes=tuple(batch_sizes), token_counts=(flow_tokens[0],)),
         )
     )
-
-
-def _abstract(tree, sharded: bool = False):
-    """`tree` as `ShapeDtypeStruct`s, keeping each array's sharding when `sharded` (a mesh's arrays)."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if sharded else None), tree
-    )
-
-
-def _s(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
 def fed(step, *, width: int | None):
@@ -219,20 +209,22 @@ class TTSPrograms:
         # On a mesh a bucket's rows are per data shard: its arrays hold every shard's, split on `data`.
         shards = 1 if mesh is None else mesh.shape[DATA]
         rows_sharding = None if mesh is None else NamedSharding(mesh, P(DATA))
-        talker_state = tuple(_abstract(x, sharded) for x in (model.talker_params, talker.cache, talker.bank))
-        flow_state = tuple(_abstract(x, sharded) for x in (model.flow_params, flow.cache, flow.bank))
+        talker_state = tuple(
+            abstract(x, sharded=sharded) for x in (model.talker_params, talker.cache, talker.bank)
+        )
+        flow_state = tuple(abstract(x, sharded=sharded) for x in (model.flow_params, flow.cache, flow.bank))
         i32, u32 = jnp.int32, jnp.uint32
 
         def plan(rows: int, key: BucketKey) -> BoundedKVPlan:  # the manager's plan of a step in `key`
             return BoundedKVPlan(
-                _s((shards * rows, tbl.ROW_INTS), i32, rows_sharding), num_tokens=key.num_tokens
+                shaped((shards * rows, tbl.ROW_INTS), i32, rows_sharding), num_tokens=key.num_tokens
             )
 
         def rows_of(bs: int, *shape: int, dtype=i32) -> jax.ShapeDtypeStruct:
-            return _s((shards * bs, *shape), dtype, rows_sharding)
+            return shaped((shards * bs, *shape), dtype, rows_sharding)
 
         width = codes_width(buckets, shards)
-        prev_codes = _s((width,), i32, None if mesh is None else NamedSharding(mesh, P()))
+        prev_codes = shaped((width,), i32, None if mesh is None else NamedSharding(mesh, P()))
 
         def plain(key: BucketKey) -> tuple:
             bs, t = key.bs, key.num_tokens
@@ -245,8 +237,8 @@ class TTSPrograms:
             rows: CombinedRows = key.cg_key_info
             d, p, t = rows.decode_rows, rows.prefill_rows, key.num_tokens
             return (
-                *talker_state, plan(d + p, key), prev_codes, _s((d,), i32), _s((d, 1), i32), _s((d,), i32),
-                _s((p, t), i32), _s((p,), i32), _s((d + p,), u32),
+                *talker_state, plan(d + p, key), prev_codes, shaped((d,), i32), shaped((d, 1), i32),
+                shaped((d,), i32), shaped((p, t), i32), shaped((p,), i32), shaped((d + p,), u32),
             )  # fmt: skip
 
         def chunk(key: BucketKey) -> tuple:
@@ -264,9 +256,9 @@ class TTSPrograms:
         # A static argument: what the store's keys describe, so nothing else needs a fingerprint.
         static = {"settings": model.settings}
         for walk in buckets.walks:
-            fn, abstract = plans[walk]
+            fn, arguments = plans[walk]
             steps[walk] = capture(
-                fn, buckets[walk].keys(), abstract, static_kwargs=static, donate_argnums=1, name=walk,
+                fn, buckets[walk].keys(), arguments, static_kwargs=static, donate_argnums=1, name=walk,
                 progress=progress, max_workers=max_workers, store=store,
             )  # fmt: skip
         return cls(buckets=buckets, steps=steps, codes_width=width, settings=model.settings)

@@ -7,7 +7,7 @@ from mstar_jax.compile import count_compilations
 from mstar_jax.engine import batch
 from mstar_jax.engine.voices import Voice
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep
-from mstar_jax.resources.step import Segment, StepContext
+from mstar_jax.resources.step import Segment, StepContext, SubmoduleStep
 
 __all__ = ["VoicesAndWarmUp"]
 
@@ -52,7 +52,8 @@ class VoicesAndWarmUp:
             for node in self.nodes.values():
                 node.runner.ingest_request(rid)
                 step = BoundedKVStep((Segment(rid, "main", 0),), {rid: voice.position(0)}, {rid: 1})
-                sub = self._submodule(node, step, StepContext([rid], "warmup", 0, capture=False))
+                sub = SubmoduleStep({node.key: step})
+                sub.set_ctx(StepContext([rid], "warmup", 0, capture=False))
                 if not node.runner.admit(sub).ok:
                     raise RuntimeError(f"warm_up could not borrow a {node.key} slot; is the engine idle?")
                 node.runner.commit(sub)

@@ -35,7 +35,6 @@ from mstar_jax.compile import (
 )
 from mstar_jax.models.gemma3.gguf import Gemma3Config
 from mstar_jax.models.gemma3.model import Gemma3
-from mstar_jax.resources.kv.bounded.attention import attend
 from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan
 from mstar_jax.resources.kv.bounded.config import (
     BoundedKVConfig,
@@ -46,14 +45,16 @@ from mstar_jax.resources.kv.bounded.config import (
 )
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.runner import ResourceRunner
-from mstar_jax.resources.step import (
-    PAD,
-    BucketKey,
-    FullAdmitOutcome,
-    Segment,
-    SlotLease,
-    StepContext,
-    SubmoduleStep,
+from mstar_jax.resources.step import BucketKey, FullAdmitOutcome, Segment
+from mstar_jax.serving import (
+    Declared,
+    Resources,
+    abstract,
+    admit,
+    declare,
+    layer_attention,
+    run_admitted,
+    shaped,
 )
 
 __all__ = ["DECODE", "GLOBAL_KV", "HEADS", "LOCAL_KV", "PREFILL", "Gemma3Streams", "cache_configs"]
@@ -191,16 +192,15 @@ class Gemma3Streams:
         configs = (self.local.config, self.global_.config)
         positions = BoundedKVPlan(tables[0]).positions(tokens.shape[1])
 
+        layers = [
+            layer_attention(config, bank, table, implementation=implementation, interpret=interpret)
+            for config, bank, table in zip(configs, banks, tables, strict=True)
+        ]
+
         def attend_fn(state, is_global, index, q, k, v):
             kind = int(is_global)
-            config = configs[kind]
-            out, cache = attend(
-                state[kind], banks[kind], BoundedKVPlan(tables[kind]), index, q.astype(config.dtype),
-                k.astype(config.dtype), v.astype(config.dtype), config=config,
-                implementation=implementation, interpret=interpret,
-            )  # fmt: skip
-            caches = (cache, state[1]) if kind == 0 else (state[0], cache)
-            return out, caches
+            out, cache = layers[kind](state[kind], index, q, k, v)
+            return out, ((cache, state[1]) if kind == 0 else (state[0], cache))
 
         hidden, caches = model(tokens, positions, caches, attend_fn)
         if head == "next":
@@ -216,14 +216,13 @@ class Gemma3Streams:
     # -- capture -----------------------------------------------------------------------------------
 
     def _abstract_args(self, bucket: BucketKey) -> tuple:
-        shapes = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
         rows, width = bucket.bs, bucket.num_tokens
-        table = jax.ShapeDtypeStruct((rows, tbl.ROW_INTS), jnp.int32)
-        ids = jax.ShapeDtypeStruct((rows, width), jnp.int32)
+        table = shaped((rows, tbl.ROW_INTS), jnp.int32)
+        ids = shaped((rows, width), jnp.int32)
         return (
-            shapes(self.params), shapes((self.local.cache, self.global_.cache)),
-            shapes((self.local.bank, self.global_.bank)), (table, table), ids,
-            jax.ShapeDtypeStruct((rows,), jnp.int32), ids,
+            abstract(self.params), abstract((self.local.cache, self.global_.cache)),
+            abstract((self.local.bank, self.global_.bank)), (table, table), ids,
+            shaped((rows,), jnp.int32), ids,
         )  # fmt: skip
 
     def capture(self, heads: Iterable[str] = ("next",), *, progress: bool = False) -> list[CaptureReport]:
@@ -254,25 +253,19 @@ class Gemma3Streams:
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def declare(self, rows: Sequence[tuple[str, Sequence[int]]]) -> tuple[SubmoduleStep, BucketKey]:
+    def declare(self, rows: Sequence[tuple[str, Sequence[int]]]) -> Declared:
         """The step of `rows` (request id, its step's tokens) on both caches, padded to its tightest
-        bucket with empty rows, and that bucket."""
+        bucket."""
         spans = [len(tokens) for _, tokens in rows]
         walk = DECODE if max(spans) == 1 else PREFILL
         bucket = self.buckets.bucket_for(walk, len(rows), max(spans))
         rids = [rid for rid, _ in rows]
-        pads = [f"{PAD}{i}" for i in range(bucket.bs - len(rows))]
-        segments = [Segment(rid, "main", span) for rid, span in zip(rids, spans, strict=True)]
         step = BoundedKVStep(
-            (*segments, *(Segment(pad, "main", 0) for pad in pads)),
+            tuple(Segment(rid, "main", span) for rid, span in zip(rids, spans, strict=True)),
             {rid: StreamPosition(0, self.local.written(rid)) for rid in rids},
             dict(zip(rids, spans, strict=True)),
         )
-        ctx = StepContext(rids, walk, 0, capture=False, slot_lease=SlotLease(0, bucket))
-        ctx.set_padded_rids(rids + pads)
-        sub = SubmoduleStep({LOCAL_KV: step, GLOBAL_KV: step})
-        sub.set_ctx(ctx)
-        return sub, bucket
+        return declare((LOCAL_KV, GLOBAL_KV), step, bucket)
 
     def run(
         self, rows: Sequence[tuple[str, Sequence[int]]], *, head: str = "next",
@@ -286,36 +279,36 @@ class Gemma3Streams:
         """
         if head not in HEADS:
             raise ValueError(f"head={head!r} must be one of {HEADS}")
-        sub, bucket = self.declare(rows)
-        spans, pads = [len(tokens) for _, tokens in rows], bucket.bs - len(rows)
-        outcome = self.runner.admit(sub)
+        declared = self.declare(rows)
+        outcome = admit(self.runner, declared)
         if not (outcome.ok and outcome.ready):
-            if outcome.ok:
-                self.runner.abort_step(sub)
             return outcome, None
-        tokens = np.zeros((bucket.bs, bucket.num_tokens), np.int32)
-        goals = np.zeros_like(tokens)
-        for i, (_, ids) in enumerate(rows):
-            tokens[i, : spans[i]] = ids
-            if targets is not None:
-                goals[i, : spans[i]] = targets[i]
-        key, lengths = (head, bucket), np.asarray(spans + [0] * pads, np.int32)
-        try:
-            plans = self.runner.plan(sub)
+        padded, spans = declared.padded, [len(tokens) for _, tokens in rows]
+        tokens = padded.pad([np.asarray(ids, np.int32) for _, ids in rows], dtype=np.int32)
+        goals = np.zeros_like(tokens) if targets is None else padded.pad(
+            [np.asarray(t, np.int32) for t in targets], dtype=np.int32
+        )  # fmt: skip
+        lengths = np.zeros(padded.num_rows, np.int32)
+        lengths[list(padded.rows.values())] = spans
+        key = (head, declared.bucket)
+
+        def replay(resources: Resources):
             if key not in self._programs:
                 self.late_captures += 1
-                self._capture(head, [bucket], progress=False)
-            caches, out = self._programs[key].replay(
-                bucket, self.params, (self.local.cache, self.global_.cache),
-                (self.local.bank, self.global_.bank), (plans[LOCAL_KV].table, plans[GLOBAL_KV].table),
-                tokens, lengths, goals,
-            )  # fmt: skip
-        except BaseException:
-            self.runner.abort_step(sub)  # the step's claims go; a donated cache is gone with the error
-            raise
-        self.local.cache, self.global_.cache = caches
-        self.runner.commit(sub)
-        out = np.asarray(out)
+                self._capture(head, [declared.bucket], progress=False)
+            tables = tuple(plan.table for plan in resources.plans)
+            return self._programs[key].replay(
+                declared.bucket,
+                self.params,
+                resources.caches,
+                resources.banks,
+                tables,
+                tokens,
+                lengths,
+                goals,
+            )
+
+        out = np.asarray(run_admitted(self.runner, declared, replay))
         if head == "next":
             return outcome, [int(x) for x in out[: len(rows)]]
         return outcome, [out[i, : spans[i]] for i in range(len(rows))]

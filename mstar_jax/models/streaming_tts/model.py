@@ -36,11 +36,10 @@ from mstar_jax.models.streaming_tts.settings import StreamingTTSSettings
 from mstar_jax.models.streaming_tts.sharding import param_shardings
 from mstar_jax.models.streaming_tts.talker import Talker, sample_codes
 from mstar_jax.models.streaming_tts.weights import draw_weights
-from mstar_jax.resources.kv.bounded.attention import attend
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig
-from mstar_jax.resources.kv.bounded.sharding import sharded_attend
 from mstar_jax.resources.spec import CombinedSplit
+from mstar_jax.serving.attention import LayerAttention, layer_attention
 
 __all__ = [
     "FLOW_CHUNK",
@@ -269,19 +268,13 @@ class StreamingTTSModel:
 
 def _attention(
     settings: StreamingTTSSettings, bank: SourceBank, table: jax.Array, config: BoundedKVConfig, *, write=True
-):
-    """A layer's attention over the retained stream (`attend`), storing the step's keys when `write`."""
-    plan = BoundedKVPlan(table)
-    options = {"config": config, "implementation": settings.implementation, "interpret": settings.interpret}
-
-    def fn(cache, layer, q, k, v):
-        dt = config.dtype
-        args = (cache, bank, plan, layer, q.astype(dt), k.astype(dt), v.astype(dt))
-        if settings.mesh is not None:
-            return sharded_attend(settings.mesh, *args, **options, write=write)
-        return attend(*args, **options, write=write)
-
-    return fn
+) -> LayerAttention:
+    """A layer's attention over the retained stream (`layer_attention`), storing the step's keys when
+    `write`."""
+    return layer_attention(
+        config, bank, table, implementation=settings.implementation, interpret=settings.interpret,
+        mesh=settings.mesh, write=write,
+    )  # fmt: skip
 
 
 def _talker_codes(settings: StreamingTTSSettings, talker: Talker, hidden, table, lengths, seeds) -> jax.Array:

@@ -137,8 +137,9 @@ def test_padded_arrays_hold_each_row_where_the_plan_has_it():
 
 
 def test_the_engines_declare_pads_with_pad_step():
-    """`engine.batch.declare` pads a talker batch through `pad_step`: decode rows then prefill rows of a
-    combined bucket, each group padded to its own rows; no padding on a mesh (pad=False)."""
+    """`engine.batch.declare` pads a talker batch through `pad_step` (the serving layer's `declare`):
+    decode rows then prefill rows of a combined bucket, each group padded to its own rows; no padding on
+    a mesh (pad=False)."""
     from mstar_jax.engine.batch import declare
 
     def row(rid: str, span: int, decode: bool):
@@ -156,7 +157,10 @@ def test_the_engines_declare_pads_with_pad_step():
         (prefill, False): ["p", "d", "e"],
     }
     for (bucket, pad), ids in expected.items():
-        step, ctx, ordered = declare(bucket, rows, written=lambda s: 2, pad=pad)
+        declared, ordered = declare(bucket, rows, key="talker_kv", written=lambda s: 2, pad=pad)
+        step, ctx = declared.padded.step, declared.padded.ctx
+        assert declared.sub.steps == {"talker_kv": step}
+        assert declared.sub.ctx is ctx
         assert [seg.request_id for seg in step.segments] == ids
         assert [r.stream.request_id for r in ordered] == [i for i in ids if not i.startswith(PAD)]
         assert [seg.span for seg in step.segments] == [{"p": 4, "d": 1, "e": 1}.get(i, 0) for i in ids]
