@@ -2,8 +2,8 @@
 
 A synchronous engine reads every step's outputs back before it plans the next, so the host's work
 (forming the batch, admission, planning, inputs, bookkeeping) and the device's never overlap. A
-pipelined one (`Engine(pipelined=True)`) dispatches step t + 1 before it reads step t. Prints, from one
-run, for a closed workload of `--streams` requests arriving at once at batch `--batch`:
+pipelined one (`EngineSettings(pipelined=True)`) dispatches step t + 1 before it reads step t. Prints,
+from one run, for a closed workload of `--streams` requests arriving at once at batch `--batch`:
 
   1. steps/s, frames/s and time to first audio (median over the streams), each way, and pipelined ÷
      synchronous;
@@ -37,6 +37,7 @@ from mstar_jax.engine import dispatch as dispatch_module
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+from mstar_jax.settings import EngineSettings
 
 VOICES = 4
 TOKEN_COUNTS = (1, 8, 16)
@@ -97,7 +98,8 @@ def serve(model, programs, config, *, batch: int, streams: int, pipelined: bool)
     """A fresh engine serving the workload to the end."""
     specs = {s.resource_key: s for s in config.resource_specs()}
     talker, flow = (BoundedKVManager(specs[k], num_sources=VOICES) for k in ("talker_kv", "flow_kv"))
-    engine = Engine(model, talker=talker, flow=flow, programs=programs, max_batch=batch, pipelined=pipelined)
+    settings = EngineSettings(max_batch=batch, pipelined=pipelined)
+    engine = Engine(model, talker=talker, flow=flow, programs=programs, settings=settings)
     engine.warm_up()
     voices = [engine.add_voice(i, frames=8 + 4 * i, seed=i) for i in range(VOICES)]
     clock = WaitClock()

@@ -38,6 +38,7 @@ from mstar_jax.engine import Engine, Phase, Stream, TTSRequest
 from mstar_jax.engine.faults import FAULT_KINDS, inject_faults
 from mstar_jax.engine.voices import Voice
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+from mstar_jax.settings import EngineSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +272,7 @@ def reference_engine(engine: Engine) -> Engine:
         talker=talker,
         flow=flow,
         programs=engine.programs,
-        max_batch=engine.max_batch,
+        settings=EngineSettings(max_batch=engine.max_batch),
         history=1,
     )
     reference.warm_up()

@@ -58,7 +58,15 @@ from mstar_jax.resources.step import (
     StepNotAdmittedError,
     UnknownRequestError,
 )
-from tests.engine.support import BATCH_SIZES, CONFIG, TOKEN_COUNTS, make_engine, managers, request
+from tests.engine.support import (
+    BATCH_SIZES,
+    CONFIG,
+    TOKEN_COUNTS,
+    engine_kwargs,
+    make_engine,
+    managers,
+    request,
+)
 
 
 def _case(case_id: str, *values):
@@ -802,8 +810,8 @@ def _engine_state(engine: Engine) -> tuple:
 def _new_engine(programs, **changes) -> Engine:
     model, captured = programs
     talker, flow = managers()
-    kwargs = {"talker": talker, "flow": flow, "programs": captured, "max_batch": 2, **changes}
-    return Engine(kwargs.pop("model", model), **kwargs)
+    kwargs = {"talker": talker, "flow": flow, "programs": captured, **changes}
+    return Engine(kwargs.pop("model", model), **engine_kwargs(**kwargs))
 
 
 V0 = Voice(0, 4)
@@ -873,11 +881,27 @@ ENGINE_CASES = [
     ),
     _case(
         "engine-max_batch-bool", lambda p, e: _new_engine(p, max_batch=True), ValueError,
-        r"max_batch=True must be an int in \[1, 2\] \(the largest bucket\)",
+        r"max_batch=True must be an int >= 1",
     ),
     _case(
         "engine-snapshot_every=0", lambda p, e: _new_engine(p, snapshot_every=0), ValueError,
-        r"snapshot_every=0 must be None or an int >= 1",
+        r"snapshot_every=0 must be an int >= 1",
+    ),
+    _case(
+        "engine-settings-dict", lambda p, e: _new_engine(p, settings={"max_batch": 2}), TypeError,
+        r"settings=\{'max_batch': 2\} must be an EngineSettings \(mstar_jax\.settings\)",
+    ),
+    _case(
+        "engine-hold_backoff_s-nan", lambda p, e: _new_engine(p, hold_backoff_s=float("nan")), ValueError,
+        r"hold_backoff_s=nan must be a finite number >= 0\.0",
+    ),
+    _case(
+        "engine-pipelined-int", lambda p, e: _new_engine(p, pipelined=1), ValueError,
+        r"pipelined=1 must be true or false",
+    ),
+    _case(
+        "engine-history-0", lambda p, e: _new_engine(p, history=0), ValueError,
+        r"history=0 must be None or an int >= 1",
     ),
     _case(
         "engine-hold_backoff_s-negative", lambda p, e: _new_engine(p, hold_backoff_s=-1.0), ValueError,

@@ -75,11 +75,7 @@ def build_from_deployment(
         model, buckets, talker=talker, flow=flow, progress=progress, max_workers=workers, store=store
     )
     engine = cls(
-        model, talker=talker, flow=flow, programs=programs, max_batch=max_batch,
-        hold_backoff_s=deployment.engine.hold_backoff_s,
-        offload_idle_after_s=deployment.engine.offload_idle_after_s,
-        snapshot_every=deployment.engine.snapshot_every, history=history,
-        pipelined=deployment.engine.pipelined,
-    )  # fmt: skip
+        model, talker=talker, flow=flow, programs=programs, settings=deployment.engine, history=history
+    )
     engine.warm_up()
     return engine

@@ -67,9 +67,8 @@ from mstar_jax.models.streaming_tts.model import (
 )
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.runner import ResourceRunner
-from mstar_jax.resources.step import (
-    UnknownRequestError,
-)
+from mstar_jax.resources.step import UnknownRequestError
+from mstar_jax.settings import EngineSettings
 
 __all__ = ["FLOW_KV", "TALKER_KV", "Engine", "StepRecord"]
 
@@ -85,17 +84,12 @@ class Engine(Admission, Dispatch, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
       talker, flow: the two caches' managers (geometry as the programs were captured for).
       programs: the captured programs (`TTSPrograms.capture`); they may be shared between engines whose
         models have the settings they were captured for (`SettingsMismatchError` otherwise).
-      max_batch: most rows in one step (at most the largest bucket).
-      hold_backoff_s: how long a request refused for lack of room waits before it is retried.
-      offload_idle_after_s: streams no step has touched for this long move to host memory (None:
-        never; paused streams are still offloaded when a new request needs their slot).
-      snapshot_every: copy both caches and every stream's progress to host memory every this many
-        steps, so a device fault costs a replay instead of the requests (None: never).
+      settings: how the loop batches, holds, offloads, snapshots and pipelines (`EngineSettings`,
+        validated when it was made); its `max_batch` must fit the largest bucket, and `pipelined` needs
+        one device.
       history: finished streams and step records kept for reports, the most recent (None: all; a
         server that runs for days bounds it).
       clock: the time source (`time.perf_counter`).
-      pipelined: dispatch each step before reading the previous one's outputs (module doc); an
-        engine on one device only.
     """
 
     def __init__(
@@ -105,40 +99,39 @@ class Engine(Admission, Dispatch, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
         talker: BoundedKVManager,
         flow: BoundedKVManager,
         programs: TTSPrograms,
-        max_batch: int,
-        hold_backoff_s: float = 0.005,
-        offload_idle_after_s: float | None = None,
-        snapshot_every: int | None = None,
+        settings: EngineSettings,
         history: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        pipelined: bool = False,
     ):
         for name, manager in (("talker", talker), ("flow", flow)):
             if not isinstance(manager, BoundedKVManager):
                 raise TypeError(f"{name}={manager!r} must be a BoundedKVManager")
         if not isinstance(programs, TTSPrograms):
             raise TypeError(f"programs={programs!r} must be a TTSPrograms (TTSPrograms.capture)")
+        if not isinstance(settings, EngineSettings):
+            raise TypeError(f"settings={settings!r} must be an EngineSettings (mstar_jax.settings)")
         if not callable(clock):
             raise TypeError(f"clock={clock!r} must be callable, returning seconds")
-        for name, value in (
-            ("hold_backoff_s", hold_backoff_s),
-            ("offload_idle_after_s", offload_idle_after_s),
-        ):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or value < 0
-            ):
-                raise ValueError(
-                    f"{name}={value!r} must be a number >= 0" + (" or None" if name[0] == "o" else "")
-                )
+        if history is not None and (isinstance(history, bool) or not isinstance(history, int) or history < 1):
+            raise ValueError(f"history={history!r} must be None or an int >= 1")
         self.mesh = model.mesh
-        if not isinstance(pipelined, bool):
-            raise TypeError(f"pipelined={pipelined!r} must be a bool")
-        if pipelined and self.mesh is not None:
+        if settings.pipelined and self.mesh is not None:
             raise ValueError(
                 "pipelined=True needs an engine on one device; a mesh engine (one process or many) runs "
                 "its steps synchronously"
             )
-        self.pipelined = pipelined
+        # On a mesh a bucket's batch size counts one data shard's rows.
+        shards = 1 if self.mesh is None else self.mesh.shape["data"]
+        largest = shards * min(programs.buckets.max_batch(walk) for walk in programs.buckets.walks)
+        if settings.max_batch > largest:
+            raise ValueError(
+                f"max_batch={settings.max_batch!r} must be an int in [1, {largest}] (the largest bucket)"
+            )
+        self.settings, self.history, self.clock = settings, history, clock
+        # The settings the loop reads on every step, by name.
+        self.pipelined, self.max_batch = settings.pipelined, settings.max_batch
+        self.hold_backoff_s, self.snapshot_every = settings.hold_backoff_s, settings.snapshot_every
+        self.offload_idle_after_s = settings.offload_idle_after_s
         programs.check(model.settings)  # SettingsMismatchError, naming the settings that differ
         self._talker_in_flight: InFlight | None = None
         self._audio_in_flight: collections.deque[InFlight] = collections.deque()
@@ -148,26 +141,9 @@ class Engine(Admission, Dispatch, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
         self.overlap: collections.Counter[str] = collections.Counter()
         replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
         self._no_codes = jax.device_put(jnp.zeros((programs.codes_width,), jnp.int32), replicated)
-        # On a mesh a bucket's batch size counts one data shard's rows.
-        shards = 1 if self.mesh is None else self.mesh.shape["data"]
-        largest = shards * min(programs.buckets.max_batch(walk) for walk in programs.buckets.walks)
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= largest:
-            raise ValueError(f"max_batch={max_batch!r} must be an int in [1, {largest}] (the largest bucket)")
-        if snapshot_every is not None and (
-            isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1
-        ):
-            raise ValueError(f"snapshot_every={snapshot_every!r} must be None or an int >= 1")
-        if history is not None and (isinstance(history, bool) or not isinstance(history, int) or history < 1):
-            raise ValueError(f"history={history!r} must be None or an int >= 1")
-        self.snapshot_every, self.history = snapshot_every, history
         self.last_snapshot: recovery.EngineSnapshot | None = None
         self.steps_run = 0
-        self.model, self.programs, self.max_batch = model, programs, max_batch
-        self.hold_backoff_s, self.offload_idle_after_s, self.clock = (
-            hold_backoff_s,
-            offload_idle_after_s,
-            clock,
-        )
+        self.model, self.programs = model, programs
         self.talker, self.flow = talker, flow
         self.nodes = {
             "talker": Node("talker", TALKER_KV, ResourceRunner({TALKER_KV: talker}), talker),
@@ -185,7 +161,7 @@ class Engine(Admission, Dispatch, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
         self._prefill_tokens = buckets.max_tokens(TALKER_PREFILL)
         self._prefill_room = buckets[TALKER_MIXED].prefill_rows[-1] if TALKER_MIXED in buckets else 0
         self._flow_chunk = min(model.config.flow_chunk, buckets.max_tokens(FLOW_CHUNK))
-        self._check_lockstep(offload_idle_after_s, snapshot_every)
+        self._check_lockstep(settings.offload_idle_after_s, settings.snapshot_every)
 
     @classmethod
     def from_deployment(

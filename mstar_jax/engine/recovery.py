@@ -2,7 +2,7 @@
 
 A step donates its node's cache; if it fails after that, every request holding a slot of that cache
 lost its entries. Without snapshots those requests fail with `StateLostError` (retryable) and the
-engine serves on with an empty cache. With snapshots (`Engine(snapshot_every=N)`), the engine copies
+engine serves on with an empty cache. With snapshots (`EngineSettings(snapshot_every=N)`), the engine copies
 both caches and every stream's progress to host memory every N steps; after a fault it restores the
 lost requests' entries from the last snapshot and rewinds their progress on that node to it (or to
 their start, for requests that began since). Replaying is exact because sampling is keyed by (seed,

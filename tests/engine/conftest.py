@@ -37,5 +37,5 @@ def programs(cache_dir):
 
 @pytest.fixture(params=[False, True], ids=["synchronous", "pipelined"])
 def pipelined(request) -> bool:
-    """Whether the engine under test is pipelined (`Engine(pipelined=True)`); references never are."""
+    """Whether the engine under test is pipelined (`EngineSettings(pipelined=True)`); references never are."""
     return request.param

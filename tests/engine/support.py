@@ -4,6 +4,7 @@ and requests whose text is drawn from a stable digest of their id (not `hash()`,
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import numpy as np
@@ -13,6 +14,7 @@ from mstar_jax.engine.voices import Voice
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.model import SAMPLES_PER_FRAME
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+from mstar_jax.settings import EngineSettings
 
 CONFIG = StreamingTTSConfig(
     text_vocab_size=16, codec_vocab_size=16, d_model=32, talker_layers=2, talker_heads=2, talker_kv_heads=1,
@@ -32,10 +34,20 @@ def managers():
     )
 
 
+ENGINE_FIELDS = frozenset(field.name for field in dataclasses.fields(EngineSettings))
+
+
+def engine_kwargs(**kwargs) -> dict:
+    """`Engine`'s keyword arguments from flat ones: `EngineSettings` fields (max_batch 2 unless given)
+    go into its `settings`, the others stay as they are."""
+    fields = {"max_batch": 2} | {k: kwargs.pop(k) for k in list(kwargs) if k in ENGINE_FIELDS}
+    return {"settings": EngineSettings(**fields), **kwargs}
+
+
 def make_engine(programs, **kwargs) -> tuple[Engine, list[Voice]]:
     model, captured = programs
     talker, flow = managers()
-    engine = Engine(model, talker=talker, flow=flow, programs=captured, max_batch=2, **kwargs)
+    engine = Engine(model, talker=talker, flow=flow, programs=captured, **engine_kwargs(**kwargs))
     engine.warm_up()
     voices = [engine.add_voice(0, frames=4, seed=1), engine.add_voice(1, frames=6, seed=2)]
     return engine, voices

@@ -32,6 +32,7 @@ from tests.engine.support import (
     CONFIG,
     TOKEN_COUNTS,
     assert_complete,
+    engine_kwargs,
     make_engine,
     managers,
     request,
@@ -385,9 +386,9 @@ def test_programs_captured_for_another_model_are_refused(programs):
     with pytest.raises(
         SettingsMismatchError, match=r"temperature: captured for 0\.7, this model has 1\.0"
     ) as err:
-        Engine(model, talker=talker, flow=flow, programs=cold, max_batch=2)
+        Engine(model, talker=talker, flow=flow, programs=cold, **engine_kwargs())
     assert err.value.differences == (("temperature", 0.7, 1.0),)
     assert isinstance(err.value, ValueError)
     assert "TTSPrograms.capture(model, ...)" in str(err.value)
     same = StreamingTTSModel(CONFIG)  # another instance with the same settings is fine
-    Engine(same, talker=talker, flow=flow, programs=captured, max_batch=2)
+    Engine(same, talker=talker, flow=flow, programs=captured, **engine_kwargs())

@@ -1,4 +1,4 @@
-"""The pipelined engine (`Engine(pipelined=True)`): it dispatches each talker step before it reads the
+"""The pipelined engine (`EngineSettings(pipelined=True)`): it dispatches each talker step before it reads the
 previous one, the codes feeding the next step on the device, and delivers audio when its copy is back;
 every request hears exactly what it hears from the synchronous engine, alone, whatever happens to it
 (a crowd competing for slots, cancellation, offloading, device faults)."""
@@ -10,7 +10,7 @@ import pytest
 from mstar_jax.engine import Engine
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
 from mstar_jax.resources.kv.bounded.sharding import make_mesh
-from tests.engine.support import CONFIG, assert_complete, managers
+from tests.engine.support import CONFIG, assert_complete, engine_kwargs, managers
 from tests.engine.test_outputs import Alone, assert_same_output, crowd, fresh_engine, serve
 
 
@@ -41,10 +41,8 @@ def test_the_synchronous_engine_overlaps_nothing(programs, alone):
 
 
 def test_pipelining_is_for_one_device(programs):
-    model, captured = programs
+    _, captured = programs
     talker, flow = managers()
-    with pytest.raises(TypeError, match=r"pipelined=1 must be a bool"):
-        Engine(model, talker=talker, flow=flow, programs=captured, max_batch=2, pipelined=1)
     on_a_mesh = StreamingTTSModel(CONFIG, mesh=make_mesh(1, 1))
     with pytest.raises(ValueError, match=r"pipelined=True needs an engine on one device"):
-        Engine(on_a_mesh, talker=talker, flow=flow, programs=captured, max_batch=2, pipelined=True)
+        Engine(on_a_mesh, talker=talker, flow=flow, programs=captured, **engine_kwargs(pipelined=True))
