@@ -1,4 +1,5 @@
-"""The API reference (docs/api) builds with warnings as errors and documents the public surface."""
+"""The docs site (docs/: the guides, the design and the API reference) builds with warnings as errors,
+holds every guide and documents the public surface."""
 
 import html
 import importlib
@@ -12,19 +13,24 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sphinx", reason="Sphinx is not installed (the dev or docs extra): no API reference")
+pytest.importorskip("sphinx", reason="Sphinx is not installed (the dev or docs extra): no docs site")
+pytest.importorskip("myst_parser", reason="myst-parser is not installed (the dev or docs extra)")
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-COMMAND = ("-m", "sphinx", "-W", "--keep-going", "-b", "html", "docs/api")
+COMMAND = ("-m", "sphinx", "-W", "--keep-going", "-b", "html", "docs")
+GUIDES = [
+    "cache", "kernels", "compilation", "engine", "serving", "devices", "gemma3", "benchmarks",
+    "accelerators", "reliability",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    """The HTML build of docs/api, made as CI makes it: `-W --keep-going`, every warning an error (the
+    """The HTML build of docs, made as CI makes it: `-W --keep-going`, every warning an error (the
     pages are written all the same, so the content tests below still say what they find)."""
-    out = tmp_path_factory.mktemp("api_html")
+    out = tmp_path_factory.mktemp("docs_html")
     result = subprocess.run(
         [sys.executable, *COMMAND, str(out)],
         cwd=ROOT,
@@ -93,7 +99,8 @@ def _expected_signature(name: str, fn) -> str:
 def test_attend_is_documented_with_its_signature(built):
     from mstar_jax.resources.kv.bounded import attend
 
-    documented = _documented_signature(built / "bounded_kv.html", "mstar_jax.resources.kv.bounded.attend")
+    object_id = "mstar_jax.resources.kv.bounded.attend"
+    documented = _documented_signature(built / "api" / "bounded_kv.html", object_id)
     assert documented == _expected_signature("attend", attend)
 
 
@@ -101,7 +108,7 @@ def test_manager_plan_is_documented_with_its_signature(built):
     from mstar_jax.resources.kv.bounded import BoundedKVManager
 
     object_id = "mstar_jax.resources.kv.bounded.BoundedKVManager.plan"
-    documented = _documented_signature(built / "bounded_kv.html", object_id)
+    documented = _documented_signature(built / "api" / "bounded_kv.html", object_id)
     assert documented == _expected_signature("plan", BoundedKVManager.plan)
 
 
@@ -114,7 +121,7 @@ def test_manager_plan_is_documented_with_its_signature(built):
 )
 def test_every_exported_name_is_documented(built, package, page):
     module = importlib.import_module(package)
-    text = (built / page).read_text()
+    text = (built / "api" / page).read_text()
     missing = []
     for name in module.__all__:
         obj = getattr(module, name)
@@ -123,3 +130,11 @@ def test_every_exported_name_is_documented(built, package, page):
         if f'id="{anchor}"' not in text:
             missing.append(name)
     assert not missing, f"{page} does not document {missing} of {package}.__all__"
+
+
+def test_every_guide_and_the_design_are_pages_of_the_site(built):
+    index = (built / "index.html").read_text()
+    for page in [*(f"guides/{guide}" for guide in GUIDES), "design", "deployments", "api/index"]:
+        assert (built / f"{page}.html").exists(), f"the site has no {page}"
+        assert f'href="{page}.html"' in index, f"the index does not link {page}"
+
