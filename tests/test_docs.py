@@ -1,5 +1,6 @@
 """The docs site (docs/: the guides, the design and the API reference) builds with warnings as errors,
-holds every guide and documents the public surface."""
+holds every guide, documents the public surface, and its tour of the layout (docs/design.md §2) names
+every module."""
 
 import html
 import importlib
@@ -138,3 +139,51 @@ def test_every_guide_and_the_design_are_pages_of_the_site(built):
         assert (built / f"{page}.html").exists(), f"the site has no {page}"
         assert f'href="{page}.html"' in index, f"the index does not link {page}"
 
+
+def _layout_rows() -> dict[str, str]:
+    """docs/design.md §2's table: each row's path (a folder ends in `/`) and its contents cell."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("## 2. Layout", 1)[1].split("\n## 3.", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`"):
+            for path in re.findall(r"`([^`]+)`", cells[0]):
+                rows[path] = cells[1]
+    return rows
+
+
+def _tracked_files() -> list[str]:
+    """The repository's files as `git ls-files` lists them; without git (an unpacked sdist), the tree's."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        listed = []
+    if listed:
+        return listed
+    skip = {"__pycache__", "_build", ".venv", ".git", "runs"}
+    return [
+        path.relative_to(ROOT).as_posix()
+        for path in ROOT.rglob("*")
+        if path.is_file() and not skip & set(path.relative_to(ROOT).parts)
+    ]
+
+
+def test_the_layout_tour_names_every_module():
+    rows = _layout_rows()
+    files = _tracked_files()
+    unnamed = []
+    for relative in files:
+        folder, _, name = relative.rpartition("/")
+        if not relative.startswith(("mstar_jax/", "kernels_pallas/")) or not name.endswith(".py"):
+            continue
+        if name == "__init__.py":
+            continue
+        if f"`{name}`" not in rows.get(f"{folder}/", ""):
+            unnamed.append(relative)
+    assert not unnamed, f"docs/design.md §2 does not name {unnamed} in its folder's row"
+    top = {relative.split("/")[0] for relative in files if "/" in relative}
+    missing = sorted(name for name in top if not any(row.startswith(f"{name}/") for row in rows))
+    assert not missing, f"docs/design.md §2 has no row for {missing}/"
