@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three cases, bf16 only (figures labelled so)")
     parser.add_argument(
-        "--summary", action="store_true", help="one TPU row per case and dtype (the README's)"
+        "--summary",
+        action="store_true",
+        help="one TPU row per case and dtype (as in docs/guides/accelerators.md)",
     )
     parser.add_argument(
         "--score-terms",

@@ -285,7 +285,7 @@ def readme_rows(
     engine: dict[str, Spread],
     label: str = "",
 ) -> None:
-    """The headline figures as rows of the README's benchmark table (`label`: a quick run's, printed)."""
+    """The headline figures as rows of docs/guides/benchmarks.md's table (`label`: a quick run's, printed)."""
     names = "/".join(f"{d}x{m}" for d, m in MESHES)
     rows = [
         (
@@ -312,7 +312,7 @@ def readme_rows(
             " / ".join(spread(ratio) for ratio in engine.values()),
         )
     )
-    print(f"\n## README rows{label}\n\n| script | figure | result |\n| --- | --- | --- |")
+    print(f"\n## Summary rows{label}\n\n| script | figure | result |\n| --- | --- | --- |")
     for i, (figure, result) in enumerate(rows):
         print(f"| {'`benchmarks/mesh.py`' if i == 0 else ''} | {figure} | {result} |")
 

@@ -1,4 +1,6 @@
-"""The API reference (docs/api) builds with warnings as errors and documents the public surface."""
+"""The docs site (docs/: the guides, the design and the API reference) builds with warnings as errors,
+holds every guide, documents the public surface, and its tour of the layout (docs/design.md §2) names
+every module."""
 
 import html
 import importlib
@@ -12,19 +14,24 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sphinx", reason="Sphinx is not installed (the dev or docs extra): no API reference")
+pytest.importorskip("sphinx", reason="Sphinx is not installed (the dev or docs extra): no docs site")
+pytest.importorskip("myst_parser", reason="myst-parser is not installed (the dev or docs extra)")
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-COMMAND = ("-m", "sphinx", "-W", "--keep-going", "-b", "html", "docs/api")
+COMMAND = ("-m", "sphinx", "-W", "--keep-going", "-b", "html", "docs")
+GUIDES = [
+    "cache", "kernels", "compilation", "engine", "serving", "devices", "gemma3", "benchmarks",
+    "accelerators", "reliability",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    """The HTML build of docs/api, made as CI makes it: `-W --keep-going`, every warning an error (the
+    """The HTML build of docs, made as CI makes it: `-W --keep-going`, every warning an error (the
     pages are written all the same, so the content tests below still say what they find)."""
-    out = tmp_path_factory.mktemp("api_html")
+    out = tmp_path_factory.mktemp("docs_html")
     result = subprocess.run(
         [sys.executable, *COMMAND, str(out)],
         cwd=ROOT,
@@ -93,7 +100,8 @@ def _expected_signature(name: str, fn) -> str:
 def test_attend_is_documented_with_its_signature(built):
     from mstar_jax.resources.kv.bounded import attend
 
-    documented = _documented_signature(built / "bounded_kv.html", "mstar_jax.resources.kv.bounded.attend")
+    object_id = "mstar_jax.resources.kv.bounded.attend"
+    documented = _documented_signature(built / "api" / "bounded_kv.html", object_id)
     assert documented == _expected_signature("attend", attend)
 
 
@@ -101,7 +109,7 @@ def test_manager_plan_is_documented_with_its_signature(built):
     from mstar_jax.resources.kv.bounded import BoundedKVManager
 
     object_id = "mstar_jax.resources.kv.bounded.BoundedKVManager.plan"
-    documented = _documented_signature(built / "bounded_kv.html", object_id)
+    documented = _documented_signature(built / "api" / "bounded_kv.html", object_id)
     assert documented == _expected_signature("plan", BoundedKVManager.plan)
 
 
@@ -114,7 +122,7 @@ def test_manager_plan_is_documented_with_its_signature(built):
 )
 def test_every_exported_name_is_documented(built, package, page):
     module = importlib.import_module(package)
-    text = (built / page).read_text()
+    text = (built / "api" / page).read_text()
     missing = []
     for name in module.__all__:
         obj = getattr(module, name)
@@ -123,3 +131,59 @@ def test_every_exported_name_is_documented(built, package, page):
         if f'id="{anchor}"' not in text:
             missing.append(name)
     assert not missing, f"{page} does not document {missing} of {package}.__all__"
+
+
+def test_every_guide_and_the_design_are_pages_of_the_site(built):
+    index = (built / "index.html").read_text()
+    for page in [*(f"guides/{guide}" for guide in GUIDES), "design", "deployments", "api/index"]:
+        assert (built / f"{page}.html").exists(), f"the site has no {page}"
+        assert f'href="{page}.html"' in index, f"the index does not link {page}"
+
+
+def _layout_rows() -> dict[str, str]:
+    """docs/design.md §2's table: each row's path (a folder ends in `/`) and its contents cell."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("## 2. Layout", 1)[1].split("\n## 3.", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`"):
+            for path in re.findall(r"`([^`]+)`", cells[0]):
+                rows[path] = cells[1]
+    return rows
+
+
+def _tracked_files() -> list[str]:
+    """The repository's files as `git ls-files` lists them; without git (an unpacked sdist), the tree's."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        listed = []
+    if listed:
+        return listed
+    skip = {"__pycache__", "_build", ".venv", ".git", "runs"}
+    return [
+        path.relative_to(ROOT).as_posix()
+        for path in ROOT.rglob("*")
+        if path.is_file() and not skip & set(path.relative_to(ROOT).parts)
+    ]
+
+
+def test_the_layout_tour_names_every_module():
+    rows = _layout_rows()
+    files = _tracked_files()
+    unnamed = []
+    for relative in files:
+        folder, _, name = relative.rpartition("/")
+        if not relative.startswith(("mstar_jax/", "kernels_pallas/")) or not name.endswith(".py"):
+            continue
+        if name == "__init__.py":
+            continue
+        if f"`{name}`" not in rows.get(f"{folder}/", ""):
+            unnamed.append(relative)
+    assert not unnamed, f"docs/design.md §2 does not name {unnamed} in its folder's row"
+    top = {relative.split("/")[0] for relative in files if "/" in relative}
+    missing = sorted(name for name in top if not any(row.startswith(f"{name}/") for row in rows))
+    assert not missing, f"docs/design.md §2 has no row for {missing}/"

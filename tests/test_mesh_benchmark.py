@@ -32,7 +32,7 @@ def sections() -> dict[str, str]:
 
 
 def test_prints_four_sections_and_the_shared_cores_note(sections):
-    assert list(sections) == ["1", "2", "3", "4", "README"]
+    assert list(sections) == ["1", "2", "3", "4", "Summary"]
     assert "share this host's" in sections["1"]
     assert "not scaling" in sections["1"]
 
@@ -89,8 +89,8 @@ def test_engine_table_has_the_one_device_baseline_and_the_quick_mesh(sections):
     assert f"{mesh_engine.REQUESTS} requests, {mesh_engine.frames()} frames" in sections["4"]
 
 
-def test_readme_rows(sections):
-    rows = table(sections["README"])
+def test_summary_rows(sections):
+    rows = table(sections["Summary"])
     assert len(rows) == 4  # one decode batch, host planning, cache bytes, the engine
     assert rows[0][0] == "`benchmarks/mesh.py`"
     assert len(rows[0][2].split(" / ")) == len(mesh.MESHES)

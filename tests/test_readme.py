@@ -1,31 +1,58 @@
-"""The README's Python examples run as written."""
+"""The README and the guides: their Python examples run as written, the README stays a short front page
+whose links resolve, and its commands are the ones CI runs."""
 
 import pathlib
 import re
 
 import jax
 import numpy as np
+import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+CACHE_GUIDE = ROOT / "docs" / "guides" / "cache.md"
+PAGES = [README, *sorted(p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts)]
 
 
-def test_readme_python_blocks_run():
+def python_blocks(page: pathlib.Path) -> list[str]:
     # ```python blocks are complete programs; ```py blocks are fragments shown for their shape.
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert blocks, "the README shows no Python example"
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), {"__name__": "readme"})
+    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+
+
+def test_the_readme_and_the_cache_guide_show_python_examples():
+    assert python_blocks(README), "the README shows no Python example"
+    assert python_blocks(CACHE_GUIDE), "the cache guide shows no Python example"
+
+
+@pytest.mark.parametrize("page", [page for page in PAGES if python_blocks(page)], ids=lambda p: p.name)
+def test_python_blocks_run(page):
+    for block in python_blocks(page):
+        exec(compile(block, str(page), "exec"), {"__name__": "readme"})
+
+
+def test_readme_is_a_front_page():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; what does not fit belongs in docs/guides"
+
+
+def test_readme_links_resolve():
+    text = README.read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if "://" not in link]
+    assert any(link.startswith("docs/guides/") for link in local), "the README links no guide"
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
 
 
 def test_readme_commands_match_ci():
     text = README.read_text()
-    ci = (README.parent / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
     assert "mstar-jax run" in text
     assert ".venv/bin/python -m pytest -q" in text
     assert "python -m pytest -q" in ci
 
 
-def test_readme_cache_example_attends_at_every_layer():
+def test_cache_guide_example_attends_at_every_layer():
     # A step returning only the last layer's output would let XLA drop the other layers' attention: count
     # the softmax exponentials of the example's compiled step against one layer's.
     from benchmarks.bounded_kv import exponentials
@@ -33,10 +60,10 @@ def test_readme_cache_example_attends_at_every_layer():
     from mstar_jax.resources.kv.bounded.config import BoundedKVStep, StreamPosition
     from mstar_jax.resources.step import Segment, StepContext
 
-    block = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)[0]
+    block = python_blocks(CACHE_GUIDE)[0]
     setup = block.split("manager.ingest_request(")[0]  # the definitions, not the 200-step loop
     names = {"__name__": "readme"}
-    exec(compile(setup, str(README), "exec"), names)
+    exec(compile(setup, str(CACHE_GUIDE), "exec"), names)
     manager, config, step = names["manager"], names["config"], names["step"]
     manager.ingest_request("probe")
     s = BoundedKVStep((Segment("probe", "main", 1),), positions={"probe": StreamPosition(24, 0, 0)})

@@ -52,7 +52,8 @@ def test_each_device_holds_an_even_share_of_every_cache(results, mesh):
 
 
 def test_mstar_jax_run_serves_the_mesh_config_to_a_report(tmp_path):
-    """The README's command: `configs/mesh_cpu8.yaml` on 8 simulated devices, from the CLI to report.json."""
+    """The command of docs/guides/devices.md: `configs/mesh_cpu8.yaml` on 8 simulated devices, from the CLI
+    to report.json."""
     config = Path(__file__).resolve().parents[2] / "configs" / "mesh_cpu8.yaml"
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip()}

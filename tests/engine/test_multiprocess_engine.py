@@ -4,8 +4,8 @@ Two processes of 4 simulated CPU devices each form one `(data=4, model=2)` mesh 
 multi-controller runtime, gloo collectives). Each runs the engine on its own half of the requests,
 admitted into its own two data shards, and every request must get the codes it gets served alone on one
 device in this process, and the same audio within float rounding (two model shards sum the row-parallel
-projections in another order). `mstar-jax run` does the same from the command line, as the README's
-"Serving on a TPU pod" section shows.
+projections in another order). `mstar-jax run` does the same from the command line, as the "Serving on
+a TPU pod" section of docs/guides/devices.md shows.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def test_every_request_hears_what_it_hears_alone_on_one_device(served):
 
 
 def test_mstar_jax_run_serves_one_workload_from_two_processes(tmp_path):
-    """The README's "Serving on a TPU pod" commands, on one CPU host: `configs/mesh_cpu8.yaml` over two
-    processes of 4 devices, each writing its share's report."""
+    """The commands of "Serving on a TPU pod" in docs/guides/devices.md, on one CPU host:
+    `configs/mesh_cpu8.yaml` over two processes of 4 devices, each writing its share's report."""
     config = ROOT / "configs" / "mesh_cpu8.yaml"
     output = tmp_path / "run"
     stdouts = run_processes(

@@ -1,7 +1,8 @@
-"""Sphinx configuration of the mstar-jax API reference, built from the docstrings.
+"""Sphinx configuration of the mstar-jax documentation: the guides and docs/design.md (Markdown, read by
+myst-parser) and the API reference built from the docstrings (docs/api, reST).
 
 Build it as CI does (tests/test_docs.py), warnings as errors:
-python -m sphinx -W --keep-going -b html docs/api docs/api/_build
+python -m sphinx -W --keep-going -b html docs docs/_build
 
 The hooks at the end use three Sphinx internals (napoleon's docstring handler, the event listener table,
 the class autodoc is documenting); the `docs` extra pins the Sphinx major they were written against.
@@ -25,11 +26,17 @@ author = "mstar-jax contributors"
 release = version = mstar_jax.__version__
 
 extensions = [
+    "myst_parser",
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
 ]
 
 exclude_patterns = ["_build"]
+
+# The guides are Markdown that reads the same on GitHub: links between pages are relative `.md` paths,
+# and `page.md#a-heading` reaches a heading by its GitHub slug (`#7-bucketed-compilation`), which myst
+# generates for headings down to `###`. A link that resolves to nothing is a warning, so an error here.
+myst_heading_anchors = 3
 
 # Google-style docstrings only (STYLE.md); types come from the annotations, shown in the signatures,
 # and `Attributes:` entries take theirs from the class's annotations.
@@ -58,7 +65,7 @@ python_maximum_signature_line_length = 100
 default_role = "py:obj"
 
 html_theme = "alabaster"
-html_title = f"mstar-jax {release} API reference"
+html_title = f"mstar-jax {release}"
 html_theme_options = {"description": "The resource layer of a streaming inference engine, in JAX."}
 
 
