@@ -20,8 +20,8 @@ command line (`mstar-jax check --device-memory 16GiB`).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from mstar_jax.deployment import Deployment
 from mstar_jax.devices import (
     DeviceMemory,
     DeviceMemoryError,
@@ -33,6 +33,9 @@ from mstar_jax.devices import (
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, SinkWindow, store_capacity
 from mstar_jax.resources.spec import NodeResourceSpec
+
+if TYPE_CHECKING:  # for annotations only: `Deployment.costs` calls this module, so it must not import back
+    from mstar_jax.deployment import Deployment
 
 __all__ = [
     "BudgetPart",
