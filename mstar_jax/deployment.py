@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from mstar_jax.errors import DeploymentError, DeploymentTypeError
+from mstar_jax.memory import resource_costs
 from mstar_jax.models import MODELS, model_config
 from mstar_jax.resources.kv.bounded.config import BoundedKVSpec
 from mstar_jax.resources.spec import NodeResourceSpec, apply_yaml_overrides
@@ -40,15 +42,6 @@ __all__ = [
 
 DEFAULT_CONFIG: Path = Path(str(importlib.resources.files("mstar_jax") / "configs" / "streaming_tts.yaml"))
 """The embedded default deployment: the streaming TTS model sized to run on a CPU in seconds."""
-
-
-class DeploymentError(ValueError):
-    """A deployment the loader refuses; the message names the file, the section and the key."""
-
-
-class DeploymentTypeError(DeploymentError, TypeError):
-    """An unknown key in a resource's block: a `TypeError` as the resource raised it, and a
-    `DeploymentError` so one `except` catches every refused deployment."""
 
 
 # -- the deployment ---------------------------------------------------------------------------------
@@ -178,8 +171,6 @@ class Deployment:
 
     def costs(self) -> tuple[Any, ...]:
         """`memory.resource_costs` of every spec, in declaration order."""
-        from mstar_jax.memory import resource_costs  # memory builds on deployments: import it on use
-
         return tuple(resource_costs(spec) for spec in self.specs)
 
 

@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from mstar_jax.deployment import DeploymentError
+from mstar_jax.errors import DeploymentError
 
 __all__ = ["DeviceMemory", "DeviceMemoryError", "device_memory", "format_bytes", "host_memory", "parse_size"]
 

@@ -20,8 +20,8 @@ command line (`mstar-jax check --device-memory 16GiB`).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from mstar_jax.deployment import Deployment
 from mstar_jax.devices import (
     DeviceMemory,
     DeviceMemoryError,
@@ -31,8 +31,12 @@ from mstar_jax.devices import (
     parse_size,
 )
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
+from mstar_jax.models.streaming_tts.resource_keys import FLOW_KV, TALKER_KV
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, SinkWindow, store_capacity
 from mstar_jax.resources.spec import NodeResourceSpec
+
+if TYPE_CHECKING:  # for annotations only: `Deployment.costs` calls this module, so it must not import back
+    from mstar_jax.deployment import Deployment
 
 __all__ = [
     "BudgetPart",
@@ -273,7 +277,7 @@ def memory_budget(deployment: Deployment, device: DeviceMemory) -> MemoryBudget:
             BudgetPart(
                 label=f"workspace (largest bucket: {batch} x {tokens} tokens)",
                 nbytes=workspace_bytes(
-                    config, _kv(caches, "talker_kv"), _kv(caches, "flow_kv"), batch, tokens, flow_tokens
+                    config, _kv(caches, TALKER_KV), _kv(caches, FLOW_KV), batch, tokens, flow_tokens
                 ),
                 remedy="fewer tokens per bucket (compile.token_counts) or a smaller engine.max_batch",
             )

@@ -8,10 +8,10 @@ from typing import Any
 
 from mstar_jax.compile import ExecutableStore, cap_batch_sizes, configure_persistent_cache
 from mstar_jax.distributed import local_data_shards, spans_processes
-from mstar_jax.engine.engine import FLOW_KV, TALKER_KV
 from mstar_jax.engine.programs import TTSPrograms, tts_buckets
 from mstar_jax.memory import num_sources
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
+from mstar_jax.models.streaming_tts.resource_keys import FLOW_KV, TALKER_KV
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.kv.bounded.sharding import make_mesh, place_on_mesh
 

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from mstar_jax.engine import batch, recovery
 from mstar_jax.engine.admission import Admission
+from mstar_jax.engine.build import build_from_deployment
 from mstar_jax.engine.dispatch import Dispatch
 from mstar_jax.engine.lockstep import Lockstep, MultiProcessError
 from mstar_jax.engine.outputs import Outputs
@@ -65,14 +66,13 @@ from mstar_jax.models.streaming_tts.model import (
     TALKER_PREFILL,
     StreamingTTSModel,
 )
+from mstar_jax.models.streaming_tts.resource_keys import FLOW_KV, TALKER_KV
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import UnknownRequestError
 from mstar_jax.settings import EngineSettings
 
 __all__ = ["FLOW_KV", "TALKER_KV", "Engine", "StepRecord"]
-
-TALKER_KV, FLOW_KV = "talker_kv", "flow_kv"
 
 
 class Engine(Admission, Dispatch, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
@@ -187,8 +187,6 @@ class Engine(Admission, Dispatch, Lockstep, Outputs, Recovery, VoicesAndWarmUp):
           max_prefill_rows_in_combined: prefill rows a combined step makes room for.
           history: finished streams and step records kept (see `Engine`).
         """
-        from mstar_jax.engine.build import build_from_deployment  # it builds an Engine: no cycle at import
-
         return build_from_deployment(
             cls, deployment, progress=progress, implementation=implementation, interpret=interpret,
             max_workers=max_workers, num_voices=num_voices,

@@ -176,12 +176,20 @@ class ResourceRunner:
     def admit_retrieve(
         self,
         request_id: str,
+        node_name: str,
         graph_walk: str,
         published: Mapping[str, PublishedInfo],
-        node_name: str = "",
     ) -> FullAdmitOutcome:
         """Hand each retrieving resource its part of `published` (by resource key; None where absent)
         for `request_id`; stop at the first refusal.
+
+        The arguments come in the order of `Resource.admit_retrieve`, which each resource receives them in.
+
+        Args:
+          request_id: the request retrieving.
+          node_name: the graph node this runner serves.
+          graph_walk: the walk the request is on.
+          published: what another instance published for the request, by resource key.
 
         Returns:
           `FULL_ADMIT_OK`; or the refusing resource's outcome with `failed_resource` naming it; or

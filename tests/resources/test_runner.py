@@ -278,17 +278,31 @@ def test_admit_retrieve_routes_published_info_by_key_ands_ready_and_stops_at_a_r
     a, b = Publisher("a", journal, retrieve=waiting), Publisher("b", journal)
     runner = ResourceRunner({"a": a, "b": b, "plain": Recorder("plain", journal)})
     info = Info(7)
-    outcome = runner.admit_retrieve("r1", "prefill", {"b": info}, node_name="talker")
+    outcome = runner.admit_retrieve("r1", "talker", "prefill", {"b": info})
     assert (outcome.ok, outcome.ready, outcome.failed_resource) == (True, False, None)
     assert a.retrieved == [("r1", "talker", "prefill", None)]  # a key absent from `published` gets None
     assert b.retrieved == [("r1", "talker", "prefill", info)]
     b.retrieve = ADMIT_OK
     a.retrieve = ADMIT_OK
-    assert runner.admit_retrieve("r2", "decode", {}).ok
-    assert runner.admit_retrieve("r2", "decode", {}).ready
+    assert runner.admit_retrieve("r2", "talker", "decode", {}).ok
+    assert runner.admit_retrieve("r2", "talker", "decode", {}).ready
     journal.clear()
     a.retrieve = refused
-    outcome = runner.admit_retrieve("r3", "decode", {})
+    outcome = runner.admit_retrieve("r3", "talker", "decode", {})
     assert (outcome.ok, outcome.failed_resource) == (False, "a")
     assert outcome.reason is refused.reason  # the refusal object itself
     assert journal == [("retrieve", "a")]  # b was never asked
+
+
+def test_admit_retrieve_takes_the_originals_positional_order_and_passes_it_through_unchanged():
+    # The seed's order is (request_id, node_name, graph_walk, published), as on `Resource.admit_retrieve`;
+    # four distinct strings so a swap of any two arguments shows up at the resource's hook.
+    journal = []
+    resource = Publisher("kv", journal)
+    runner = ResourceRunner({"kv": resource})
+    info = Info(3)
+    assert runner.admit_retrieve("rid", "node", "walk", {"kv": info}).ok
+    assert resource.retrieved == [("rid", "node", "walk", info)]
+    resource.retrieved.clear()
+    assert runner.admit_retrieve(request_id="rid", node_name="node", graph_walk="walk", published={}).ok
+    assert resource.retrieved == [("rid", "node", "walk", None)]

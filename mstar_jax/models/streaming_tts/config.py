@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 import numpy as np
 
+from mstar_jax.models.streaming_tts.resource_keys import FLOW_KV, TALKER_KV
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, SinkWindow
 from mstar_jax.resources.spec import NodeResourceSpec, register_static_pytree
 
@@ -170,8 +171,8 @@ class StreamingTTSConfig:
     def resource_specs(self) -> list[NodeResourceSpec]:
         """The resources the model's nodes need: `talker_kv` (node "talker") and `flow_kv` (node "flow")."""
         return [
-            BoundedKVSpec(resource_key="talker_kv", nodes={"talker"}, config=self.talker_kv_config),
-            BoundedKVSpec(resource_key="flow_kv", nodes={"flow"}, config=self.flow_kv_config),
+            BoundedKVSpec(resource_key=TALKER_KV, nodes={"talker"}, config=self.talker_kv_config),
+            BoundedKVSpec(resource_key=FLOW_KV, nodes={"flow"}, config=self.flow_kv_config),
         ]
 
 

@@ -315,6 +315,8 @@ class BoundedKVSpec(NodeResourceSpec):
 
     @property
     def resource_class(self) -> type[BoundedKVManager]:
+        # Imported here, on demand: declaring a spec must not load the manager and its kernels (the seed's
+        # contract; the one import cycle tests/test_import_graph.py allows).
         from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 
         return BoundedKVManager

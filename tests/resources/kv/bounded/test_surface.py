@@ -4,8 +4,12 @@ per-layer op from `mstar_jax.resources.kv.bounded`, and type checkers read the a
 from __future__ import annotations
 
 import importlib.resources
+import os
 import pathlib
 import re
+import subprocess
+import sys
+import textwrap
 from functools import partial
 from types import SimpleNamespace
 
@@ -21,7 +25,8 @@ from mstar_jax.resources.kv.bounded.attention import attend
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.step import PAD, BucketKey, Segment, SlotLease, StepContext, StepNotAdmittedError
 
-README = pathlib.Path(__file__).resolve().parents[4] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[4]
+README = ROOT / "README.md"
 
 
 def test_the_manager_and_attend_are_the_packages_own():
@@ -29,6 +34,82 @@ def test_the_manager_and_attend_are_the_packages_own():
     assert bounded.BoundedKVManager is BoundedKVManager
     for name in bounded.__all__:
         assert getattr(bounded, name).__module__.startswith("mstar_jax.resources.kv.bounded.")
+
+
+# What declaring a resource must not load: the builder and its kernels (the seed's `resource_class`
+# contract), nor anything that builds on the resources.
+HEAVY = (
+    "kernels_pallas",
+    "mstar_jax.resources.kv.bounded.manager",
+    "mstar_jax.resources.kv.bounded.attention",
+    "mstar_jax.resources.kv.bounded.cache",
+    "mstar_jax.models",
+    "mstar_jax.engine",
+)
+
+
+def _run_fresh(code: str) -> None:
+    """Run `code` in a new interpreter (this one has imported everything already); fail with its stderr."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_declaring_a_spec_imports_no_manager_kernel_or_model():
+    _run_fresh(f"""
+        import sys
+        from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, SinkWindow
+        from mstar_jax.resources.spec import apply_yaml_overrides, resolve_spec_dependencies
+
+        config = BoundedKVConfig(
+            num_layers=2, num_heads=2, head_dim=4, rows_per_request=1, max_source_len=8,
+            retention=SinkWindow(2, 4),
+        )
+        specs = [BoundedKVSpec("kv", {{"talker"}}, config)]
+        apply_yaml_overrides(specs, {{"resources": {{"kv": {{"max_slots": 4}}}}}})
+        resolve_spec_dependencies(specs)
+        loaded = sorted(
+            name for name in sys.modules
+            if any(name == heavy or name.startswith(heavy + ".") for heavy in {HEAVY!r})
+        )
+        assert not loaded, f"declaring a spec imported {{loaded}}"
+
+        # The builder comes on demand, through the property, and is the package's own.
+        import mstar_jax.resources.kv.bounded as bounded
+        builder = specs[0].resource_class
+        assert "mstar_jax.resources.kv.bounded.manager" in sys.modules
+        assert builder is bounded.BoundedKVManager
+        assert builder.__module__ == "mstar_jax.resources.kv.bounded.manager"
+    """)
+
+
+def test_the_package_exports_lazily_and_lists_them():
+    _run_fresh("""
+        import sys
+        import mstar_jax.resources.kv.bounded as bounded
+
+        assert "mstar_jax.resources.kv.bounded.manager" not in sys.modules
+        assert set(bounded.__all__) <= set(dir(bounded))  # autodoc and completion see them before use
+        from mstar_jax.resources.kv.bounded import attend, pad_step
+        assert attend.__module__ == "mstar_jax.resources.kv.bounded.attention"
+        assert "mstar_jax.resources.kv.bounded.manager" not in sys.modules  # one name, one submodule
+        namespace = {}
+        exec("from mstar_jax.resources.kv.bounded import *", namespace)
+        assert set(bounded.__all__) <= set(namespace)
+        try:
+            bounded.no_such_name
+        except AttributeError as error:
+            assert "no_such_name" in str(error)
+        else:
+            raise AssertionError("an unknown name must raise AttributeError")
+    """)
 
 
 def test_both_packages_are_marked_typed():
