@@ -534,6 +534,13 @@ def _source(length: int, seed: int = 0, dtype=np.float32) -> list[np.ndarray]:
     return list(np.random.default_rng(seed).standard_normal((L, R, G, length, D)).astype(dtype))
 
 
+def _poisoned(layers: list[np.ndarray], value: float, layer: int = 1) -> list[np.ndarray]:
+    """`layers` with entry [0, 0, 1, 2] of `layer` set to `value`."""
+    layers = [x.copy() for x in layers]
+    layers[layer][0, 0, 1, 2] = value
+    return layers
+
+
 def _step(*entries, tokens=None) -> tuple[BoundedKVStep, StepContext]:
     """A step of (request id, position, span) entries and its context."""
     step = BoundedKVStep(
@@ -658,6 +665,31 @@ MANAGER_CASES = [
     _case(
         "register-too-long", None, lambda m: m.register_source(2, _source(5), _source(5)), ValueError,
         r"source length 5 is outside \[min_source_len=1, max_source_len=4\]",
+    ),
+    _case(
+        "register-nan-k", None, lambda m: m.register_source(2, _poisoned(_source(2), np.nan), _source(2)),
+        ValueError,
+        r"source 2 k is not finite: 1 NaN and 0 infinite of its 16 entries, the first k\[1\]\[0, 0, 1, 2\] "
+        r"= np\.float32\(nan\) \(\[layer\]\[row, kv_head, position, dim\]\); every request reading source 2 "
+        r"would attend to it, so register finite keys and values",
+    ),
+    _case(
+        "register-inf-v-jax", None,
+        lambda m: m.register_source(2, _source(2), [jnp.asarray(x) for x in _poisoned(_source(2), -np.inf)]),
+        ValueError, r"source 2 v is not finite: 0 NaN and 1 infinite of its 16 entries, the first "
+        r"v\[1\]\[0, 0, 1, 2\] = np\.float32\(-inf\) .*",
+    ),
+    _case(
+        "register-nan-and-inf-k", None,
+        lambda m: m.register_source(2, _poisoned(_poisoned(_source(2), np.inf, 0), np.nan), _source(2)),
+        ValueError, r"source 2 k is not finite: 1 NaN and 1 infinite of its 16 entries, the first "
+        r"k\[0\]\[0, 0, 1, 2\] = np\.float32\(inf\) .*",
+    ),
+    _case(
+        "register-overflowing-v", None,
+        lambda m: m.register_source(2, _source(2), _poisoned(_source(2, dtype=np.float64), 1e300)),
+        ValueError, r"source 2 v overflows float32: 0 NaN and 1 infinite of its 16 entries, the first "
+        r"v\[1\]\[0, 0, 1, 2\] = np\.float64\(1e\+300\) .*",
     ),
     _case(
         "register-over-a-read-source", None, lambda m: m.register_source(0, _source(2), _source(2)),
