@@ -36,6 +36,7 @@ from mstar_jax.engine.voices import Voice
 from mstar_jax.models import model_config
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
+from mstar_jax.resources.kv.bounded.attention import attend, check_layer
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache
 from mstar_jax.resources.kv.bounded.config import (
     BoundedKVConfig,
@@ -387,6 +388,24 @@ def _config(**changes) -> BoundedKVConfig:
     return BoundedKVConfig(**{**BASE, **changes})
 
 
+ONE_LAYER = _config(num_layers=1, min_source_len=0)
+
+
+def _attend(layer, *, jit: bool = False):
+    """`attend(..., layer)` on a one-layer cache, in a planned one-token step of a fresh request."""
+    manager = BoundedKVManager(BoundedKVSpec("kv", {"node"}, ONE_LAYER), num_sources=1)
+    manager.ingest_request("a")
+    step = BoundedKVStep((Segment("a", "main", 1),), {"a": Pos(0, 0)})
+    assert manager.admit(step).ok
+    plan = manager.plan(step)
+    q = jnp.ones((1, 1, ONE_LAYER.num_heads, ONE_LAYER.head_dim))
+    kv = jnp.ones((1, 1, ONE_LAYER.num_heads, ONE_LAYER.head_dim))
+    fn = lambda cache, bank, plan, q, k, v: attend(  # noqa: E731
+        cache, bank, plan, layer, q, k, v, config=ONE_LAYER, implementation="xla"
+    )
+    return (jax.jit(fn) if jit else fn)(manager.take_cache(), manager.bank, plan, q, kv, kv)
+
+
 # call(*inputs) with the inputs it may not change: (call, inputs, error, pattern).
 CONFIG_CASES = [
     _case("head_dim=0", _config, {"head_dim": 0}, ValueError, r"head_dim=0 must be an int >= 1"),
@@ -506,6 +525,26 @@ CONFIG_CASES = [
         "model_config-unknown-model", lambda: model_config("tts"), [], ValueError,
         r"unknown model 'tts'; known models: \['streaming_tts'\]",
     ),
+    _case(
+        "attend-layer-past-the-cache", _attend, [3], ValueError,
+        r"layer=3 is outside \[0, num_layers=1\): the cache holds 1 layer\(s\), numbered from 0",
+    ),
+    _case(
+        "attend-layer-negative", _attend, [np.int64(-1)], ValueError,
+        r"layer=-1 is outside \[0, num_layers=1\): .*",
+    ),
+    _case(
+        "attend-layer-past-the-cache-in-jit", lambda layer: _attend(layer, jit=True), [1], ValueError,
+        r"layer=1 is outside \[0, num_layers=1\): .*",
+    ),
+    _case(
+        "attend-layer-bool", _attend, [False], TypeError,
+        r"layer=False must be an int in \[0, num_layers=1\), got bool",
+    ),
+    _case(
+        "attend-layer-float", _attend, [0.0], TypeError,
+        r"layer=0\.0 must be an int in \[0, num_layers=1\), got float",
+    ),
 ]  # fmt: skip
 
 
@@ -520,6 +559,28 @@ def test_a_bad_config_is_refused_and_its_inputs_are_unchanged(call, inputs, erro
     assert inputs == before
     assert _config() == CFG
     assert BoundedKVSpec("kv", {"node"}, _config()) == SPEC
+
+
+@pytest.mark.parametrize("layer", [0, np.int64(0)], ids=["int", "np.int64"])
+def test_attend_takes_every_int_layer_of_the_cache(layer):
+    out, cache = _attend(layer)
+    eager, _ = _attend(0, jit=True)
+    np.testing.assert_array_equal(out, eager)
+    assert len(cache.k) == 1
+
+
+def test_a_traced_layer_is_left_to_the_indexing():
+    """Only concrete ints are checked: a layer traced inside `jit` or `scan` passes `check_layer`."""
+    seen = []
+
+    def fn(layer):
+        check_layer(layer, ONE_LAYER)  # 3 is past the cache, but traced: not known here
+        seen.append(type(layer).__name__)
+        return layer
+
+    assert jax.jit(fn)(3) == 3
+    assert len(seen) == 1
+    assert "Tracer" in seen[0]
 
 
 # -- the manager --------------------------------------------------------------------------------------
