@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from mstar_jax.cli import main
+from mstar_jax.compile import ExecutableStore
 from mstar_jax.deployment import (
     DEFAULT_CONFIG,
     DeploymentError,
@@ -255,6 +256,8 @@ _FILES = {
     "int-key.yaml": "model: {name: streaming_tts}\nresources: {flow_kv: {1: 2}}\n",
     "dup.yaml": "model: {name: streaming_tts}\nengine:\n  max_batch: 2\n  max_batch: 4\n",
     "max-batch-8.yaml": "model: {name: streaming_tts}\nengine: {max_batch: 8}\n",
+    "cache-a-file.yaml": "model: {name: streaming_tts}\ncompile: {persistent_cache_dir: scalar.yaml}\n",
+    "cache-in-file.yaml": "model: {name: streaming_tts}\ncompile: {persistent_cache_dir: scalar.yaml/c}\n",
 }
 _NO_FIT = (
     r".*streaming_tts\.yaml: the deployment needs model weights \(.*\) [\d.]+ MiB \+ .* = [\d.]+ MiB, "
@@ -263,6 +266,8 @@ _NO_FIT = (
     r"is model weights .*"
 )
 CHECK, RUN, TOP = r"mstar-jax check: error: ", r"mstar-jax run: error: ", r"mstar-jax: error: "
+GENERATE = r"mstar-jax generate: error: "
+_A_DIRECTORY = r"it must be a directory \(existing or not yet\) that can be written"
 
 # main(argv), in a directory holding `_FILES` and `conf/`: (argv, whether argparse refuses it as usage, the
 # pattern of stderr's last line).
@@ -330,6 +335,25 @@ CLI_CASES = [
         RUN + r"max-batch-8\.yaml: engine\.max_batch=8 exceeds resources\.talker_kv\.max_slots=4: every "
         r"request in a batch holds a slot, so such a batch never forms; raise max_slots or lower "
         r"engine\.max_batch",
+    ),
+    _case(
+        "run-cache-dir-a-file", ["run", "--config", "cache-a-file.yaml", "--output", "out"], False,
+        RUN + r"cache-a-file\.yaml: compile\.persistent_cache_dir='scalar\.yaml' is an existing file, not a "
+        r"directory; " + _A_DIRECTORY,
+    ),
+    _case(
+        "run-cache-dir-under-a-file", ["run", "--config", "cache-in-file.yaml", "--output", "out"], False,
+        RUN + r"cache-in-file\.yaml: compile\.persistent_cache_dir='scalar\.yaml/c' is under "
+        r"'scalar\.yaml', a file; " + _A_DIRECTORY,
+    ),
+    _case(
+        "generate-store-a-file", ["generate", "--executable-store", "scalar.yaml"], False,
+        GENERATE + r"--executable-store='scalar\.yaml' is an existing file, not a directory; " + _A_DIRECTORY,
+    ),
+    _case(
+        "generate-store-under-a-file", ["generate", "--executable-store", "scalar.yaml/store"], False,
+        GENERATE + r"--executable-store='scalar\.yaml/store' is under 'scalar\.yaml', a file; "
+        + _A_DIRECTORY,
     ),
 ]  # fmt: skip
 
@@ -404,6 +428,9 @@ def _attend(layer, *, jit: bool = False):
         cache, bank, plan, layer, q, k, v, config=ONE_LAYER, implementation="xla"
     )
     return (jax.jit(fn) if jit else fn)(manager.take_cache(), manager.bank, plan, q, kv, kv)
+
+
+_THIS_FILE = Path(__file__).resolve()  # an existing file: a store there, or under it, cannot be made
 
 
 # call(*inputs) with the inputs it may not change: (call, inputs, error, pattern).
@@ -526,6 +553,20 @@ CONFIG_CASES = [
         r"unknown model 'tts'; known models: \['streaming_tts'\]",
     ),
     _case(
+        "store-a-file", ExecutableStore, [_THIS_FILE], ValueError,
+        rf"directory={re.escape(repr(str(_THIS_FILE)))} is an existing file, not a directory; "
+        + _A_DIRECTORY,
+    ),
+    _case(
+        "store-under-a-file", ExecutableStore, [_THIS_FILE / "store"], ValueError,
+        rf"directory={re.escape(repr(str(_THIS_FILE / 'store')))} is under "
+        rf"{re.escape(repr(str(_THIS_FILE)))}, a file; " + _A_DIRECTORY,
+    ),
+    _case(
+        "store-empty-path", ExecutableStore, [""], ValueError,
+        r"directory='' must be a non-empty path; " + _A_DIRECTORY,
+    ),
+    _case(
         "attend-layer-past-the-cache", _attend, [3], ValueError,
         r"layer=3 is outside \[0, num_layers=1\): the cache holds 1 layer\(s\), numbered from 0",
     ),
@@ -559,6 +600,7 @@ def test_a_bad_config_is_refused_and_its_inputs_are_unchanged(call, inputs, erro
     assert inputs == before
     assert _config() == CFG
     assert BoundedKVSpec("kv", {"node"}, _config()) == SPEC
+    assert _THIS_FILE.is_file()  # nothing was made under it
 
 
 @pytest.mark.parametrize("layer", [0, np.int64(0)], ids=["int", "np.int64"])

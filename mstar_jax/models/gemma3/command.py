@@ -119,6 +119,7 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
     import jax.numpy as jnp
 
     from mstar_jax.compile import ExecutableStore
+    from mstar_jax.compile.store import check_directory
     from mstar_jax.memory import format_bytes
     from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, load_gguf, open_gguf
     from mstar_jax.models.gemma3.model import Gemma3
@@ -135,6 +136,11 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
         except OSError as err:
             raise error(f"--prompt-file {str(path)!r} cannot be read: {err.strerror}") from None
     texts = texts or ["The old lighthouse keeper climbed the stairs and"]
+    if args.executable_store is not None:
+        try:
+            check_directory(args.executable_store, "--executable-store")
+        except ValueError as err:
+            raise error(str(err)) from None
     try:
         reader = open_gguf(args.gguf or default_gguf_path())
     except ModuleNotFoundError as err:
