@@ -14,7 +14,9 @@ import contextlib
 import copy
 import dataclasses
 import io
+import os
 import re
+import struct
 from pathlib import Path
 
 import jax
@@ -903,6 +905,133 @@ def test_a_bad_manager_call_is_refused_and_changes_nothing(setup, call, expected
         message = str(info.value)
     assert re.fullmatch(pattern, message), message
     _assert_same_state(before, _manager_state(manager))
+
+
+# -- GGUF files and `mstar-jax generate` --------------------------------------------------------------
+
+# Gemma 3 270M's geometry with an 8-token vocabulary: its caches are the real model's, its weights small.
+_GEMMA_METADATA = {
+    "block_count": 18, "embedding_length": 640, "feed_forward_length": 2048, "attention.head_count": 4,
+    "attention.head_count_kv": 1, "attention.key_length": 256, "attention.value_length": 256,
+    "attention.sliding_window": 512, "context_length": 32768,
+}  # fmt: skip
+
+
+def _write_gemma_gguf(path: Path) -> bytes:
+    """A GGUF file with Gemma 3 metadata and two small float32 tensors; returns its bytes."""
+    gguf = pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
+    writer = gguf.GGUFWriter(path, "gemma3")
+    for key, value in _GEMMA_METADATA.items():
+        writer.add_uint32(f"gemma3.{key}", value)
+    writer.add_float32("gemma3.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_float32("gemma3.rope.freq_base", 1e6)
+    writer.add_token_list([f"t{i}" for i in range(8)])
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(True)
+    writer.add_tensor("token_embd.weight", np.ones((8, 16), np.float32))
+    writer.add_tensor("output_norm.weight", np.ones((16,), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+def _at_tensor(data: bytes, name: str) -> int:
+    """Where `name`'s entry of the tensor table goes on after its name: u32 n_dims, u64 dims, u32 type,
+    u64 offset."""
+    return data.index(name.encode()) + len(name)
+
+
+def _packed(fmt: str, where, value):
+    def corrupt(data: bytes) -> bytes:
+        out = bytearray(data)
+        struct.pack_into(fmt, out, where(data), value)
+        return bytes(out)
+
+    return corrupt
+
+
+_TABLE = r"is truncated or corrupt: its metadata or tensor table does not parse \({error}: .*\); download or "
+_TABLE += r"convert it again"
+
+# What is done to a valid file's bytes, and the pattern of the error (`{path}`, `{size}` filled in).
+GGUF_CASES = [
+    _case("empty", lambda data: b"", r"GGUF file '{path}' is empty \(0 bytes\)"),
+    _case(
+        "garbage", lambda data: b"\x00\x01garbage" * 64,
+        r"GGUF file '{path}' is not a GGUF file: it starts with b'\\x00\\x01ga', a GGUF file with b'GGUF'",
+    ),
+    _case(
+        "truncated-in-the-header", lambda data: data[:10],
+        r"GGUF file '{path}' \({size} bytes\) " + _TABLE.format(error="ValueError"),
+    ),
+    _case(
+        "truncated-in-the-metadata", lambda data: data[:200],
+        r"GGUF file '{path}' \({size} bytes\) " + _TABLE.format(error="IndexError"),
+    ),
+    _case(
+        "truncated-in-the-tensor-data", lambda data: data[:-20],
+        r"GGUF file '{path}' \({size} bytes\) " + _TABLE.format(error="ValueError"),
+    ),
+    _case(
+        "tensor-table-counts-more-tensors", _packed("<Q", lambda data: 8, 10**6),
+        r"GGUF file '{path}' \({size} bytes\) " + _TABLE.format(error="ValueError"),
+    ),
+    _case(
+        "tensor-table-unknown-type", _packed("<I", lambda d: _at_tensor(d, "token_embd.weight") + 4 + 16, 99),
+        r"GGUF file '{path}' \({size} bytes\) " + _TABLE.format(error="ValueError"),
+    ),
+    _case(
+        "tensor-table-offset-past-the-end",
+        _packed("<Q", lambda d: _at_tensor(d, "token_embd.weight") + 4 + 16 + 4, 10**12),
+        r"GGUF file '{path}' \({size} bytes\) " + _TABLE.format(error="ValueError"),
+    ),
+    _case(
+        "tensor-table-more-dims", _packed("<I", lambda d: _at_tensor(d, "output_norm.weight"), 9),
+        r"GGUF file '{path}' \({size} bytes\) " + _TABLE.format(error="ValueError"),
+    ),
+]  # fmt: skip
+
+
+def _forbid_loading(monkeypatch) -> None:
+    """Make reading the tensors fail the test: a refusal must come before the weights are loaded."""
+    from mstar_jax.models import gemma3
+
+    def load_gguf(*args, **kwargs):
+        raise AssertionError("load_gguf was called: the model was loaded before the refusal")
+
+    monkeypatch.setattr(gemma3, "load_gguf", load_gguf)
+
+
+def _generate(argv: list[str]) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        status = main(["generate", *argv])
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1, lines  # one line, no traceback
+    return status, lines[0]
+
+
+@pytest.mark.parametrize(("corrupt", "pattern"), GGUF_CASES)
+def test_a_corrupt_gguf_file_is_refused_naming_it(corrupt, pattern, tmp_path, monkeypatch):
+    from mstar_jax.models.gemma3 import GGUFError, load_gguf, open_gguf, read_config
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(corrupt(_write_gemma_gguf(tmp_path / "valid.gguf")))
+    expected = pattern.format(path=re.escape(os.path.realpath(path)), size=f"{path.stat().st_size:,}")
+    before = _files(tmp_path)
+    for call in (open_gguf, read_config, load_gguf):
+        with pytest.raises(GGUFError) as info:
+            call(path)
+        assert isinstance(info.value, ValueError)
+        assert re.fullmatch(expected, str(info.value)), str(info.value)
+    _forbid_loading(monkeypatch)
+    status, line = _generate(["--gguf", str(path)])
+    assert status == 2
+    assert re.fullmatch(GENERATE + "--gguf: " + expected, line), line
+    assert _files(tmp_path) == before
 
 
 # -- the engine ---------------------------------------------------------------------------------------

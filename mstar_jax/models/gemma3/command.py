@@ -121,7 +121,7 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
     from mstar_jax.compile import ExecutableStore
     from mstar_jax.compile.store import check_directory
     from mstar_jax.memory import format_bytes
-    from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, load_gguf, open_gguf
+    from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, load_gguf, open_gguf, read_config
     from mstar_jax.models.gemma3.model import Gemma3
     from mstar_jax.models.gemma3.serve import generate
     from mstar_jax.models.gemma3.stream import Gemma3Streams
@@ -141,21 +141,28 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
             check_directory(args.executable_store, "--executable-store")
         except ValueError as err:
             raise error(str(err)) from None
+    gguf_name = "--gguf" if args.gguf else "the gemma extra's model file"
     try:
         reader = open_gguf(args.gguf or default_gguf_path())
+        config = read_config(reader)
     except ModuleNotFoundError as err:
         raise error(str(err)) from None
     except OSError as err:
         raise error(f"--gguf {str(args.gguf)!r} cannot be read: {err.strerror}") from None
-    config, tensors = load_gguf(reader)
-    tokenizer = Gemma3Tokenizer.from_gguf(reader)
-    prompts = [tokenizer.encode(text)[: args.max_prompt_tokens] for text in texts]
+    except ValueError as err:  # a corrupt file (GGUFError), another model, a missing key
+        raise error(f"{gguf_name}: {err}") from None
     if args.dense:
         retention = SinkWindow(0, config.context_length)
     else:
         sink = 4 if args.global_sink is None else args.global_sink
         retention = SinkWindow(sink, 1020 if args.global_window is None else args.global_window)
-    slots = args.max_slots or len(prompts)
+    slots = args.max_slots or len(texts)
+    try:
+        _, tensors = load_gguf(reader)
+        tokenizer = Gemma3Tokenizer.from_gguf(reader)
+    except ValueError as err:  # a tensor that does not match its table, a tokenizer that is not one
+        raise error(f"{gguf_name}: {err}") from None
+    prompts = [tokenizer.encode(text)[: args.max_prompt_tokens] for text in texts]
     model = Gemma3.from_tensors(config, tensors, dtype=jnp.dtype(args.dtype))
     streams = Gemma3Streams(
         config, model, global_retention=retention, max_slots=slots, chunk=args.chunk,
