@@ -1034,6 +1034,72 @@ def test_a_corrupt_gguf_file_is_refused_naming_it(corrupt, pattern, tmp_path, mo
     assert _files(tmp_path) == before
 
 
+def _budget(gguf: Path, slots: int, device_bytes: int):
+    """`generate`'s budget for `slots`, counted as the command counts it."""
+    from flax import nnx
+
+    from mstar_jax.memory import DeviceMemory, serving_budget
+    from mstar_jax.models.gemma3 import read_config
+    from mstar_jax.models.gemma3.model import Gemma3
+    from mstar_jax.models.gemma3.stream import cache_configs
+
+    config = read_config(gguf)
+    caches = cache_configs(config, global_retention=SinkWindow(4, 1020), max_slots=slots)
+    params = nnx.state(nnx.eval_shape(lambda: Gemma3(config, rngs=nnx.Rngs(0))))
+    device = DeviceMemory(nbytes=device_bytes, source="--device-memory")
+    return serving_budget(params, dict(zip(("local", "global"), caches, strict=True)), device)
+
+
+def test_generate_refuses_more_slots_than_fit_naming_the_most_that_do(tmp_path, monkeypatch):
+    gguf = tmp_path / "model.gguf"
+    _write_gemma_gguf(gguf)
+    _forbid_loading(monkeypatch)
+    status, line = _generate(["--gguf", str(gguf), "--max-slots", "100000", "--device-memory", "2GiB"])
+    assert status == 2
+    fits = _budget(gguf, 100000, 2**31).max_fitting_slots
+    assert fits is not None
+    assert _budget(gguf, fits, 2**31).fits
+    assert not _budget(gguf, fits + 1, 2**31).fits
+    assert re.fullmatch(
+        GENERATE + r"--max-slots 100000 needs model weights \([\d,]+ parameters\) [\d.]+ MiB \+ "
+        r"gemma3_local_kv slots \(100,000 \+ 1 padding\) [\d.]+ TiB \+ gemma3_global_kv slots \(100,000 \+ 1 "
+        r"padding\) [\d.]+ GiB \+ gemma3_local_kv source bank \(1 sources\) [\d.]+ KiB \+ gemma3_global_kv "
+        r"source bank \(1 sources\) [\d.]+ KiB = [\d.]+ TiB \([\d,]+ B\), more than the 2\.0 GiB "
+        rf"\(2,147,483,648 B\) available \(--device-memory\); --max-slots {fits} is the most that fits",
+        line,
+    ), line
+    status, line = _generate(["--gguf", str(gguf), "--max-slots", "2", "--device-memory", "100MiB"])
+    assert status == 2
+    assert re.fullmatch(
+        GENERATE + r"--max-slots 2 needs .* more than the 100\.0 MiB \(104,857,600 B\) available "
+        r"\(--device-memory\); not even --max-slots 1 fits, where the largest part is model weights "
+        r"\([\d,]+ parameters\) \([\d.]+ MiB\): try --dtype bfloat16, a smaller --global-window, or a "
+        r"device with more memory",
+        line,
+    ), line
+    with pytest.raises(AssertionError, match="load_gguf was called"):  # what fits goes on to load
+        main(["generate", "--gguf", str(gguf), "--max-slots", str(fits), "--device-memory", "2GiB"])
+
+
+def test_generate_checks_the_devices_own_memory(tmp_path, monkeypatch):
+    """The issue's case: no --device-memory, so the device's memory (the host's RAM on a CPU)."""
+    from mstar_jax.memory import device_memory
+
+    gguf = tmp_path / "model.gguf"
+    _write_gemma_gguf(gguf)
+    device = device_memory()
+    if _budget(gguf, 100000, device.nbytes).fits:
+        pytest.skip(f"100,000 Gemma 3 slots fit this device's {device.nbytes:,} B")
+    _forbid_loading(monkeypatch)
+    status, line = _generate(["--gguf", str(gguf), "--max-slots", "100000"])
+    assert status == 2
+    assert re.fullmatch(
+        GENERATE + rf"--max-slots 100000 needs .* = .*, more than the .* \({device.nbytes:,} B\) available "
+        rf"\({re.escape(device.source)}\); --max-slots \d+ is the most that fits",
+        line,
+    ), line
+
+
 # -- the engine ---------------------------------------------------------------------------------------
 
 
