@@ -191,10 +191,32 @@ def _check_output(output: str) -> None:
         raise CommandLineError(f"--output={output!r}: {str(existing)!r} is not writable; {allowed}")
 
 
+def _check_cache_dir(deployment: Deployment) -> None:
+    """Refuse a `compile.persistent_cache_dir` that is not a directory, nor its executable store's folder
+    (`engine.build.EXECUTABLES`), before anything compiles into them.
+
+    Raises:
+      DeploymentError: naming the file, the setting and the path.
+    """
+    directory = deployment.compile.persistent_cache_dir
+    if directory is None:
+        return
+    from mstar_jax.compile.store import check_directory  # imports jax's serialization: only for run
+    from mstar_jax.engine.build import EXECUTABLES
+
+    try:
+        check_directory(directory, "compile.persistent_cache_dir")
+        store = os.path.join(directory, EXECUTABLES)
+        check_directory(store, "the executable store under compile.persistent_cache_dir")
+    except ValueError as error:
+        raise DeploymentError(f"{deployment.source}: {error}") from None
+
+
 def _run(args: argparse.Namespace) -> int:
     _check_output(args.output)
     _join(args)
     deployment = load_deployment(DEFAULT_CONFIG if args.config is None else args.config)
+    _check_cache_dir(deployment)
     deployment.check_devices()
     _budget(deployment, args).require_fit()  # before anything is built or compiled
 

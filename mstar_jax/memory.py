@@ -9,6 +9,11 @@
   tiles, where `num_sources` is what `Engine.from_deployment` gives it (`num_sources`);
 - the workspace of the largest bucket (`workspace_bytes`), an upper estimate of one step's activations.
 
+`serving_budget(params, caches, device)` is the same count for any model served on bounded caches without
+a deployment (`mstar-jax generate`): the weights are the bytes of the model's own parameters (a pytree,
+abstract or not, e.g. from `nnx.eval_shape`), and each cache its slots (the padding slot included) and
+its source bank, from its config.
+
 On a mesh (`mesh: {data, model}`, docs/design.md §10) each part is one device's share: its data shard's
 slots and padding slot, and its share of the KV heads (one copy where heads are replicated) in the slots
 and the source bank; the weights and the workspace are counted whole, as the model is not sharded yet.
@@ -20,7 +25,12 @@ command line (`mstar-jax check --device-memory 16GiB`).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
 
 from mstar_jax.devices import (
     DeviceMemory,
@@ -51,7 +61,9 @@ __all__ = [
     "num_sources",
     "parse_size",
     "resource_costs",
+    "serving_budget",
     "source_bytes",
+    "tree_bytes",
     "weight_bytes",
     "weight_count",
     "workspace_bytes",
@@ -308,6 +320,113 @@ def memory_budget(deployment: Deployment, device: DeviceMemory) -> MemoryBudget:
         slot_keys=tuple(
             spec.resource_key for spec in caches if fitting is not None and spec.config.max_slots > fitting
         ),
+    )
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes of every array in `tree`, from its leaves' shapes and dtypes alone (nothing is read or
+    allocated): arrays, or their `jax.ShapeDtypeStruct`s from `jax.eval_shape` or `nnx.eval_shape`.
+
+    Raises:
+      TypeError: naming the first leaf that has no shape and dtype.
+    """
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise TypeError(
+                f"leaf {jax.tree_util.keystr(path) or '(the root)'}={leaf!r} of the tree has no shape and "
+                "dtype; pass arrays or jax.ShapeDtypeStruct leaves (e.g. from nnx.eval_shape)"
+            )
+        total += math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def serving_budget(
+    params: Any,
+    caches: Mapping[str, BoundedKVConfig],
+    device: DeviceMemory,
+    *,
+    num_sources: int = 1,
+    source: str = "the model",
+) -> MemoryBudget:
+    """What serving a model on bounded caches allocates on one device, against `device`.
+
+    The parts: the weights (`tree_bytes(params)`), then per cache its `max_slots` slots and the padding
+    slot (`BoundedKVCache`), and its source bank of `num_sources` entries (`SourceBank`), each counted
+    from the cache's config. Where it does not fit, `max_fitting_slots` is the largest `max_slots` (for
+    every cache) that does, and `blocker` the largest part where not even one slot fits. Activations are
+    not counted. `require_fit` words its fix as a deployment's (`resources.<key>.max_slots`); a command
+    names its own option from `max_fitting_slots` (`mstar-jax generate` names `--max-slots`).
+
+    Args:
+      params: the model's parameters, any pytree of arrays or `jax.ShapeDtypeStruct`s.
+      caches: each cache's key and config.
+      device: the memory to fit (`device_memory()`, or a size the user gave).
+      num_sources: source-bank entries each cache allocates.
+      source: what is served (a file, a model), for messages.
+
+    Raises:
+      TypeError: for a cache config that is not a `BoundedKVConfig`, or a params leaf without a shape.
+      ValueError: for no caches, or `num_sources` below 1.
+    """
+    if not caches:
+        raise ValueError("caches={} must name at least one cache (key -> BoundedKVConfig)")
+    for key, config in caches.items():
+        if not isinstance(config, BoundedKVConfig):
+            raise TypeError(f"caches[{key!r}]={config!r} must be a BoundedKVConfig")
+    if isinstance(num_sources, bool) or not isinstance(num_sources, int) or num_sources < 1:
+        raise ValueError(f"num_sources={num_sources!r} must be an int >= 1")
+    nbytes = tree_bytes(params)  # first: it names a leaf without a shape
+    count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+    weights = BudgetPart(
+        label=f"model weights ({count:,} parameters)",
+        nbytes=nbytes,
+        remedy="a smaller model or dtype, or a device with more memory",
+    )
+
+    def parts_at(max_slots: int | None) -> list[BudgetPart]:
+        """The parts with every cache's `max_slots` lowered to `max_slots` (None: as given)."""
+        parts = [weights]
+        for key, kv in caches.items():
+            slots = kv.max_slots if max_slots is None else min(kv.max_slots, max_slots)
+            parts.append(
+                BudgetPart(
+                    label=f"{key} slots ({slots:,} + 1 padding)",
+                    nbytes=(slots + 1) * kv.slot_bytes,
+                    remedy=f"one slot is {format_bytes(kv.slot_bytes)}: retain fewer tokens",
+                )
+            )
+        for key, kv in caches.items():
+            parts.append(
+                BudgetPart(
+                    label=f"{key} source bank ({num_sources} sources)",
+                    nbytes=num_sources * source_bytes(kv),
+                    remedy=f"each source holds max_source_len={kv.max_source_len:,} entries",
+                )
+            )
+        return parts
+
+    parts = parts_at(None)
+    fitting = blocker = None
+    if sum(part.nbytes for part in parts) > device.nbytes:
+        low, high = 0, max(kv.max_slots for kv in caches.values())
+        while low < high:  # the total grows with max_slots: bisect for the most that fit
+            mid = (low + high + 1) // 2
+            if sum(part.nbytes for part in parts_at(mid)) <= device.nbytes:
+                low = mid
+            else:
+                high = mid - 1
+        fitting = low or None
+        if fitting is None:
+            blocker = max(parts_at(1), key=lambda part: part.nbytes)
+    return MemoryBudget(
+        source=source,
+        parts=tuple(parts),
+        device=device,
+        max_fitting_slots=fitting,
+        blocker=blocker,
+        max_batch=1,  # no engine batch to lower with the slots
+        slot_keys=tuple(key for key, kv in caches.items() if fitting is not None and kv.max_slots > fitting),
     )
 
 

@@ -14,7 +14,9 @@ import contextlib
 import copy
 import dataclasses
 import io
+import os
 import re
+import struct
 from pathlib import Path
 
 import jax
@@ -24,6 +26,7 @@ import pytest
 import yaml
 
 from mstar_jax.cli import main
+from mstar_jax.compile import ExecutableStore
 from mstar_jax.deployment import (
     DEFAULT_CONFIG,
     DeploymentError,
@@ -36,6 +39,7 @@ from mstar_jax.engine.voices import Voice
 from mstar_jax.models import model_config
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
+from mstar_jax.resources.kv.bounded.attention import attend, check_layer
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache
 from mstar_jax.resources.kv.bounded.config import (
     BoundedKVConfig,
@@ -262,6 +266,8 @@ _FILES = {
     "int-key.yaml": "model: {name: streaming_tts}\nresources: {flow_kv: {1: 2}}\n",
     "dup.yaml": "model: {name: streaming_tts}\nengine:\n  max_batch: 2\n  max_batch: 4\n",
     "max-batch-8.yaml": "model: {name: streaming_tts}\nengine: {max_batch: 8}\n",
+    "cache-a-file.yaml": "model: {name: streaming_tts}\ncompile: {persistent_cache_dir: scalar.yaml}\n",
+    "cache-in-file.yaml": "model: {name: streaming_tts}\ncompile: {persistent_cache_dir: scalar.yaml/c}\n",
 }
 _NO_FIT = (
     r".*streaming_tts\.yaml: the deployment needs model weights \(.*\) [\d.]+ MiB \+ .* = [\d.]+ MiB, "
@@ -270,6 +276,8 @@ _NO_FIT = (
     r"is model weights .*"
 )
 CHECK, RUN, TOP = r"mstar-jax check: error: ", r"mstar-jax run: error: ", r"mstar-jax: error: "
+GENERATE = r"mstar-jax generate: error: "
+_A_DIRECTORY = r"it must be a directory \(existing or not yet\) that can be written"
 
 # main(argv), in a directory holding `_FILES` and `conf/`: (argv, whether argparse refuses it as usage, the
 # pattern of stderr's last line).
@@ -338,6 +346,25 @@ CLI_CASES = [
         r"request in a batch holds a slot, so such a batch never forms; raise max_slots or lower "
         r"engine\.max_batch",
     ),
+    _case(
+        "run-cache-dir-a-file", ["run", "--config", "cache-a-file.yaml", "--output", "out"], False,
+        RUN + r"cache-a-file\.yaml: compile\.persistent_cache_dir='scalar\.yaml' is an existing file, not a "
+        r"directory; " + _A_DIRECTORY,
+    ),
+    _case(
+        "run-cache-dir-under-a-file", ["run", "--config", "cache-in-file.yaml", "--output", "out"], False,
+        RUN + r"cache-in-file\.yaml: compile\.persistent_cache_dir='scalar\.yaml/c' is under "
+        r"'scalar\.yaml', a file; " + _A_DIRECTORY,
+    ),
+    _case(
+        "generate-store-a-file", ["generate", "--executable-store", "scalar.yaml"], False,
+        GENERATE + r"--executable-store='scalar\.yaml' is an existing file, not a directory; " + _A_DIRECTORY,
+    ),
+    _case(
+        "generate-store-under-a-file", ["generate", "--executable-store", "scalar.yaml/store"], False,
+        GENERATE + r"--executable-store='scalar\.yaml/store' is under 'scalar\.yaml', a file; "
+        + _A_DIRECTORY,
+    ),
 ]  # fmt: skip
 
 
@@ -393,6 +420,27 @@ SPEC = BoundedKVSpec("kv", {"node"}, CFG)
 
 def _config(**changes) -> BoundedKVConfig:
     return BoundedKVConfig(**{**BASE, **changes})
+
+
+ONE_LAYER = _config(num_layers=1, min_source_len=0)
+
+
+def _attend(layer, *, jit: bool = False):
+    """`attend(..., layer)` on a one-layer cache, in a planned one-token step of a fresh request."""
+    manager = BoundedKVManager(BoundedKVSpec("kv", {"node"}, ONE_LAYER), num_sources=1)
+    manager.ingest_request("a")
+    step = BoundedKVStep((Segment("a", "main", 1),), {"a": Pos(0, 0)})
+    assert manager.admit(step).ok
+    plan = manager.plan(step)
+    q = jnp.ones((1, 1, ONE_LAYER.num_heads, ONE_LAYER.head_dim))
+    kv = jnp.ones((1, 1, ONE_LAYER.num_heads, ONE_LAYER.head_dim))
+    fn = lambda cache, bank, plan, q, k, v: attend(  # noqa: E731
+        cache, bank, plan, layer, q, k, v, config=ONE_LAYER, implementation="xla"
+    )
+    return (jax.jit(fn) if jit else fn)(manager.take_cache(), manager.bank, plan, q, kv, kv)
+
+
+_THIS_FILE = Path(__file__).resolve()  # an existing file: a store there, or under it, cannot be made
 
 
 # call(*inputs) with the inputs it may not change: (call, inputs, error, pattern).
@@ -514,6 +562,40 @@ CONFIG_CASES = [
         "model_config-unknown-model", lambda: model_config("tts"), [], ValueError,
         r"unknown model 'tts'; known models: \['streaming_tts'\]",
     ),
+    _case(
+        "store-a-file", ExecutableStore, [_THIS_FILE], ValueError,
+        rf"directory={re.escape(repr(str(_THIS_FILE)))} is an existing file, not a directory; "
+        + _A_DIRECTORY,
+    ),
+    _case(
+        "store-under-a-file", ExecutableStore, [_THIS_FILE / "store"], ValueError,
+        rf"directory={re.escape(repr(str(_THIS_FILE / 'store')))} is under "
+        rf"{re.escape(repr(str(_THIS_FILE)))}, a file; " + _A_DIRECTORY,
+    ),
+    _case(
+        "store-empty-path", ExecutableStore, [""], ValueError,
+        r"directory='' must be a non-empty path; " + _A_DIRECTORY,
+    ),
+    _case(
+        "attend-layer-past-the-cache", _attend, [3], ValueError,
+        r"layer=3 is outside \[0, num_layers=1\): the cache holds 1 layer\(s\), numbered from 0",
+    ),
+    _case(
+        "attend-layer-negative", _attend, [np.int64(-1)], ValueError,
+        r"layer=-1 is outside \[0, num_layers=1\): .*",
+    ),
+    _case(
+        "attend-layer-past-the-cache-in-jit", lambda layer: _attend(layer, jit=True), [1], ValueError,
+        r"layer=1 is outside \[0, num_layers=1\): .*",
+    ),
+    _case(
+        "attend-layer-bool", _attend, [False], TypeError,
+        r"layer=False must be an int in \[0, num_layers=1\), got bool",
+    ),
+    _case(
+        "attend-layer-float", _attend, [0.0], TypeError,
+        r"layer=0\.0 must be an int in \[0, num_layers=1\), got float",
+    ),
 ]  # fmt: skip
 
 
@@ -528,6 +610,29 @@ def test_a_bad_config_is_refused_and_its_inputs_are_unchanged(call, inputs, erro
     assert inputs == before
     assert _config() == CFG
     assert BoundedKVSpec("kv", {"node"}, _config()) == SPEC
+    assert _THIS_FILE.is_file()  # nothing was made under it
+
+
+@pytest.mark.parametrize("layer", [0, np.int64(0)], ids=["int", "np.int64"])
+def test_attend_takes_every_int_layer_of_the_cache(layer):
+    out, cache = _attend(layer)
+    eager, _ = _attend(0, jit=True)
+    np.testing.assert_array_equal(out, eager)
+    assert len(cache.k) == 1
+
+
+def test_a_traced_layer_is_left_to_the_indexing():
+    """Only concrete ints are checked: a layer traced inside `jit` or `scan` passes `check_layer`."""
+    seen = []
+
+    def fn(layer):
+        check_layer(layer, ONE_LAYER)  # 3 is past the cache, but traced: not known here
+        seen.append(type(layer).__name__)
+        return layer
+
+    assert jax.jit(fn)(3) == 3
+    assert len(seen) == 1
+    assert "Tracer" in seen[0]
 
 
 # -- the manager --------------------------------------------------------------------------------------
@@ -540,6 +645,13 @@ L, R, G, D = CFG.num_layers, CFG.rows_per_request, CFG.num_heads, CFG.head_dim
 
 def _source(length: int, seed: int = 0, dtype=np.float32) -> list[np.ndarray]:
     return list(np.random.default_rng(seed).standard_normal((L, R, G, length, D)).astype(dtype))
+
+
+def _poisoned(layers: list[np.ndarray], value: float, layer: int = 1) -> list[np.ndarray]:
+    """`layers` with entry [0, 0, 1, 2] of `layer` set to `value`."""
+    layers = [x.copy() for x in layers]
+    layers[layer][0, 0, 1, 2] = value
+    return layers
 
 
 def _step(*entries, tokens=None) -> tuple[BoundedKVStep, StepContext]:
@@ -668,6 +780,31 @@ MANAGER_CASES = [
         r"source length 5 is outside \[min_source_len=1, max_source_len=4\]",
     ),
     _case(
+        "register-nan-k", None, lambda m: m.register_source(2, _poisoned(_source(2), np.nan), _source(2)),
+        ValueError,
+        r"source 2 k is not finite: 1 NaN and 0 infinite of its 16 entries, the first k\[1\]\[0, 0, 1, 2\] "
+        r"= np\.float32\(nan\) \(\[layer\]\[row, kv_head, position, dim\]\); every request reading source 2 "
+        r"would attend to it, so register finite keys and values",
+    ),
+    _case(
+        "register-inf-v-jax", None,
+        lambda m: m.register_source(2, _source(2), [jnp.asarray(x) for x in _poisoned(_source(2), -np.inf)]),
+        ValueError, r"source 2 v is not finite: 0 NaN and 1 infinite of its 16 entries, the first "
+        r"v\[1\]\[0, 0, 1, 2\] = np\.float32\(-inf\) .*",
+    ),
+    _case(
+        "register-nan-and-inf-k", None,
+        lambda m: m.register_source(2, _poisoned(_poisoned(_source(2), np.inf, 0), np.nan), _source(2)),
+        ValueError, r"source 2 k is not finite: 1 NaN and 1 infinite of its 16 entries, the first "
+        r"k\[0\]\[0, 0, 1, 2\] = np\.float32\(inf\) .*",
+    ),
+    _case(
+        "register-overflowing-v", None,
+        lambda m: m.register_source(2, _source(2), _poisoned(_source(2, dtype=np.float64), 1e300)),
+        ValueError, r"source 2 v overflows float32: 0 NaN and 1 infinite of its 16 entries, the first "
+        r"v\[1\]\[0, 0, 1, 2\] = np\.float64\(1e\+300\) .*",
+    ),
+    _case(
         "register-over-a-read-source", None, lambda m: m.register_source(0, _source(2), _source(2)),
         ValueError, r"source 0 is read by 1 live request\(s\); remove them before replacing it",
     ),
@@ -776,6 +913,199 @@ def test_a_bad_manager_call_is_refused_and_changes_nothing(setup, call, expected
         message = str(info.value)
     assert re.fullmatch(pattern, message), message
     _assert_same_state(before, _manager_state(manager))
+
+
+# -- GGUF files and `mstar-jax generate` --------------------------------------------------------------
+
+# Gemma 3 270M's geometry with an 8-token vocabulary: its caches are the real model's, its weights small.
+_GEMMA_METADATA = {
+    "block_count": 18, "embedding_length": 640, "feed_forward_length": 2048, "attention.head_count": 4,
+    "attention.head_count_kv": 1, "attention.key_length": 256, "attention.value_length": 256,
+    "attention.sliding_window": 512, "context_length": 32768,
+}  # fmt: skip
+
+
+def _write_gemma_gguf(path: Path) -> bytes:
+    """A GGUF file with Gemma 3 metadata and two small float32 tensors; returns its bytes."""
+    gguf = pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
+    writer = gguf.GGUFWriter(path, "gemma3")
+    for key, value in _GEMMA_METADATA.items():
+        writer.add_uint32(f"gemma3.{key}", value)
+    writer.add_float32("gemma3.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_float32("gemma3.rope.freq_base", 1e6)
+    writer.add_token_list([f"t{i}" for i in range(8)])
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(True)
+    writer.add_tensor("token_embd.weight", np.ones((8, 16), np.float32))
+    writer.add_tensor("output_norm.weight", np.ones((16,), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+def _at_tensor(data: bytes, name: str) -> int:
+    """Where `name`'s entry of the tensor table goes on after its name: u32 n_dims, u64 dims, u32 type,
+    u64 offset."""
+    return data.index(name.encode()) + len(name)
+
+
+def _packed(fmt: str, where, value):
+    def corrupt(data: bytes) -> bytes:
+        out = bytearray(data)
+        struct.pack_into(fmt, out, where(data), value)
+        return bytes(out)
+
+    return corrupt
+
+
+_TABLE = r"is truncated or corrupt: its metadata or tensor table does not parse \({error}: .*\); download or "
+_TABLE += r"convert it again"
+
+# What is done to a valid file's bytes, and the pattern of the error (`{path}`, `{size}` filled in).
+GGUF_CASES = [
+    _case("empty", lambda data: b"", r"GGUF file '{path}' is empty \(0 bytes\)"),
+    _case(
+        "garbage", lambda data: b"\x00\x01garbage" * 64,
+        r"GGUF file '{path}' is not a GGUF file: it starts with b'\\x00\\x01ga', a GGUF file with b'GGUF'",
+    ),
+    _case(
+        "truncated-in-the-header", lambda data: data[:10],
+        r"GGUF file '{path}' \({size} bytes\) " + _TABLE.format(error="ValueError"),
+    ),
+    _case(
+        "truncated-in-the-metadata", lambda data: data[:200],
+        r"GGUF file '{path}' \({size} bytes\) " + _TABLE.format(error="IndexError"),
+    ),
+    _case(
+        "truncated-in-the-tensor-data", lambda data: data[:-20],
+        r"GGUF file '{path}' \({size} bytes\) " + _TABLE.format(error="ValueError"),
+    ),
+    _case(
+        "tensor-table-counts-more-tensors", _packed("<Q", lambda data: 8, 10**6),
+        r"GGUF file '{path}' \({size} bytes\) " + _TABLE.format(error="ValueError"),
+    ),
+    _case(
+        "tensor-table-unknown-type", _packed("<I", lambda d: _at_tensor(d, "token_embd.weight") + 4 + 16, 99),
+        r"GGUF file '{path}' \({size} bytes\) " + _TABLE.format(error="ValueError"),
+    ),
+    _case(
+        "tensor-table-offset-past-the-end",
+        _packed("<Q", lambda d: _at_tensor(d, "token_embd.weight") + 4 + 16 + 4, 10**12),
+        r"GGUF file '{path}' \({size} bytes\) " + _TABLE.format(error="ValueError"),
+    ),
+    _case(
+        "tensor-table-more-dims", _packed("<I", lambda d: _at_tensor(d, "output_norm.weight"), 9),
+        r"GGUF file '{path}' \({size} bytes\) " + _TABLE.format(error="ValueError"),
+    ),
+]  # fmt: skip
+
+
+def _forbid_loading(monkeypatch) -> None:
+    """Make reading the tensors fail the test: a refusal must come before the weights are loaded."""
+    from mstar_jax.models import gemma3
+
+    def load_gguf(*args, **kwargs):
+        raise AssertionError("load_gguf was called: the model was loaded before the refusal")
+
+    monkeypatch.setattr(gemma3, "load_gguf", load_gguf)
+
+
+def _generate(argv: list[str]) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        status = main(["generate", *argv])
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1, lines  # one line, no traceback
+    return status, lines[0]
+
+
+@pytest.mark.parametrize(("corrupt", "pattern"), GGUF_CASES)
+def test_a_corrupt_gguf_file_is_refused_naming_it(corrupt, pattern, tmp_path, monkeypatch):
+    from mstar_jax.models.gemma3 import GGUFError, load_gguf, open_gguf, read_config
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(corrupt(_write_gemma_gguf(tmp_path / "valid.gguf")))
+    expected = pattern.format(path=re.escape(os.path.realpath(path)), size=f"{path.stat().st_size:,}")
+    before = _files(tmp_path)
+    for call in (open_gguf, read_config, load_gguf):
+        with pytest.raises(GGUFError) as info:
+            call(path)
+        assert isinstance(info.value, ValueError)
+        assert re.fullmatch(expected, str(info.value)), str(info.value)
+    _forbid_loading(monkeypatch)
+    status, line = _generate(["--gguf", str(path)])
+    assert status == 2
+    assert re.fullmatch(GENERATE + "--gguf: " + expected, line), line
+    assert _files(tmp_path) == before
+
+
+def _budget(gguf: Path, slots: int, device_bytes: int):
+    """`generate`'s budget for `slots`, counted as the command counts it."""
+    from flax import nnx
+
+    from mstar_jax.memory import DeviceMemory, serving_budget
+    from mstar_jax.models.gemma3 import read_config
+    from mstar_jax.models.gemma3.model import Gemma3
+    from mstar_jax.models.gemma3.stream import cache_configs
+
+    config = read_config(gguf)
+    caches = cache_configs(config, global_retention=SinkWindow(4, 1020), max_slots=slots)
+    params = nnx.state(nnx.eval_shape(lambda: Gemma3(config, rngs=nnx.Rngs(0))))
+    device = DeviceMemory(nbytes=device_bytes, source="--device-memory")
+    return serving_budget(params, dict(zip(("local", "global"), caches, strict=True)), device)
+
+
+def test_generate_refuses_more_slots_than_fit_naming_the_most_that_do(tmp_path, monkeypatch):
+    gguf = tmp_path / "model.gguf"
+    _write_gemma_gguf(gguf)
+    _forbid_loading(monkeypatch)
+    status, line = _generate(["--gguf", str(gguf), "--max-slots", "100000", "--device-memory", "2GiB"])
+    assert status == 2
+    fits = _budget(gguf, 100000, 2**31).max_fitting_slots
+    assert fits is not None
+    assert _budget(gguf, fits, 2**31).fits
+    assert not _budget(gguf, fits + 1, 2**31).fits
+    assert re.fullmatch(
+        GENERATE + r"--max-slots 100000 needs model weights \([\d,]+ parameters\) [\d.]+ MiB \+ "
+        r"gemma3_local_kv slots \(100,000 \+ 1 padding\) [\d.]+ TiB \+ gemma3_global_kv slots \(100,000 \+ 1 "
+        r"padding\) [\d.]+ GiB \+ gemma3_local_kv source bank \(1 sources\) [\d.]+ KiB \+ gemma3_global_kv "
+        r"source bank \(1 sources\) [\d.]+ KiB = [\d.]+ TiB \([\d,]+ B\), more than the 2\.0 GiB "
+        rf"\(2,147,483,648 B\) available \(--device-memory\); --max-slots {fits} is the most that fits",
+        line,
+    ), line
+    status, line = _generate(["--gguf", str(gguf), "--max-slots", "2", "--device-memory", "100MiB"])
+    assert status == 2
+    assert re.fullmatch(
+        GENERATE + r"--max-slots 2 needs .* more than the 100\.0 MiB \(104,857,600 B\) available "
+        r"\(--device-memory\); not even --max-slots 1 fits, where the largest part is model weights "
+        r"\([\d,]+ parameters\) \([\d.]+ MiB\): try --dtype bfloat16, a smaller --global-window, or a "
+        r"device with more memory",
+        line,
+    ), line
+    with pytest.raises(AssertionError, match="load_gguf was called"):  # what fits goes on to load
+        main(["generate", "--gguf", str(gguf), "--max-slots", str(fits), "--device-memory", "2GiB"])
+
+
+def test_generate_checks_the_devices_own_memory(tmp_path, monkeypatch):
+    """The issue's case: no --device-memory, so the device's memory (the host's RAM on a CPU)."""
+    from mstar_jax.memory import device_memory
+
+    gguf = tmp_path / "model.gguf"
+    _write_gemma_gguf(gguf)
+    device = device_memory()
+    if _budget(gguf, 100000, device.nbytes).fits:
+        pytest.skip(f"100,000 Gemma 3 slots fit this device's {device.nbytes:,} B")
+    _forbid_loading(monkeypatch)
+    status, line = _generate(["--gguf", str(gguf), "--max-slots", "100000"])
+    assert status == 2
+    assert re.fullmatch(
+        GENERATE + rf"--max-slots 100000 needs .* = .*, more than the .* \({device.nbytes:,} B\) available "
+        rf"\({re.escape(device.source)}\); --max-slots \d+ is the most that fits",
+        line,
+    ), line
 
 
 # -- the engine ---------------------------------------------------------------------------------------

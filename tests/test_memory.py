@@ -20,6 +20,8 @@ from mstar_jax.memory import (
     memory_budget,
     num_sources,
     parse_size,
+    serving_budget,
+    tree_bytes,
     weight_bytes,
     weight_count,
     workspace_bytes,
@@ -29,6 +31,8 @@ from mstar_jax.models.streaming_tts import model as model_module
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
+from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, SinkWindow
+from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.kv.bounded.sharding import stored_heads
 
 GIB = 2**30
@@ -234,6 +238,76 @@ def test_when_no_slot_count_fits_the_largest_part_is_named():
     assert budget.blocker.label.startswith("model weights")
     with pytest.raises(DeviceMemoryError, match=r"the largest part is model weights .*: a smaller model"):
         budget.require_fit()
+
+
+# Two caches of different geometry and dtype, as a model without a deployment serves them.
+_SERVED = {
+    "a": BoundedKVConfig(
+        num_layers=3, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=0,
+        retention=SinkWindow(0, 7), max_slots=5, dtype=jnp.bfloat16,
+    ),
+    "b": BoundedKVConfig(
+        num_layers=1, num_heads=1, head_dim=16, rows_per_request=2, max_source_len=6, min_source_len=1,
+        retention=SinkWindow(2, 9), max_slots=5,
+    ),
+}  # fmt: skip
+
+
+def _params():
+    """A small Flax NNX model's parameters: allocated, and abstract (`nnx.eval_shape`)."""
+    from flax import nnx
+
+    make = lambda: nnx.Sequential(  # noqa: E731
+        nnx.Linear(5, 7, rngs=nnx.Rngs(0)), nnx.Linear(7, 3, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    )
+    return nnx.state(make()), nnx.state(nnx.eval_shape(make))
+
+
+def test_serving_budget_counts_the_models_own_parameters_and_what_the_caches_allocate():
+    real, abstract = _params()
+    leaves = jax.tree.leaves(real)
+    assert tree_bytes(real) == tree_bytes(abstract) == sum(leaf.nbytes for leaf in leaves)
+    assert tree_bytes(real) == (5 * 7 + 7) * 4 + (7 * 3 + 3) * 2
+    budget = serving_budget(abstract, _SERVED, DeviceMemory(nbytes=GIB, source="test"), num_sources=3)
+    assert budget.fits
+    assert budget.max_fitting_slots is None
+    parts = _parts(budget)
+    assert parts[f"model weights ({sum(leaf.size for leaf in leaves):,} parameters)"] == tree_bytes(real)
+    for key, config in _SERVED.items():
+        manager = BoundedKVManager(BoundedKVSpec(key, {"node"}, config), num_sources=3)  # allocates them
+        assert parts[f"{key} slots (5 + 1 padding)"] == manager.cache.nbytes
+        assert parts[f"{key} source bank (3 sources)"] == sum(
+            x.nbytes for x in (*manager.bank.k, *manager.bank.v)
+        )
+    assert budget.total == sum(parts.values())
+
+
+def test_serving_budget_names_the_most_slots_that_fit_or_the_largest_part():
+    _, params = _params()
+    fitting = serving_budget(params, _SERVED, DeviceMemory(nbytes=GIB, source="test")).total
+    device = DeviceMemory(nbytes=fitting - 1, source="test")
+    budget = serving_budget(params, _SERVED, device)
+    assert not budget.fits
+    n = budget.max_fitting_slots
+    assert n == 4
+    fewer = {key: dataclasses.replace(config, max_slots=n) for key, config in _SERVED.items()}
+    assert serving_budget(params, fewer, device).fits
+    assert budget.slot_keys == ("a", "b")
+    tiny = serving_budget(params, _SERVED, DeviceMemory(nbytes=100, source="test"))
+    assert tiny.max_fitting_slots is None
+    assert tiny.blocker.label.startswith("b slots (1 + 1 padding)")
+
+
+def test_serving_budget_refuses_what_it_cannot_count():
+    device = DeviceMemory(nbytes=GIB, source="test")
+    with pytest.raises(TypeError, match=r"leaf \['w'\]='weights' of the tree has no shape and dtype"):
+        serving_budget({"w": "weights"}, _SERVED, device)
+    with pytest.raises(TypeError, match=r"caches\['a'\]=\{'max_slots': 2\} must be a BoundedKVConfig"):
+        serving_budget({}, {"a": {"max_slots": 2}}, device)
+    with pytest.raises(ValueError, match=r"caches=\{\} must name at least one cache"):
+        serving_budget({}, {}, device)
+    with pytest.raises(ValueError, match=r"num_sources=0 must be an int >= 1"):
+        serving_budget({}, _SERVED, device, num_sources=0)
 
 
 @pytest.mark.parametrize(

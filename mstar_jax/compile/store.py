@@ -39,7 +39,7 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
-__all__ = ["ExecutableStore", "describe", "environment"]
+__all__ = ["ExecutableStore", "check_directory", "describe", "environment"]
 
 _SUFFIX = ".executable"
 _PACKAGES = ("mstar_jax", "kernels_pallas")
@@ -142,6 +142,33 @@ def _code_hash(code: Any) -> str:
     return hashlib.sha256(code.co_code + repr(consts).encode()).hexdigest()[:16]
 
 
+def check_directory(path: Any, name: str = "directory") -> pathlib.Path:
+    """`path` as a `Path`, checked to be a directory that exists or can be created, and written.
+
+    Args:
+      path: the directory.
+      name: what the messages call it (an argument, a flag such as `--executable-store`, a setting).
+
+    Raises:
+      ValueError: naming `name` and the path, for one that is not a non-empty path, an existing file (or
+        anything but a directory), one under a file, or one that cannot be written or created.
+    """
+    allowed = "it must be a directory (existing or not yet) that can be written"
+    if not isinstance(path, str | os.PathLike) or not str(path):
+        raise ValueError(f"{name}={path!r} must be a non-empty path; {allowed}")
+    path = pathlib.Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{name}={str(path)!r} is an existing file, not a directory; {allowed}")
+    existing = path
+    while not existing.exists() and existing != existing.parent:  # what `mkdir(parents=True)` builds on
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{name}={str(path)!r} is under {str(existing)!r}, a file; {allowed}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{name}={str(path)!r}: {str(existing)!r} is not writable; {allowed}")
+    return path
+
+
 def _describe_leaf(leaf: jax.ShapeDtypeStruct) -> list[str]:
     return [str(tuple(leaf.shape)), str(leaf.dtype), repr(leaf.sharding)]
 
@@ -152,6 +179,10 @@ class ExecutableStore:
     Args:
       directory: created if missing. Trusted: whoever can write there can make this process run code.
 
+    Raises:
+      ValueError: naming `directory`, for a path that is not a directory that exists or can be created
+        and written (`check_directory`): an existing file, a path under a file, an empty path.
+
     Attributes:
       loaded, saved, rejected: programs loaded, programs written, and entries found but not usable
         (unreadable, failed to load, or taking other arguments), since the store was made.
@@ -159,10 +190,14 @@ class ExecutableStore:
     """
 
     def __init__(self, directory: str | os.PathLike[str]):
-        if not isinstance(directory, str | os.PathLike) or not str(directory):
-            raise ValueError(f"directory={directory!r} must be a non-empty path")
-        self.directory = pathlib.Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory = check_directory(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # what the checks cannot foresee: a race, a read-only file system
+            raise ValueError(
+                f"directory={str(directory)!r} cannot be created: {error.strerror}; it must be a directory "
+                "(existing or not yet) that can be written"
+            ) from error
         self.loaded = self.saved = self.rejected = self.unkeyed = 0
         self._lock = threading.Lock()  # capture loads and saves on worker threads
 

@@ -3,6 +3,7 @@
 from mstar_jax.models.gemma3.gguf import (
     DTYPES,
     Gemma3Config,
+    GGUFError,
     default_gguf_path,
     load_gguf,
     open_gguf,
@@ -12,6 +13,7 @@ from mstar_jax.models.gemma3.tokenizer import Gemma3Tokenizer
 
 __all__ = [
     "DTYPES",
+    "GGUFError",
     "Gemma3Config",
     "Gemma3Tokenizer",
     "default_gguf_path",

@@ -11,6 +11,11 @@ import os
 import pathlib
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mstar_jax.models.gemma3.gguf import Gemma3Config
+    from mstar_jax.resources.kv.bounded.config import SinkWindow
 
 __all__ = ["add_arguments", "resident_bytes", "run"]
 
@@ -29,6 +34,15 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 
 _positive, _non_negative = _int_at_least(1), _int_at_least(0)
+
+
+def _size(text: str) -> int:
+    from mstar_jax.devices import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--executable-store", type=pathlib.Path, metavar="DIR",
         help="load the compiled programs from DIR and store those compiled (a second start skips capture)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--device-memory", type=_size, metavar="SIZE",
+        help="memory to fit the weights and caches in, e.g. 16GiB (default: the accelerator's bytes_limit, "
+        "or the host's RAM on a CPU)",
     )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
 
@@ -114,13 +133,62 @@ class _Printer:
         self.out.flush()
 
 
+def _check_memory(
+    args: argparse.Namespace, config: Gemma3Config, retention: SinkWindow, slots: int, source: str,
+    error: Callable[[str], Exception],
+) -> None:  # fmt: skip
+    """Refuse `slots` streams where the weights and both caches would not fit the device's memory.
+
+    Counted abstractly before anything is allocated: the weights from the model's own parameters
+    (`nnx.eval_shape`), each cache's slots and source bank from its config (`memory.serving_budget`).
+
+    Raises:
+      error: naming `--max-slots`, its value, the bytes needed and available, and the most that fit.
+    """
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mstar_jax.memory import DeviceMemory, device_memory, format_bytes, serving_budget
+    from mstar_jax.models.gemma3.model import Gemma3
+    from mstar_jax.models.gemma3.stream import GLOBAL_KV, LOCAL_KV, cache_configs
+
+    dtype = jnp.dtype(args.dtype)
+    local, global_ = cache_configs(config, global_retention=retention, max_slots=slots, dtype=dtype)
+    _, params = nnx.split(nnx.eval_shape(lambda: Gemma3(config, dtype=dtype, rngs=nnx.Rngs(0))))
+    if args.device_memory is None:
+        device = device_memory()
+    else:
+        device = DeviceMemory(nbytes=args.device_memory, source="--device-memory")
+    budget = serving_budget(
+        params, {LOCAL_KV: local, GLOBAL_KV: global_}, device, num_sources=1, source=source
+    )
+    if budget.fits:
+        return
+    flag = f"--max-slots {slots}" + ("" if args.max_slots else " (one slot per prompt, the default)")
+    parts = " + ".join(f"{part.label} {format_bytes(part.nbytes)}" for part in budget.parts if part.nbytes)
+    message = (
+        f"{flag} needs {parts} = {format_bytes(budget.total)} ({budget.total:,} B), more than the "
+        f"{format_bytes(device.nbytes)} ({device.nbytes:,} B) available ({device.source}); "
+    )
+    if budget.max_fitting_slots is not None:
+        message += f"--max-slots {budget.max_fitting_slots} is the most that fits"
+    else:
+        message += (
+            f"not even --max-slots 1 fits, where the largest part is {budget.blocker.label} "
+            f"({format_bytes(budget.blocker.nbytes)}): try --dtype bfloat16, a smaller --global-window, or a "
+            "device with more memory"
+        )
+    raise error(message)
+
+
 def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
     """Load the model, serve the prompts, print the text and the summary; returns the exit status."""
     import jax.numpy as jnp
 
     from mstar_jax.compile import ExecutableStore
+    from mstar_jax.compile.store import check_directory
     from mstar_jax.memory import format_bytes
-    from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, load_gguf, open_gguf
+    from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, load_gguf, open_gguf, read_config
     from mstar_jax.models.gemma3.model import Gemma3
     from mstar_jax.models.gemma3.serve import generate
     from mstar_jax.models.gemma3.stream import Gemma3Streams
@@ -135,21 +203,34 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
         except OSError as err:
             raise error(f"--prompt-file {str(path)!r} cannot be read: {err.strerror}") from None
     texts = texts or ["The old lighthouse keeper climbed the stairs and"]
+    if args.executable_store is not None:
+        try:
+            check_directory(args.executable_store, "--executable-store")
+        except ValueError as err:
+            raise error(str(err)) from None
+    gguf_name = "--gguf" if args.gguf else "the gemma extra's model file"
     try:
         reader = open_gguf(args.gguf or default_gguf_path())
+        config = read_config(reader)
     except ModuleNotFoundError as err:
         raise error(str(err)) from None
     except OSError as err:
         raise error(f"--gguf {str(args.gguf)!r} cannot be read: {err.strerror}") from None
-    config, tensors = load_gguf(reader)
-    tokenizer = Gemma3Tokenizer.from_gguf(reader)
-    prompts = [tokenizer.encode(text)[: args.max_prompt_tokens] for text in texts]
+    except ValueError as err:  # a corrupt file (GGUFError), another model, a missing key
+        raise error(f"{gguf_name}: {err}") from None
     if args.dense:
         retention = SinkWindow(0, config.context_length)
     else:
         sink = 4 if args.global_sink is None else args.global_sink
         retention = SinkWindow(sink, 1020 if args.global_window is None else args.global_window)
-    slots = args.max_slots or len(prompts)
+    slots = args.max_slots or len(texts)
+    _check_memory(args, config, retention, slots, str(args.gguf or "Gemma 3"), error)  # before allocating
+    try:
+        _, tensors = load_gguf(reader)
+        tokenizer = Gemma3Tokenizer.from_gguf(reader)
+    except ValueError as err:  # a tensor that does not match its table, a tokenizer that is not one
+        raise error(f"{gguf_name}: {err}") from None
+    prompts = [tokenizer.encode(text)[: args.max_prompt_tokens] for text in texts]
     model = Gemma3.from_tensors(config, tensors, dtype=jnp.dtype(args.dtype))
     streams = Gemma3Streams(
         config, model, global_retention=retention, max_slots=slots, chunk=args.chunk,

@@ -21,19 +21,34 @@ import functools
 import importlib
 import os
 import pathlib
+import struct
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-__all__ = ["DTYPES", "Gemma3Config", "default_gguf_path", "load_gguf", "open_gguf", "read_config"]
+__all__ = [
+    "DTYPES",
+    "GGUFError",
+    "Gemma3Config",
+    "default_gguf_path",
+    "load_gguf",
+    "open_gguf",
+    "read_config",
+]
 
 DTYPES: tuple[np.dtype, ...] = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
 """Dtypes `load_gguf` can return (bfloat16 is the ml_dtypes type that jax uses)."""
 
+_MAGIC = b"GGUF"
 _EXTRA_HINT = "install the Gemma extra: pip install -e '.[gemma]'"
 _ROWS_PER_CHUNK = 8192
 """Rows dequantized at a time, so the float32 temporaries stay tens of MB next to the result."""
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be read as one: empty, not GGUF, truncated, or with a corrupt metadata or
+    tensor table; the message names the file and what is wrong."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,9 +177,31 @@ def _import_gguf():
     return require("gguf", "reading GGUF files")
 
 
+# What the `gguf` reader raises on a file it cannot parse: it indexes and reshapes a memory map of the
+# file, so a short or corrupt table shows up as an out-of-range index or a reshape that does not fit.
+_PARSE_ERRORS = (ValueError, IndexError, KeyError, OverflowError, TypeError, struct.error)
+
+
 @functools.lru_cache(maxsize=4)
 def _reader(path: str, modified_ns: int, size: int) -> Any:
-    return _import_gguf().GGUFReader(path, "r")
+    try:
+        return _import_gguf().GGUFReader(path, "r")
+    except _PARSE_ERRORS as error:
+        raise GGUFError(_unreadable(path, size, error)) from error
+
+
+def _unreadable(path: str, size: int, error: Exception) -> str:
+    """Why the reader refused `path`: empty, not GGUF (its magic), or truncated or corrupt past it."""
+    if size == 0:
+        return f"GGUF file {path!r} is empty (0 bytes)"
+    with open(path, "rb") as file:
+        head = file.read(len(_MAGIC))
+    if head != _MAGIC:
+        return f"GGUF file {path!r} is not a GGUF file: it starts with {head!r}, a GGUF file with {_MAGIC!r}"
+    return (
+        f"GGUF file {path!r} ({size:,} bytes) is truncated or corrupt: its metadata or tensor table does "
+        f"not parse ({type(error).__name__}: {error}); download or convert it again"
+    )
 
 
 def open_gguf(path: str | os.PathLike[str] | Any) -> Any:
@@ -176,6 +213,8 @@ def open_gguf(path: str | os.PathLike[str] | Any) -> Any:
     `Gemma3Tokenizer.from_gguf`.
 
     Raises:
+      GGUFError: naming the file, when it is empty, not a GGUF file, truncated or corrupt.
+      OSError: when the file cannot be opened (missing, a directory, no permission).
       ModuleNotFoundError: when the `gguf` package is not installed.
     """
     gguf = _import_gguf()
@@ -194,15 +233,23 @@ def _field(reader: Any, key: str, *, default: Any = _REQUIRED) -> Any:
     if field is None:
         if default is not _REQUIRED:
             return default
-        raise ValueError(f"GGUF file {reader.data.filename!r} has no metadata key {key!r}")
-    return field.contents()
+        raise GGUFError(f"GGUF file {reader.data.filename!r} has no metadata key {key!r}")
+    try:
+        return field.contents()
+    except _PARSE_ERRORS as error:
+        raise GGUFError(
+            f"GGUF file {reader.data.filename!r}: metadata key {key!r} is corrupt ({type(error).__name__}: "
+            f"{error})"
+        ) from error
 
 
 def read_config(path: str | os.PathLike[str] | Any) -> Gemma3Config:
     """The model's config from a GGUF file's metadata (a path or an open reader); no tensor is read.
 
     Raises:
-      ValueError: for another architecture, a missing key, or geometry `Gemma3Config` refuses.
+      GGUFError: (a ValueError) naming the file, for one that is not a readable GGUF file (`open_gguf`)
+        or lacks a key.
+      ValueError: for another architecture, or geometry `Gemma3Config` refuses.
     """
     reader = open_gguf(path)
     architecture = _field(reader, "general.architecture")
@@ -233,18 +280,24 @@ def read_config(path: str | os.PathLike[str] | Any) -> Gemma3Config:
     )
 
 
-def _dequantize(gguf: Any, tensor: Any, dtype: np.dtype) -> np.ndarray:
+def _dequantize(gguf: Any, tensor: Any, dtype: np.dtype, filename: str) -> np.ndarray:
     """One tensor as a fresh `dtype` array in PyTorch layout, dequantized a block of rows at a time."""
     shape = tuple(int(n) for n in reversed(tensor.shape))
     # The reader's array is already outermost-first: rows of packed blocks (or of floats for F32).
     raw = tensor.data.reshape(-1, tensor.data.shape[-1])
     out = np.empty(shape, dtype).reshape(raw.shape[0], -1)
     for start in range(0, raw.shape[0], _ROWS_PER_CHUNK):
-        rows = gguf.quants.dequantize(raw[start : start + _ROWS_PER_CHUNK], tensor.tensor_type)
+        try:
+            rows = gguf.quants.dequantize(raw[start : start + _ROWS_PER_CHUNK], tensor.tensor_type)
+        except (*_PARSE_ERRORS, NotImplementedError) as error:
+            raise GGUFError(
+                f"GGUF file {filename!r}: tensor {tensor.name!r} ({tensor.tensor_type.name}) cannot be "
+                f"dequantized ({type(error).__name__}: {error})"
+            ) from error
         if rows.shape[-1] != out.shape[-1]:
-            raise ValueError(
-                f"tensor {tensor.name!r} ({tensor.tensor_type.name}) dequantized to rows of {rows.shape[-1]} "
-                f"values but its GGUF shape {shape[::-1]} needs {out.shape[-1]}"
+            raise GGUFError(
+                f"GGUF file {filename!r}: tensor {tensor.name!r} ({tensor.tensor_type.name}) dequantized to "
+                f"rows of {rows.shape[-1]} values but its GGUF shape {shape[::-1]} needs {out.shape[-1]}"
             )
         out[start : start + rows.shape[0]] = rows
     return out.reshape(shape)
@@ -267,8 +320,10 @@ def load_gguf(
 
     Raises:
       TypeError: for a `dtype` not in `DTYPES`.
-      ValueError: when the file is not a Gemma 3 model, lacks a metadata key, or holds a tensor whose
-        data does not match its shape.
+      GGUFError: (a ValueError) naming the file, when it is not a readable GGUF file (`open_gguf`), lacks
+        a metadata key, or holds a tensor whose data does not match its shape.
+      ValueError: when the file is not a Gemma 3 model.
+      OSError: when the file cannot be opened.
       ModuleNotFoundError: when the `gguf` package is not installed.
     """
     try:
@@ -280,5 +335,6 @@ def load_gguf(
     gguf = _import_gguf()
     reader = open_gguf(path)
     config = read_config(reader)
-    weights = {tensor.name: _dequantize(gguf, tensor, dtype) for tensor in reader.tensors}
+    name = reader.data.filename
+    weights = {tensor.name: _dequantize(gguf, tensor, dtype, name) for tensor in reader.tensors}
     return config, weights

@@ -5,12 +5,36 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 
 from kernels_pallas.sink_window_attention import sink_window_attention
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank, write_step
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig
 
-__all__ = ["attend", "check_step_width"]
+__all__ = ["attend", "check_layer", "check_step_width"]
+
+
+def check_layer(layer: object, config: BoundedKVConfig) -> None:
+    """Refuse a layer index the cache's per-layer arrays do not have.
+
+    A Python or NumPy int must be in `[0, config.num_layers)` (a bool is refused: it is an int by
+    accident). A JAX array (a tracer inside `jit` or `scan`) is left to the indexing itself, which
+    decides what it accepts: it is not checked here.
+
+    Raises:
+      TypeError: for a bool, or a value that is neither an int nor a JAX array.
+      ValueError: for an int outside `[0, config.num_layers)`.
+    """
+    if isinstance(layer, jax.Array):
+        return
+    if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
+        allowed = f"[0, num_layers={config.num_layers})"
+        raise TypeError(f"layer={layer!r} must be an int in {allowed}, got {type(layer).__name__}")
+    if not 0 <= layer < config.num_layers:
+        raise ValueError(
+            f"layer={layer} is outside [0, num_layers={config.num_layers}): the cache holds "
+            f"{config.num_layers} layer(s), numbered from 0"
+        )
 
 
 def check_step_width(plan: BoundedKVPlan, q: jax.Array) -> None:
@@ -68,7 +92,7 @@ def attend(
     Args:
       cache, bank: the cache state (donate it to the enclosing `jit`) and the source bank.
       plan: the manager's plan for this step.
-      layer: static layer index.
+      layer: static layer index, in `[0, config.num_layers)`.
       q: [N, T, H, D] queries (RoPE already applied), N = B * rows_per_request, request-major.
       k, v: [N, T, G, D] the step's keys (RoPE applied) and values.
       config: the cache's config (static).
@@ -88,9 +112,12 @@ def attend(
       (out [N, T, H, D] in q's dtype, the updated cache).
 
     Raises:
-      ValueError: q's token axis is not the plan's `num_tokens` (`check_step_width`), and whatever
-        `sink_window_attention` refuses; raised while tracing, before anything runs.
+      TypeError: `layer` is a bool or not an int (`check_layer`).
+      ValueError: `layer` is outside `[0, config.num_layers)` (`check_layer`), q's token axis is not the
+        plan's `num_tokens` (`check_step_width`), and whatever `sink_window_attention` refuses; raised
+        while tracing, before anything runs.
     """
+    check_layer(layer, config)
     check_step_width(plan, q)
     terms = {name: x for name, x in (("rel_bias", rel_bias), ("sink_logits", sink_logits)) if x is not None}
     with jax.named_scope(f"bounded_kv_layer{layer}"):

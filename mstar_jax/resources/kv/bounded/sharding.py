@@ -43,7 +43,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.sink_window_attention import sink_window_attention
-from mstar_jax.resources.kv.bounded.attention import attend, check_step_width
+from mstar_jax.resources.kv.bounded.attention import attend, check_layer, check_step_width
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig
 
@@ -271,10 +271,12 @@ def sharded_attend(
       (out [data * B * R, T, H, D] in q's dtype, the updated global cache).
 
     Raises:
+      TypeError, ValueError: for a `layer` that is not an int in `[0, config.num_layers)` (`check_layer`).
       ValueError: for head counts the mesh cannot split (`check_heads`), slots per shard that
         disagree with the cache, or q's token axis not the plan's `num_tokens` (`check_step_width`).
     """
     local = sharded_config(config, mesh)
+    check_layer(layer, config)
     check_step_width(plan, q)
     check_heads(q.shape[-2], config.num_heads, mesh.shape[MODEL])
     if k.shape[-2] != config.num_heads or v.shape[-2] != config.num_heads:

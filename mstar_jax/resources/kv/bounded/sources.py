@@ -35,8 +35,9 @@ class Sources:
         """Register (or replace) source `index`: per layer K and V of shape [R, G, length, D].
 
         Raises:
-          ValueError: for a bad index, shapes or dtype, a length outside [min_source_len, max_source_len],
-            or replacing a source a live request reads (its stream would change under it).
+          ValueError: for a bad index, shapes or dtype, a NaN or infinite entry in k or v (every request
+            reading the source would read it), a length outside [min_source_len, max_source_len], or
+            replacing a source a live request reads (its stream would change under it).
         """
         cfg = self.config
         self._check_source_index(index)
@@ -58,9 +59,10 @@ class Sources:
                 f"source length {length} is outside [min_source_len={cfg.min_source_len}, "
                 f"max_source_len={cfg.max_source_len}]"
             )
+        k, v = (_finite(index, name, x, cfg.dtype) for name, x in (("k", k), ("v", v)))
         pad = [(0, 0)] * 3 + [(0, self.bank.k[0].shape[3] - length), (0, 0)]
         copies = self.stored_heads // cfg.num_heads  # head j of the store is head j // copies
-        k, v = (np.repeat(np.pad(x, pad), copies, axis=2).astype(cfg.dtype) for x in (k, v))
+        k, v = (np.repeat(np.pad(x, pad), copies, axis=2) for x in (k, v))
         self.bank = _store_source(self.bank, np.int32(index), k, v)
         self._source_lengths[index] = length
 
@@ -85,6 +87,34 @@ class Sources:
     def _check_source_index(self, index: int) -> None:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.bank.num_sources:
             raise ValueError(f"source index={index!r} must be an int in [0, {self.bank.num_sources})")
+
+
+def _finite(index: int, name: str, x: np.ndarray, dtype) -> np.ndarray:
+    """`x` (source `index`'s `name`, "k" or "v") cast to the cache's `dtype`, refused where an entry is
+    NaN or infinite, or becomes infinite in `dtype` (too large for it).
+
+    A source is registered rarely and read by every request of its voice: one NaN there would turn
+    every such request's attention to NaN, so every entry is checked, on the host copy `_stack_source`
+    made.
+
+    Raises:
+      ValueError: naming the source, `name`, how many entries are bad and the first one.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below, by name
+        cast = x.astype(dtype)
+    for values, what in ((x, "is not finite"), (cast, f"overflows {np.dtype(dtype).name}")):
+        bad = ~np.isfinite(values)
+        if not bad.any():
+            continue
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        nans = int(np.isnan(values).sum())
+        raise ValueError(
+            f"source {index} {name} {what}: {nans} NaN and {int(bad.sum()) - nans} infinite of its "
+            f"{values.size} entries, the first {name}[{first[0]}]{list(first[1:])} = {x[first]!r} "
+            f"([layer][row, kv_head, position, dim]); every request reading source {index} would attend to "
+            "it, so register finite keys and values"
+        )
+    return cast
 
 
 def _stack_source(name: str, layers) -> np.ndarray:
