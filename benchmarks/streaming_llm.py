@@ -54,7 +54,7 @@ def skip_ahead(streams: Gemma3Streams, rid: str, count: int) -> None:
     positions hold zeros, and a step's cost depends on where the stream is, not on what its keys hold.
     """
     while count > 0:
-        sub, _ = streams.declare([(rid, [0] * min(count, streams.chunk))])
+        sub = streams.declare([(rid, [0] * min(count, streams.chunk))]).sub
         outcome = streams.runner.admit(sub)
         if not outcome.ok:
             raise RuntimeError(f"{outcome.failed_resource} refused the step: {outcome.reason}")

@@ -113,7 +113,7 @@ def test_on_a_mesh_each_cache_part_is_one_devices_share():
 
 def test_num_sources_is_what_the_engine_gives_each_bank(monkeypatch):
     from mstar_jax.engine import build
-    from mstar_jax.engine.engine import Engine
+    from mstar_jax.engine.tts import Engine
 
     seen = []
 

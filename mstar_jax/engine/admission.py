@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mstar_jax.engine import batch
-from mstar_jax.engine.request import RequestError
 from mstar_jax.resources.step import (
     AdmitOutcome,
     AdmitRuntimeError,
@@ -26,10 +25,11 @@ from mstar_jax.resources.step import (
     RequestOffloading,
     SubmoduleStep,
 )
+from mstar_jax.serving.stream import RequestError
 from mstar_jax.serving.transaction import Declared
 
 if TYPE_CHECKING:
-    from mstar_jax.engine.records import Node
+    from mstar_jax.serving.model import Node
 
 __all__ = ["Admission"]
 
@@ -85,9 +85,13 @@ class Admission:
             largest = min(self.programs.buckets.max_batch(walk) for walk in self.programs.buckets.walks)
             rows, width = batch.fit_shards(rows, placed, largest if bucket is None else bucket.bs)
         if bucket is None:
-            _, bucket = batch.choose_bucket(self.programs.buckets, node.name, rows, rows_per_shard=width)
+            bucket = self.served.choose_bucket(node, rows, rows_per_shard=width)
         return batch.declare(
-            bucket, rows, key=node.key, written=lambda s: s.written_in(node.name), pad=self.mesh is None
+            bucket,
+            rows,
+            keys=node.keys,
+            position=lambda s: self.served.position(node, s),
+            pad=self.mesh is None,
         )
 
     def _terminal_rows(self, node: Node, rows: list) -> dict[str, str]:

@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from mstar_jax.compile import Buckets, CombinedRows
-from mstar_jax.engine.request import Stream
 from mstar_jax.engine.scheduler import FlowRow
 from mstar_jax.models.streaming_tts.model import FLOW_CHUNK, TALKER_DECODE, TALKER_MIXED, TALKER_PREFILL
-from mstar_jax.resources.kv.bounded.config import BoundedKVStep
+from mstar_jax.resources.kv.bounded.config import BoundedKVStep, StreamPosition
 from mstar_jax.resources.step import PAD, BucketKey, Segment
 from mstar_jax.serving import transaction
+from mstar_jax.serving.stream import Stream
 from mstar_jax.serving.transaction import Declared
 
 __all__ = [
@@ -86,15 +86,20 @@ def row_groups(bucket: BucketKey, rows: Sequence) -> list[tuple[list, int]]:
 
 
 def declare(
-    bucket: BucketKey, rows: Sequence, *, key: str, written: Callable[[Stream], int], pad: bool = True
+    bucket: BucketKey,
+    rows: Sequence,
+    *,
+    keys: Sequence[str],
+    position: Callable[[Stream], StreamPosition],
+    pad: bool = True,
 ) -> tuple[Declared, list]:
-    """The cache step of `rows` on the cache `key`, padded to `bucket` (`pad_step`) and leased to it.
+    """The cache step of `rows` on the caches `keys`, padded to `bucket` (`pad_step`) and leased to it.
 
     Args:
-      bucket: from `choose_bucket`.
-      rows: `TalkerRow`s or `FlowRow`s.
-      key: the node's cache.
-      written: a stream's entries already committed to this node's cache.
+      bucket: the bucket the rows run in.
+      rows: the model's rows (each with a `stream` and a `span`; a combined bucket's also say `decode`).
+      keys: the node's caches.
+      position: where a row's stream stands in them.
       pad: declare padding rows (False on a mesh, where the caches pad each data shard themselves).
 
     Returns:
@@ -104,11 +109,11 @@ def declare(
     ordered = [row for group, _ in groups for row in group]
     step = BoundedKVStep(
         tuple(Segment(row.stream.request_id, "main", row.span) for row in ordered),
-        {row.stream.request_id: row.stream.request.voice.position(written(row.stream)) for row in ordered},
+        {row.stream.request_id: position(row.stream) for row in ordered},
         {row.stream.request_id: row.span for row in ordered},
     )
     sizes = [(len(group), size) for group, size in groups]
-    return transaction.declare((key,), step, bucket, groups=sizes, pad=pad), ordered
+    return transaction.declare(keys, step, bucket, groups=sizes, pad=pad), ordered
 
 
 def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None) -> tuple[np.ndarray, ...]:

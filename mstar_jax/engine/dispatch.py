@@ -1,20 +1,24 @@
 """One step of the engine loop, dispatched and read back.
 
-`_run` admits a node's rows, plans them, replays the bucket's program on the donated cache, commits,
-and advances the streams by what the step will do (`outputs`). Its outputs are read back at once by a
-synchronous engine, and by a pipelined one once the next step is dispatched (the talker's) or once
-its copy is on the host (the flow's audio): `_read` hands them to their streams and records the step;
-where they cannot be read, the step's state is treated as lost (docs/design.md §11)."""
+`_run` admits a node's rows, plans them, replays the bucket's program on the donated caches, commits
+(`mstar_jax.serving.transaction`), and advances the streams by what the step will do (the model's
+`dispatched`). Its outputs are read back at once by a synchronous engine, and by a pipelined one once
+the node's next step is dispatched (a node that feeds) or once its copy is on the host (any other):
+`_read` hands them to the model's `read` and records the step; where they cannot be read, the step's
+state is treated as lost (docs/design.md §11)."""
 
 from __future__ import annotations
+
+import collections
 
 import jax
 
 from mstar_jax.compile import warn_on_compilations
 from mstar_jax.distributed import host_local
 from mstar_jax.engine import batch
-from mstar_jax.engine.records import InFlight, Node, StepRecord
-from mstar_jax.engine.request import StateLostError
+from mstar_jax.engine.records import StepRecord
+from mstar_jax.serving.model import InFlight, Node
+from mstar_jax.serving.stream import StateLostError
 from mstar_jax.serving.transaction import Resources, run_admitted
 
 __all__ = ["Dispatch"]
@@ -37,27 +41,29 @@ class Dispatch:
             admitted = self._declare(node, [], agreed)  # the others run it: enter it with no rows
         declared, rows = admitted
         bucket, node_step = declared.bucket, declared.sub.steps[node.key]
-        params = self.model.talker_params if node.name == "talker" else self.model.flow_params
         positions = tuple(r.stream.written_in(node.name) for r in rows)
-        talker = node.name == "talker"
         layout = None  # a mesh's placement of the rows, made once the step is planned
 
         def replay(resources: Resources):
             nonlocal layout
             if self.mesh is not None:
                 layout = node.manager.plan_rows(node_step, declared.sub.ctx)
-            inputs = batch.step_inputs(bucket, rows, layout)
-            if talker:
-                step = self._talker_in_flight
-                inputs = (self._no_codes if step is None else step.outputs, *inputs)
-            (cache,), (bank,), (plan,) = resources.caches, resources.banks, resources.plans
+            inputs = self.served.inputs(node, bucket, rows, layout)
+            if node.feeds:
+                step = self._in_flight.get(node.name)
+                inputs = (node.no_feed if step is None else step.outputs, *inputs)
+            # A node of one cache takes it bare, a node of several takes them as a tuple.
+            caches, banks, plans = (
+                (x[0] if len(node.keys) == 1 else x)
+                for x in (resources.caches, resources.banks, resources.plans)
+            )
             with warn_on_compilations(f"engine step {bucket}") as counter:
-                cache, outputs = self.programs.steps[bucket.graph_walk].replay(
-                    bucket, params, cache, bank, plan, *inputs
+                caches, outputs = self.programs.steps[bucket.graph_walk].replay(
+                    bucket, node.params, caches, banks, plans, *inputs
                 )
                 if not self.pipelined:  # read inside the transaction: a failed read fails the step
                     outputs = host_local(outputs)  # this process's rows (every row, in one process)
-            return (cache,), (outputs, counter)
+            return ((caches,) if len(node.keys) == 1 else tuple(caches)), (outputs, counter)
 
         try:  # an error aborts what admit claimed (run_admitted), then the node recovers
             outputs, counter = run_admitted(node.runner, declared, replay)
@@ -75,45 +81,47 @@ class Dispatch:
             node, self._dispatched, bucket, rows, batch.row_indices(bucket, rows, layout), outputs, started,
             positions, counter.count,
         )  # fmt: skip
-        if talker:
-            step.coded = self._talker_dispatched(step, self.clock())
-            self.overlap["rows_fed_on_device"] += sum(row.feed >= 0 for row in rows)
-            earlier, self._talker_in_flight = self._talker_in_flight, step
+        self.served.dispatched(step, self.clock())
+        if node.feeds:
+            self.overlap["rows_fed_on_device"] += sum(getattr(row, "feed", -1) >= 0 for row in rows)
+            earlier, self._in_flight[node.name] = self._in_flight.get(node.name), step
             if earlier is not None:
-                self.overlap["talker_steps_read_behind"] += 1
+                self.overlap[f"{node.name}_steps_read_behind"] += 1
                 self._read(earlier)
         else:
-            self._flow_dispatched(rows, self.clock())
-            self._audio_in_flight.append(step)
+            self._copying.append(step)
             for array in jax.tree.leaves(outputs):
                 if isinstance(array, jax.Array) and not array.is_deleted():  # a lost one fails when read
-                    array.copy_to_host_async()  # the audio comes back while the device goes on
+                    array.copy_to_host_async()  # the outputs come back while the device goes on
         if not self.pipelined:
             self.drain()
         return True
 
     def drain(self) -> bool:
         """Read back every step in flight and deliver its outputs (a pipelined engine); True if any was."""
-        drained = self._talker_in_flight is not None and self._read(self._talker_in_flight)
-        return self._deliver_audio(wait=True) or drained
+        drained = False
+        for step in list(self._in_flight.values()):
+            drained |= step is not None and self._read(step)
+        return self._deliver_copied(wait=True) or drained
 
-    def _deliver_audio(self, *, wait: bool) -> bool:
-        """Deliver the flow steps in flight whose outputs are on the host, in order (all, if `wait`)."""
+    def _deliver_copied(self, *, wait: bool) -> bool:
+        """Deliver the non-feeding steps in flight whose outputs are on the host, in order (all, if
+        `wait`)."""
         delivered = False
-        while self._audio_in_flight and (
-            wait
-            or all(x.is_deleted() or x.is_ready() for x in jax.tree.leaves(self._audio_in_flight[0].outputs))
+        while self._copying and (
+            wait or all(x.is_deleted() or x.is_ready() for x in jax.tree.leaves(self._copying[0].outputs))
         ):
-            self.overlap["flow_steps_read_behind"] += self.pipelined and not wait
-            delivered |= self._read(self._audio_in_flight[0])
+            self.overlap[f"{self._copying[0].node.name}_steps_read_behind"] += self.pipelined and not wait
+            delivered |= self._read(self._copying[0])
         return delivered
 
     def _read(self, step: InFlight) -> bool:
         """Bring `step`'s outputs to the host and hand them to its streams; True (it came back)."""
-        if step is self._talker_in_flight:
-            self._talker_in_flight = None
-        elif step.node.name == "flow":
-            self._audio_in_flight.remove(step)
+        if step.node.feeds:
+            if self._in_flight.get(step.node.name) is step:
+                self._in_flight[step.node.name] = None
+        else:
+            self._copying.remove(step)
         try:
             outputs = host_local(step.outputs)
         except Exception as err:  # the step failed on the device after it was dispatched
@@ -125,25 +133,23 @@ class Dispatch:
             step.bucket.graph_walk, step.bucket, len(step.rows), step.started, now - step.started,
             step.positions, step.compilations, rids,
         ))  # fmt: skip
-        if step.node.name == "talker":
-            self._talker_read(step, outputs)
-        else:
-            self._flow_read(step, outputs, now)
+        self.served.read(step, outputs, now, self._ops)
         return True
 
     def _lost_in_flight(self, step: InFlight, err: Exception) -> None:
         """A dispatched step whose outputs cannot be read: its node's cache state, and every later step
-        of that node (built on it), are lost. Its requests still hold their slots (a talker slot is
-        freed only when its last code is read), so the node recovers as from a lost cache: restored
-        from the last snapshot and replayed, or failed with the retryable `StateLostError`. A request
-        of those steps moved to host memory since (offloaded: its copy was read from the lost state)
-        holds no slot for the recovery to rewind; it fails the same way."""
-        if step.node.name == "talker":
-            dropped = [s for s in (step, self._talker_in_flight) if s is not None]
-            self._talker_in_flight = None
-        else:
-            dropped = [step, *self._audio_in_flight]  # every flow step in flight came after it
-            self._audio_in_flight.clear()
+        of that node (built on it), are lost. Its requests still hold their slots (a model gives a
+        feeding node's slot back only once the stream's last token is read), so the node recovers as
+        from a lost cache: restored from the last snapshot and replayed, or failed with the retryable
+        `StateLostError`. A request of those steps moved to host memory since (offloaded: its copy was
+        read from the lost state) holds no slot for the recovery to rewind; it fails the same way."""
+        node = step.node
+        if node.feeds:
+            dropped = [s for s in (step, self._in_flight.get(node.name)) if s is not None]
+            self._in_flight[node.name] = None
+        else:  # every later step of the node in flight came after it
+            dropped = [step, *(s for s in self._copying if s.node is node)]
+            self._copying = collections.deque(s for s in self._copying if s.node is not node)
         manager = step.node.manager
         offloaded = {
             row.stream.request_id: row.stream for s in dropped for row in s.rows

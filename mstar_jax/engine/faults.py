@@ -1,7 +1,8 @@
 """Injected device faults, for testing what a serving stack does when a step fails (docs/design.md §11).
 
-`inject_faults(engine, node, schedule)` wraps the captured programs of one node ("talker" or "flow"):
-before each of its steps it asks `schedule(n)` (n counts that node's steps from 1) what to do:
+`inject_faults(engine, node, schedule)` wraps the captured programs of one of the engine's nodes (the
+TTS model's "talker" or "flow", Gemma's "gemma3"): before each of its steps it asks `schedule(n)` (n
+counts that node's steps from 1) what to do:
 
 - `None`: run normally;
 - `"before"`: raise without running, as a failure before the program started would (the cache survives);
@@ -18,8 +19,6 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
-
-from mstar_jax.models.streaming_tts.model import FLOW_CHUNK
 
 __all__ = ["FAULT_KINDS", "InjectedFaultError", "inject_faults"]
 
@@ -46,7 +45,7 @@ class _FaultyStep:
         if fault == "before":
             raise InjectedFaultError(f"injected before {self.node} step {self.calls[0]}")
         if fault == "poison":
-            cache.k[0].delete()
+            jax.tree.leaves(cache)[0].delete()
         out = self.step.replay(bucket, params, cache, *args)
         if fault == "after":
             raise InjectedFaultError(f"injected after {self.node} step {self.calls[0]}")
@@ -60,14 +59,13 @@ def inject_faults(engine: Any, node: str, schedule: Callable[[int], Fault | None
     """Make `engine`'s `node` steps fail as `schedule` says (module doc); returns the step counter [n].
 
     Raises:
-      ValueError: for a node other than "talker" or "flow".
+      ValueError: for a node the engine does not have.
     """
-    if node not in ("talker", "flow"):
-        raise ValueError(f"node={node!r} must be 'talker' or 'flow'")
+    if node not in engine.nodes:
+        raise ValueError(f"node={node!r} must be one of the engine's nodes {list(engine.nodes)}")
     calls = [0]
     steps = dict(engine.programs.steps)
-    for walk, step in steps.items():
-        if (walk == FLOW_CHUNK) == (node == "flow"):
-            steps[walk] = _FaultyStep(step, node, schedule, calls)
+    for walk in engine.nodes[node].walks:
+        steps[walk] = _FaultyStep(steps[walk], node, schedule, calls)
     engine.programs = dataclasses.replace(engine.programs, steps=steps)
     return calls

@@ -3,10 +3,11 @@ requests (docs/design.md §10).
 
 In a multi-process deployment (a TPU pod's hosts) every process runs an `Engine` over the one global
 mesh, and a compiled step is a program all of them must enter together. Each process admits its own
-requests into its own data shards; before each of the step's programs (talker decode, talker prefill,
-flow) the processes agree, over `distributed.most_of_all`, on its bucket: the most rows any data shard
-of any process brings. A process with nothing to run enters the program with every row of its shards
-empty. The loop's end is agreed the same way: a process keeps stepping while any process has work.
+requests into its own data shards; before each of a round's programs (e.g. the TTS model's talker
+decode, talker prefill, flow) the processes agree, over `distributed.most_of_all`, on its bucket: the
+most rows any data shard of any process brings. A process with nothing to run enters the program with
+every row of its shards empty. The loop's end is agreed the same way: a process keeps stepping while
+any process has work.
 
 What needs one process alone to touch the whole cache is refused up front: offloading a stream, idle
 offload, and snapshots (each would read a slot through a program only its owner would enter).
@@ -23,7 +24,7 @@ from mstar_jax.engine import batch
 from mstar_jax.resources.step import BucketKey
 
 if TYPE_CHECKING:
-    from mstar_jax.engine.records import Node
+    from mstar_jax.serving.model import Node
 
 __all__ = ["Lockstep", "MultiProcessError"]
 
@@ -54,7 +55,7 @@ class Lockstep:
                     f"set {name}: null"
                 )
         local = distributed.local_data_shards(self.mesh)
-        for name, manager in (("talker", self.talker), ("flow", self.flow)):
+        for name, manager in ((key, node.runner[key]) for node in self.nodes.values() for key in node.keys):
             if manager.local_data_shards != local:
                 raise MultiProcessError(
                     f"the {name} manager admits into data shards {list(manager.local_data_shards)}, but "

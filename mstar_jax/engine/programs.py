@@ -61,6 +61,7 @@ from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.kv.bounded.sharding import DATA
 from mstar_jax.resources.step import BucketKey
+from mstar_jax.serving import feed
 from mstar_jax.serving.abstract import abstract, shaped
 
 __all__ = ["SettingsMismatchError", "TTSPrograms", "codes_width", "fed", "tts_buckets"]
@@ -116,17 +117,14 @@ def fed(step, *, width: int | None):
     """`step` (a talker step function) reading fed decode tokens from `prev_codes`, its codes padded to
     `width` (None: as they are, sharded like its rows, for a mesh engine, which never feeds).
 
-    A fed row's token is `text_vocab_size + prev_codes[feed]`, as the scheduler would have written it.
+    A fed row's token is `text_vocab_size + prev_codes[feed]`, as the scheduler would have written it
+    (`mstar_jax.serving.feed.fed`).
     """
+    return feed.fed(step, width=width, offset=_code_token_offset)
 
-    def fed_step(params, cache, bank, plan, prev_codes, feed, decode_tokens, *inputs, settings):
-        from_device = jnp.take(prev_codes, jnp.maximum(feed, 0), axis=0) + settings.config.text_vocab_size
-        decode_tokens = jnp.where((feed >= 0)[:, None], from_device[:, None], decode_tokens)
-        cache, codes = step(params, cache, bank, plan, decode_tokens, *inputs, settings=settings)
-        return cache, codes if width is None else jnp.pad(codes, (0, width - codes.shape[0]))
 
-    fed_step.__qualname__ = f"fed({step.__qualname__})"  # the executable store tells walks apart by it
-    return fed_step
+def _code_token_offset(*, settings: StreamingTTSSettings) -> int:
+    return settings.config.text_vocab_size
 
 
 def codes_width(buckets: Buckets, shards: int = 1) -> int:

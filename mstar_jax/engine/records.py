@@ -1,14 +1,12 @@
-"""What the engine keeps per step (`StepRecord`, for reports; `InFlight`, until its outputs are read) and
-per graph node (`Node`)."""
+"""What the engine keeps per step for reports (`StepRecord`); the step in flight and the graph node are
+the serving layer's (`mstar_jax.serving.model.InFlight`, `Node`), re-exported here."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
-from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import BucketKey
+from mstar_jax.serving.model import InFlight, Node
 
 __all__ = ["InFlight", "Node", "StepRecord"]
 
@@ -36,41 +34,3 @@ class StepRecord:
     positions: tuple[int, ...]
     compilations: int
     request_ids: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Node:
-    """One graph node: its runner and the one bounded cache it uses."""
-
-    name: str
-    key: str
-    runner: ResourceRunner
-    manager: BoundedKVManager
-
-
-@dataclasses.dataclass(eq=False)
-class InFlight:
-    """A step dispatched to the device whose outputs are not read back yet.
-
-    Attributes:
-      node: its graph node.
-      serial: the engine's count of dispatched steps when it was dispatched (`Stream.feed`).
-      bucket: the bucket it replayed.
-      rows: its real rows, in bucket order.
-      indices: each row's place in the per-row outputs.
-      outputs: the program's outputs, on the device (a talker's codes, a flow's mel and samples).
-      started: clock time when its rows were formed.
-      positions, compilations: as `StepRecord` has them.
-      coded: the talker rows that generate a code (set at dispatch).
-    """
-
-    node: Node
-    serial: int
-    bucket: BucketKey
-    rows: list
-    indices: list[int]
-    outputs: Any
-    started: float
-    positions: tuple[int, ...]
-    compilations: int
-    coded: tuple[bool, ...] = ()

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from mstar_jax.engine.engine import Engine
 from mstar_jax.engine.request import Phase
+from mstar_jax.engine.tts import Engine
 from mstar_jax.models.streaming_tts.model import FRAME_RATE_HZ
 
 if TYPE_CHECKING:

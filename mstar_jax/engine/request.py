@@ -8,12 +8,20 @@ order, per-request timings, and an optional callback per chunk.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Callable
 
 import numpy as np
 
 from mstar_jax.engine.voices import Voice
+from mstar_jax.serving.stream import (
+    Phase,
+    ReplayMismatchError,
+    RequestCancelledError,
+    RequestError,
+    StateLostError,
+    StepFailedError,
+)
+from mstar_jax.serving.stream import Stream as ServedStream
 
 __all__ = [
     "AudioChunk",
@@ -26,30 +34,6 @@ __all__ = [
     "Stream",
     "TTSRequest",
 ]
-
-
-class RequestError(RuntimeError):
-    """A request ended without all its audio. `retryable`: submitting it again may well succeed."""
-
-    retryable = False
-
-
-class RequestCancelledError(RequestError):
-    """The client cancelled the request."""
-
-
-class StateLostError(RequestError):
-    """A device fault lost the request's cache state (and no snapshot could restore it)."""
-
-    retryable = True
-
-
-class StepFailedError(RequestError):
-    """The request's steps kept failing while the device state survived them."""
-
-
-class ReplayMismatchError(RequestError):
-    """A replay after a fault did not reproduce what the request had already delivered."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,22 +87,6 @@ def _brief(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-class Phase(enum.Enum):
-    """Where a request stands."""
-
-    WAITING = "waiting"  # submitted, no step admitted yet
-    PREFILL = "prefill"  # the talker is reading its text
-    DECODE = "decode"  # the talker is writing frames (the flow follows behind)
-    FLUSH = "flush"  # the talker is done; the flow decodes what is left
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def finished(self) -> bool:
-        return self in (Phase.DONE, Phase.FAILED, Phase.CANCELLED)
-
-
 @dataclasses.dataclass(frozen=True)
 class AudioChunk:
     """One flow chunk's output for one request.
@@ -137,24 +105,17 @@ class AudioChunk:
 
 
 @dataclasses.dataclass(eq=False)
-class Stream:
-    """A request's progress and output, owned by the engine; clients read it.
+class Stream(ServedStream):
+    """A speech request's progress and output; `request` is its `TTSRequest` (`mstar_jax.serving.Stream`
+    has the fields every request has: phase, failure, timings, pause, holds, faults).
 
     Attributes:
-      request: what was asked.
-      phase: where it stands.
-      error: why it failed or was cancelled (the refusing resource's message, say), else None.
-      failure: the same as a typed `RequestError`, else None.
       codes: the codec frames generated so far.
       chunks: the audio chunks decoded so far, in order.
       on_chunk: called with each new chunk (from the engine's thread).
-      submitted_at, first_audio_at, finished_at: `time.perf_counter()` stamps (None until they happen).
+      first_audio_at: clock stamp of its first chunk (None until then).
       prefilled: prompt tokens (text, then BOS) the talker has read.
       talker_written, flow_written: entries committed to each cache.
-      paused: the client is not reading; the engine schedules nothing for it.
-      last_step_at: when a step last ran for it (for idle offloading).
-      hold_until: the engine retries its admission from then on (after a refusal for lack of room).
-      faults: failed steps it was in whose device state survived (it fails after a few).
       replay_codes: after a fault rewound its talker, the codes it had generated, which the replay
         must generate again.
       codes_in_flight: codes of talker steps dispatched but not read back yet (a pipelined engine).
@@ -162,30 +123,16 @@ class Stream:
         which the next talker step reads its input token from; None once read.
     """
 
-    request: TTSRequest
-    phase: Phase = Phase.WAITING
-    error: str | None = None
-    failure: RequestError | None = None
     codes: list[int] = dataclasses.field(default_factory=list)
     chunks: list[AudioChunk] = dataclasses.field(default_factory=list)
     on_chunk: Callable[[AudioChunk], None] | None = None
-    submitted_at: float = 0.0
     first_audio_at: float | None = None
-    finished_at: float | None = None
     prefilled: int = 0
     talker_written: int = 0
     flow_written: int = 0
-    paused: bool = False
-    last_step_at: float = 0.0
-    hold_until: float = 0.0
-    faults: int = 0
     replay_codes: tuple[int, ...] = ()
     codes_in_flight: int = 0
     feed: tuple[int, int] | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
 
     @property
     def prompt_len(self) -> int:

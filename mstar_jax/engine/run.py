@@ -18,8 +18,8 @@ from typing import Any
 
 import jax
 
-from mstar_jax.engine.engine import Engine
 from mstar_jax.engine.report import format_summary, summarize, write_report
+from mstar_jax.engine.tts import Engine
 from mstar_jax.engine.workload import drive, register_voices, synthetic_workload
 
 __all__ = ["run_deployment"]

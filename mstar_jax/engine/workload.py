@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm.auto import tqdm
 
-from mstar_jax.engine.engine import Engine
 from mstar_jax.engine.request import Stream, TTSRequest
+from mstar_jax.engine.tts import Engine
 from mstar_jax.engine.voices import Voice
 
 if TYPE_CHECKING:

@@ -183,7 +183,9 @@ def test_a_step_that_raises_keeps_its_own_error_when_aborting_its_admission_rais
 
 def test_inject_faults_refuses_what_it_cannot_inject(programs):
     engine, voices = make_engine(programs)
-    with pytest.raises(ValueError, match="node='vocoder' must be 'talker' or 'flow'"):
+    with pytest.raises(
+        ValueError, match=r"node='vocoder' must be one of the engine's nodes \['talker', 'flow'\]"
+    ):
         inject_faults(engine, "vocoder", lambda n: None)
     inject_faults(engine, "talker", lambda n: "melt")
     stream = engine.submit(request("a", voices[0], 3))

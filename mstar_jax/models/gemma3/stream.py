@@ -166,6 +166,16 @@ class Gemma3Streams:
         return self.local, self.global_
 
     @property
+    def step_fn(self):
+        """`step` with this instance's attention implementation bound (what its programs capture)."""
+        return self._fn
+
+    @property
+    def store(self) -> ExecutableStore | None:
+        """Where captured programs are loaded from and stored (None: compiled every time)."""
+        return self._store
+
+    @property
     def bytes_per_stream(self) -> int:
         """Device bytes one stream's slot holds in both caches, whatever its length."""
         return sum(m.cache.nbytes // m.cache.k[0].shape[0] for m in self.managers)
@@ -179,7 +189,7 @@ class Gemma3Streams:
         Args:
           params: the model's state (`nnx.split`).
           caches, banks: (local, global) caches (donated) and source banks.
-          tables: (local, global) plan tables, i32[B, ROW_INTS] each.
+          tables: (local, global) plans (`BoundedKVPlan`), or their tables i32[B, ROW_INTS].
           tokens: i32[B, T]; row b's first `lengths[b]` are real.
           lengths: i32[B].
           targets: i32[B, T], the token each position is scored on (head `log_probs`; ignored otherwise).
@@ -190,11 +200,12 @@ class Gemma3Streams:
         """
         model = nnx.merge(self._graphdef, params)
         configs = (self.local.config, self.global_.config)
-        positions = BoundedKVPlan(tables[0]).positions(tokens.shape[1])
+        plans = [t if isinstance(t, BoundedKVPlan) else BoundedKVPlan(t) for t in tables]
+        positions = plans[0].positions(tokens.shape[1])
 
         layers = [
             layer_attention(config, bank, table, implementation=implementation, interpret=interpret)
-            for config, bank, table in zip(configs, banks, tables, strict=True)
+            for config, bank, table in zip(configs, banks, plans, strict=True)
         ]
 
         def attend_fn(state, is_global, index, q, k, v):

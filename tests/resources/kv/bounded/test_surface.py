@@ -238,7 +238,9 @@ def test_the_engines_declare_pads_with_pad_step():
         (prefill, False): ["p", "d", "e"],
     }
     for (bucket, pad), ids in expected.items():
-        declared, ordered = declare(bucket, rows, key="talker_kv", written=lambda s: 2, pad=pad)
+        declared, ordered = declare(
+            bucket, rows, keys=("talker_kv",), position=lambda s: s.request.voice.position(2), pad=pad
+        )
         step, ctx = declared.padded.step, declared.padded.ctx
         assert declared.sub.steps == {"talker_kv": step}
         assert declared.sub.ctx is ctx

@@ -1,0 +1,195 @@
+"""The protocol a model implements to be served by the engine (`mstar_jax.engine.ServingEngine`).
+
+A served model is a few graph nodes, each a step function over its own bounded caches, captured ahead of
+time per bucket. The engine owns everything that does not depend on the model: the queue, admission and
+its refusals, the step transaction, pipelining, fault recovery with snapshots, offload, many processes
+in lockstep, records. The model says, per node:
+
+- which rows run next (`rows`: pure policy over its streams' host state) and in which bucket
+  (`choose_bucket`), where each row's stream stands in the node's caches (`position`);
+- the program's inputs for those rows (`inputs`), after `(params, caches, banks, plans)` and, for a node
+  that `feeds`, the outputs of its step still in flight;
+- what the step does to its streams once dispatched (`dispatched`: known from the rows alone, so a
+  pipelined engine forms the next step before reading this one), and once its outputs are on the host
+  (`read`);
+- a stream's progress, to snapshot (`mark`) and to rewind to after a fault (`rewind`).
+
+A node that `feeds` (a decoder whose sampled token is the next step's input) keeps its newest step on
+the device until the next one is dispatched; its programs take the previous step's outputs first. Any
+other node's outputs come back with an asynchronous copy and are read, in order, once they are there.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from mstar_jax.resources.kv.bounded.config import StreamPosition
+from mstar_jax.resources.runner import ResourceRunner
+from mstar_jax.resources.step import BucketKey
+from mstar_jax.serving.stream import RequestError, Stream
+
+__all__ = ["InFlight", "Node", "ServedModel", "StreamOps"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Node:
+    """One graph node: its runner, the bounded caches its steps run on, its weights.
+
+    Attributes:
+      name: the node's name (a stream's progress is kept per node).
+      runner: the node's `ResourceRunner`.
+      keys: its caches' resource keys, in the order its programs take them (one cache: the program
+        takes it bare; several: a tuple).
+      params: the weights its programs take first.
+      walks: the graph walks its programs run.
+      feeds: each step's outputs feed the next step of this node on the device (module doc).
+      no_feed: what a feeding node's program reads as the previous outputs when none are in flight.
+    """
+
+    name: str
+    runner: ResourceRunner
+    keys: tuple[str, ...]
+    params: Any
+    walks: tuple[str, ...]
+    feeds: bool = False
+    no_feed: Any = None
+
+    @property
+    def key(self) -> str:
+        """The node's first cache's key (every cache of a node holds the same requests)."""
+        return self.keys[0]
+
+    @property
+    def managers(self) -> tuple:
+        return tuple(self.runner[key] for key in self.keys)
+
+    @property
+    def manager(self):
+        """The node's first cache (its slots say which requests the node holds)."""
+        return self.runner[self.keys[0]]
+
+
+@dataclasses.dataclass(eq=False)
+class InFlight:
+    """A step dispatched to the device whose outputs are not read back yet.
+
+    Attributes:
+      node: its graph node.
+      serial: the engine's count of dispatched steps when it was dispatched (a stream fed by it names it).
+      bucket: the bucket it replayed.
+      rows: its real rows, in bucket order.
+      indices: each row's place in the per-row outputs.
+      outputs: the program's outputs, on the device.
+      started: clock time when its rows were formed.
+      positions: each real row's stream length (entries written) when the step started.
+      compilations: programs compiled during it (0 after warm-up).
+      emits: which rows produce a token the stream reads back (set at dispatch, by the model).
+    """
+
+    node: Node
+    serial: int
+    bucket: BucketKey
+    rows: list
+    indices: list[int]
+    outputs: Any
+    started: float
+    positions: tuple[int, ...]
+    compilations: int
+    emits: tuple[bool, ...] = ()
+
+
+class StreamOps(Protocol):
+    """What a model may do to its streams while the engine reads a step (the engine implements it)."""
+
+    def fail(self, stream: Stream, failure: RequestError) -> None:
+        """End `stream` with `failure`, giving back everything it holds."""
+
+    def done(self, stream: Stream) -> None:
+        """End `stream`: every output is delivered."""
+
+    def release(self, stream: Stream, node: str) -> None:
+        """Give back what `stream` holds in `node`'s caches (it has nothing more to do there)."""
+
+
+class ServedModel(abc.ABC):
+    """A model as the engine serves it (module doc).
+
+    Attributes:
+      nodes: its graph nodes, in the order each engine round runs them.
+      programs: the captured programs: `buckets` (`Buckets`) and `steps` (graph walk -> `CapturedStep`).
+      mesh: the device mesh its arrays live on (None: one device).
+    """
+
+    nodes: tuple[Node, ...]
+    programs: Any
+    mesh: Any = None
+
+    @abc.abstractmethod
+    def new_stream(self, request: Any, *, on_output: Any, now: float) -> Stream:
+        """A new stream of `request`, checked against the model (vocabulary, sources, limits).
+
+        Raises:
+          TypeError, ValueError: a request this model cannot serve; nothing is queued then.
+        """
+
+    @abc.abstractmethod
+    def outputs(self, stream: Stream) -> Sequence:
+        """What `stream` has delivered so far, in order (`Engine.stream` yields them)."""
+
+    @abc.abstractmethod
+    def rows(
+        self, node: Node, streams: Sequence[Stream], *, now: float, max_batch: int, in_flight: int | None
+    ) -> list[tuple[list, str | None]]:
+        """The node's next programs: each `(rows, walk)` (walk None: the rows alone say it).
+
+        Args:
+          node: the node.
+          streams: the live streams, in arrival order.
+          now: the engine clock (held and paused streams wait).
+          max_batch: most rows in one program.
+          in_flight: the serial of the node's step still on the device (a feeding node), or None.
+        """
+
+    @abc.abstractmethod
+    def choose_bucket(self, node: Node, rows: Sequence, *, rows_per_shard: int | None = None) -> BucketKey:
+        """The tightest bucket of `rows` (on a mesh, sized by the most rows any data shard gets)."""
+
+    @abc.abstractmethod
+    def position(self, node: Node, stream: Stream) -> StreamPosition:
+        """Where `stream` stands in the node's caches before its next step."""
+
+    @abc.abstractmethod
+    def inputs(self, node: Node, bucket: BucketKey, rows: Sequence, layout: Any) -> tuple:
+        """The program's inputs after `(params, caches, banks, plans)` (and a feeding node's previous
+        outputs), padded to `bucket` as host arrays; `layout` places the rows on a mesh (else None)."""
+
+    @abc.abstractmethod
+    def dispatched(self, step: InFlight, now: float) -> None:
+        """Advance the step's streams by what it will do (entries written, prompt read, tokens coming);
+        set `step.emits`."""
+
+    @abc.abstractmethod
+    def read(self, step: InFlight, outputs: Any, now: float, ops: StreamOps) -> None:
+        """Hand the step's outputs, on the host, to its streams."""
+
+    @abc.abstractmethod
+    def mark(self, stream: Stream) -> Any:
+        """`stream`'s progress, for a snapshot."""
+
+    @abc.abstractmethod
+    def rewind(self, stream: Stream, node: Node, mark: Any | None) -> None:
+        """Roll `stream`'s progress on `node` back to `mark` (to its start when None); nothing is in
+        flight then."""
+
+    def warming_up(self) -> contextlib.AbstractContextManager:
+        """What the engine's warm-up runs inside: the model registers what a warm-up request reads (the
+        TTS model a voice, if it has none) and removes it after; the default does nothing."""
+        return contextlib.nullcontext()
+
+    def warm_up_position(self, node: Node) -> StreamPosition:
+        """A position a warm-up request may borrow a slot of the node at (default: no source)."""
+        return StreamPosition(0, 0)

@@ -1,0 +1,186 @@
+"""Gemma 3 served by the one engine (`ServingEngine(Gemma3Serving(...))`) against each prompt continued
+alone by `Gemma3Streams.greedy`.
+
+The small random-weight model of `test_model` (whose `greedy` matches the float64 oracle there) serves
+prompts of different lengths, with fewer slots than prompts so one waits, synchronous and pipelined;
+every stream's tokens must be `greedy`'s, after warm-up nothing compiles, and every slot comes back.
+A device fault with snapshots is replayed to the same tokens, each delivered once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mstar_jax.engine import ServingEngine
+from mstar_jax.engine.faults import inject_faults
+from mstar_jax.models.gemma3.model import Gemma3
+from mstar_jax.models.gemma3.serving import GEMMA3, Gemma3Programs, Gemma3Serving, TextRequest
+from mstar_jax.models.gemma3.stream import Gemma3Streams
+from mstar_jax.resources.kv.bounded.config import SinkWindow
+from mstar_jax.serving.stream import Phase, StateLostError
+from mstar_jax.settings import EngineSettings
+from tests.models.gemma3.test_model import CONFIG, random_tensors
+
+RETENTION = SinkWindow(2, 10)
+NEW_TOKENS = 20
+SLOTS = 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Gemma3.from_tensors(CONFIG, random_tensors(CONFIG))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    return [tuple(int(t) for t in rng.integers(0, CONFIG.vocab_size, n)) for n in (5, 19, 1, 12)]
+
+
+@pytest.fixture(scope="module")
+def alone(model, prompts):
+    streams = Gemma3Streams(CONFIG, model, global_retention=RETENTION, chunk=8)
+    return [streams.greedy(prompt, NEW_TOKENS) for prompt in prompts]
+
+
+@pytest.fixture(scope="module")
+def programs(model):
+    """One capture for every engine of the module (fresh caches each, the same geometry)."""
+    return Gemma3Programs.capture(new_streams(model))
+
+
+def new_streams(model) -> Gemma3Streams:
+    return Gemma3Streams(
+        CONFIG, model, global_retention=RETENTION, max_slots=SLOTS, chunk=8, batch_sizes=(1, 2)
+    )
+
+
+def engine_for(model, programs, **settings) -> ServingEngine:
+    served = Gemma3Serving(new_streams(model), programs)
+    engine = ServingEngine(served, settings=EngineSettings(max_batch=SLOTS, **settings))
+    engine.warm_up()
+    return engine
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["synchronous", "pipelined"])
+def test_a_crowd_gets_each_prompts_greedy_tokens(model, programs, prompts, alone, pipelined):
+    engine = engine_for(model, programs, pipelined=pipelined)
+    heard: dict[str, list[int]] = {}
+    streams = []
+    for i, prompt in enumerate(prompts):
+        rid = f"p{i}"
+        heard[rid] = []
+        streams.append(engine.submit(TextRequest(rid, prompt, NEW_TOKENS), on_output=heard[rid].append))
+    engine.run_until_idle()
+    for stream, want in zip(streams, alone, strict=True):
+        assert stream.phase is Phase.DONE, stream.error
+        assert stream.tokens == want
+        assert heard[stream.request_id] == want  # each token once, in order
+    assert engine.counters["holds"] >= 1  # four prompts, three slots: one waited
+    assert engine.compilations == 0
+    served = engine.served.streams
+    assert served.local.free_slots == served.global_.free_slots == SLOTS
+    if pipelined:
+        assert engine.overlap["rows_fed_on_device"] > 0
+        assert engine.overlap["gemma3_steps_read_behind"] > 0
+    else:
+        assert sum(engine.overlap.values()) == 0
+
+
+def test_the_engines_stream_iterator_yields_the_greedy_tokens(model, programs, prompts, alone):
+    engine = engine_for(model, programs)
+    assert list(engine.stream(TextRequest("one", prompts[1], NEW_TOKENS))) == alone[1]
+
+
+def test_a_stop_token_ends_its_stream_only(model, programs, prompts, alone):
+    stop = alone[1][5]
+    engine = engine_for(model, programs, pipelined=True)
+    streams = [
+        engine.submit(TextRequest(f"p{i}", p, NEW_TOKENS, stop_tokens=(stop,))) for i, p in enumerate(prompts)
+    ]
+    engine.run_until_idle()
+    for stream, want in zip(streams, alone, strict=True):
+        cut = want.index(stop) + 1 if stop in want else len(want)
+        assert stream.tokens == want[:cut]
+    assert engine.served.streams.local.free_slots == SLOTS
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["synchronous", "pipelined"])
+def test_with_snapshots_a_lost_cache_is_restored_and_replayed_to_the_same_tokens(
+    model, programs, prompts, alone, pipelined
+):
+    engine = engine_for(model, programs, pipelined=pipelined, snapshot_every=3)
+    heard: dict[str, list[int]] = {}
+    streams = []
+    for i, prompt in enumerate(prompts[:SLOTS]):
+        heard[f"p{i}"] = []
+        streams.append(
+            engine.submit(TextRequest(f"p{i}", prompt, NEW_TOKENS), on_output=heard[f"p{i}"].append)
+        )
+    inject_faults(engine, GEMMA3, lambda n: "after" if n in (7, 16) else None)
+    engine.run_until_idle()
+    assert engine.counters["faults"] == 2
+    assert engine.counters["requests_restored"] >= 2
+    for stream, want in zip(streams, alone[:SLOTS], strict=True):
+        assert stream.phase is Phase.DONE, stream.error
+        assert stream.tokens == want
+        assert heard[stream.request_id] == want  # replayed tokens are not delivered again
+    assert engine.compilations == 0
+
+
+def test_without_snapshots_a_lost_cache_fails_its_streams_retryably(model, programs, prompts):
+    engine = engine_for(model, programs)
+    streams = [engine.submit(TextRequest(f"p{i}", p, NEW_TOKENS)) for i, p in enumerate(prompts[:2])]
+    inject_faults(engine, GEMMA3, lambda n: "after" if n == 4 else None)
+    engine.run_until_idle()
+    for stream in streams:
+        assert stream.phase is Phase.FAILED
+        assert isinstance(stream.failure, StateLostError)
+        assert stream.failure.retryable
+    assert engine.served.streams.local.free_slots == SLOTS
+    again = engine.submit(TextRequest("again", prompts[0], 4))  # serving goes on, on fresh caches
+    engine.run_until_idle()
+    assert again.phase is Phase.DONE
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: TextRequest("r", (), 4), ValueError, r"request 'r': prompt is empty"),
+        (
+            lambda: TextRequest("r", (1.5, 2), 4),
+            ValueError,
+            r"prompt=\(1\.5, 2\) must be one sequence of integer",
+        ),
+        (lambda: TextRequest("r", (1, 2), 0), ValueError, r"max_new_tokens=0 must be an int >= 1"),
+        (lambda: TextRequest("r", (1, 2), True), ValueError, r"max_new_tokens=True must be an int >= 1"),
+        (lambda: TextRequest("", (1, 2), 4), ValueError, r"request_id='' must be a non-empty str"),
+        (lambda: TextRequest("r", ((1, 2),), 4), ValueError, r"must be one sequence of integer token ids"),
+    ],
+)
+def test_bad_text_requests_name_the_field(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_the_engine_refuses_what_the_model_cannot_serve_before_queueing(model, programs):
+    engine = engine_for(model, programs)
+    with pytest.raises(
+        ValueError, match=r"request 'r': prompt tokens \[64\] are outside \[0, vocab_size=64\)"
+    ):
+        engine.submit(TextRequest("r", (1, 64), 4))
+    with pytest.raises(ValueError, match=r"stop_tokens tokens \[-1\] are outside"):
+        engine.submit(TextRequest("r", (1, 2), 4, stop_tokens=(-1,)))
+    with pytest.raises(TypeError, match=r"request='hello' must be a TextRequest"):
+        engine.submit("hello")
+    with pytest.raises(TypeError, match=r"on_output=3 must be callable or None"):
+        engine.submit(TextRequest("r", (1, 2), 4), on_output=3)
+    assert not engine.streams
+    assert engine.served.streams.local.free_slots == SLOTS
+    with pytest.raises(TypeError, match=r"streams='gemma' must be a Gemma3Streams"):
+        Gemma3Serving("gemma")
+    with pytest.raises(TypeError, match=r"programs=\{\} must be a Gemma3Programs"):
+        Gemma3Serving(new_streams(model), {})
+    with pytest.raises(TypeError, match=r"served=.* must be a ServedModel"):
+        ServingEngine(new_streams(model), settings=EngineSettings())
