@@ -229,9 +229,21 @@ def resource_costs(spec: NodeResourceSpec) -> ResourceCosts:
 def memory_budget(deployment: Deployment, device: DeviceMemory) -> MemoryBudget:
     """What `deployment` allocates on one device (see the module docstring), against `device`.
 
+    A model config that describes its parameters (`abstract_params()`, e.g. Gemma 3's) is counted by
+    `serving_budget` from them and its caches' specs.
+
     Raises:
-      TypeError: for a model other than `streaming_tts` (the only one whose weights are counted).
+      TypeError: for a model whose weights cannot be counted (neither `streaming_tts` nor one with
+        `abstract_params()`).
     """
+    if hasattr(deployment.model_config, "abstract_params"):
+        caches = {
+            spec.resource_key: spec.config for spec in deployment.specs if isinstance(spec, BoundedKVSpec)
+        }
+        budget = serving_budget(
+            deployment.model_config.abstract_params(), caches, device, source=deployment.source
+        )
+        return dataclasses.replace(budget, max_batch=deployment.engine.max_batch)
     config = _streaming_tts(deployment)
     caches = [spec for spec in deployment.specs if isinstance(spec, BoundedKVSpec)]
     sources = num_sources(deployment)

@@ -120,8 +120,10 @@ class WorkloadSettings:
       voices: distinct voice prompts (shared source prefixes) the streams draw from.
       min_text_tokens: fewest text tokens a stream's prompt has.
       max_text_tokens: most text tokens a stream's prompt has.
-      min_frames: fewest codec frames a stream generates.
-      max_frames: most codec frames a stream generates.
+      min_frames: fewest codec frames a stream generates (a speech model).
+      max_frames: most codec frames a stream generates (a speech model).
+      min_new_tokens: fewest tokens a stream generates (a text model).
+      max_new_tokens: most tokens a stream generates (a text model).
       seed: seed of the arrivals, lengths and voices drawn.
     """
 
@@ -132,15 +134,19 @@ class WorkloadSettings:
     max_text_tokens: int = 24
     min_frames: int = 24
     max_frames: int = 64
+    min_new_tokens: int = 16
+    max_new_tokens: int = 64
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("streams", "voices", "min_text_tokens", "max_text_tokens", "min_frames", "max_frames"):
+        counts = ("streams", "voices", "min_text_tokens", "max_text_tokens", "min_frames", "max_frames")
+        for name in (*counts, "min_new_tokens", "max_new_tokens"):
             _check_int(name, getattr(self, name), 1)
         _check_int("seed", self.seed, 0)
         if self.arrival_rate_hz is not None:
             _check_float("arrival_rate_hz", self.arrival_rate_hz, 0.0, exclusive=True)
-        for low, high in (("min_text_tokens", "max_text_tokens"), ("min_frames", "max_frames")):
+        bounds = ("min_text_tokens", "max_text_tokens"), ("min_frames", "max_frames")
+        for low, high in (*bounds, ("min_new_tokens", "max_new_tokens")):
             if getattr(self, low) > getattr(self, high):
                 raise ValueError(f"{low}={getattr(self, low)} must be <= {high}={getattr(self, high)}")
 

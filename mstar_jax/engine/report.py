@@ -14,6 +14,7 @@ Definitions (streaming TTS convention, see the survey's metrics section):
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import pathlib
 from collections.abc import Sequence
@@ -29,10 +30,19 @@ from mstar_jax.models.streaming_tts.model import FRAME_RATE_HZ
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["format_summary", "plot_step_latency", "step_latency_figure", "summarize", "write_report"]
+__all__ = [
+    "format_mib",
+    "format_ms",
+    "format_summary",
+    "percentiles",
+    "plot_step_latency",
+    "step_latency_figure",
+    "summarize",
+    "write_report",
+]
 
 
-def _percentiles(values: Sequence[float], scale: float = 1.0) -> dict[str, float | None]:
+def percentiles(values: Sequence[float], scale: float = 1.0) -> dict[str, float | None]:
     if not len(values):
         return {"p50": None, "p99": None, "max": None}
     array = np.asarray(values, np.float64) * scale
@@ -70,7 +80,7 @@ def summarize(
     by_walk = {}
     for walk in sorted({r.walk for r in engine.records}):
         walk_lat = [r.latency for r in engine.records if r.walk == walk]
-        by_walk[walk] = {"steps": len(walk_lat), **_percentiles(walk_lat, 1e3)}
+        by_walk[walk] = {"steps": len(walk_lat), **percentiles(walk_lat, 1e3)}
     slot_bytes = engine.talker.config.slot_bytes + engine.flow.config.slot_bytes
     longest = max(streams, key=lambda s: s.talker_written + s.request.frames, default=None)
     dense = 0
@@ -96,8 +106,8 @@ def summarize(
         "wall_seconds": wall_secs,
         "real_time_factor": wall_secs / audio_secs if audio_secs else None,
         "frames_per_second": frames / wall_secs if wall_secs else None,
-        "time_to_first_audio_ms": _percentiles(ttfa, 1e3),
-        "step_latency_ms": _percentiles(latencies, 1e3),
+        "time_to_first_audio_ms": percentiles(ttfa, 1e3),
+        "step_latency_ms": percentiles(latencies, 1e3),
         "step_latency_ms_by_walk": by_walk,
         "steps": len(engine.records),
         "mesh": _mesh_report(engine),
@@ -121,11 +131,11 @@ def summarize(
     }
 
 
-def _ms(value: float | None) -> str:
+def format_ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} ms"
 
 
-def _mib(value: int) -> str:
+def format_mib(value: int) -> str:
     return f"{value / 2**20:.3f} MiB" if value >= 2**16 else f"{value / 1024:.1f} KiB"
 
 
@@ -141,6 +151,7 @@ def _pipeline_line(pipeline: dict[str, Any]) -> str:
 
 def format_summary(report: dict[str, Any]) -> str:
     """The summary `mstar-jax run` prints."""
+    ms, mib = format_ms, format_mib
     s, m, c = report["streams"], report["memory"], report["compile"]
     rtf = report["real_time_factor"]
     ttfa, lat = report["time_to_first_audio_ms"], report["step_latency_ms"]
@@ -150,19 +161,19 @@ def format_summary(report: dict[str, Any]) -> str:
         f"({m['talker_slot_tokens']} entries), flow {s['wrapped_flow_ring']} ({m['flow_slot_tokens']})",
         f"audio generated      {report['audio_seconds']:.1f} s in {report['wall_seconds']:.1f} s of serving",
         f"real-time factor     {rtf:.3f} ({1 / rtf:.2f}x real time)" if rtf else "real-time factor     -",
-        f"time to first audio  p50 {_ms(ttfa['p50'])}, p99 {_ms(ttfa['p99'])}",
-        f"step latency         p50 {_ms(lat['p50'])}, p99 {_ms(lat['p99'])} over {report['steps']} steps",
+        f"time to first audio  p50 {ms(ttfa['p50'])}, p99 {ms(ttfa['p99'])}",
+        f"step latency         p50 {ms(lat['p50'])}, p99 {ms(lat['p99'])} over {report['steps']} steps",
     ]
     for walk, stats in report["step_latency_ms_by_walk"].items():
         lines.append(
-            f"  {walk:<18} {stats['steps']:>5} steps, p50 {_ms(stats['p50'])}, p99 {_ms(stats['p99'])}"
+            f"  {walk:<18} {stats['steps']:>5} steps, p50 {ms(stats['p50'])}, p99 {ms(stats['p99'])}"
         )
     fps = report["frames_per_second"]
     lines += [
         f"frames per second    {fps:.1f}" if fps else "frames per second    -",
-        f"memory per stream    {_mib(m['bytes_per_stream'])} (talker slot {_mib(m['talker_slot_bytes'])} "
-        f"+ flow slot {_mib(m['flow_slot_bytes'])}), fixed; a dense cache would hold "
-        f"{_mib(m['dense_bytes_longest_stream'])} at the longest stream",
+        f"memory per stream    {mib(m['bytes_per_stream'])} (talker slot {mib(m['talker_slot_bytes'])} "
+        f"+ flow slot {mib(m['flow_slot_bytes'])}), fixed; a dense cache would hold "
+        f"{mib(m['dense_bytes_longest_stream'])} at the longest stream",
         f"compilation          {c['buckets']} buckets captured in {c['capture_wall_seconds']:.1f} s "
         f"({c['loaded_from_store']} loaded from the executable store); "
         f"{c['compilations_after_warmup']} compilations after warm-up",
@@ -174,8 +185,8 @@ def format_summary(report: dict[str, Any]) -> str:
         caches = mesh["caches"]
         lines.append(
             f"mesh                 data {mesh['data']} x model {mesh['model']} ({mesh['devices']} devices); "
-            f"cache bytes per device: talker {_mib(max(caches['talker']['bytes_per_device']))}, flow "
-            f"{_mib(max(caches['flow']['bytes_per_device']))}; requests per data shard: talker "
+            f"cache bytes per device: talker {mib(max(caches['talker']['bytes_per_device']))}, flow "
+            f"{mib(max(caches['flow']['bytes_per_device']))}; requests per data shard: talker "
             f"{caches['talker']['requests_per_data_shard']}, flow {caches['flow']['requests_per_data_shard']}"
             + (
                 f"; process {mesh['process']} of {mesh['processes']} serves data shards "
@@ -209,9 +220,10 @@ def step_latency_figure(engine: Engine) -> Figure:
         xs = [p for r in engine.records if r.walk == walk for p in r.positions]
         ys = [r.latency * 1e3 for r in engine.records if r.walk == walk for _ in r.positions]
         ax.scatter(xs, ys, s=6, alpha=0.5, label=walk)
-    for config, name, style in ((engine.talker.config, "talker", "--"), (engine.flow.config, "flow", ":")):
+    caches = [(m.spec.resource_key, m.config) for node in engine.nodes.values() for m in node.managers]
+    for (key, config), style in zip(caches, itertools.cycle(("--", ":", "-.")), strict=False):
         # Past `slot_tokens` written entries the slot's ring has wrapped at least once.
-        ax.axvline(config.slot_tokens, color="grey", linestyle=style, linewidth=1, label=f"{name} ring wraps")
+        ax.axvline(config.slot_tokens, color="grey", linestyle=style, linewidth=1, label=f"{key} ring wraps")
     ax.set_xlabel("stream position (entries the request has written)")
     ax.set_ylabel("step latency (ms)")
     ax.set_title("Engine step latency against stream position")

@@ -36,7 +36,7 @@ def run_deployment(
     """Serve a deployment's workload and report on it.
 
     Args:
-      deployment: a `mstar_jax.deployment.Deployment` of the `streaming_tts` model.
+      deployment: a `mstar_jax.deployment.Deployment` (of the `streaming_tts` or the `gemma3` model).
       output: directory for `report.json` and `step_latency.png` (created).
       progress: show progress bars.
       implementation: the attention implementation.
@@ -45,6 +45,12 @@ def run_deployment(
     Returns:
       The report (as written to `report.json`).
     """
+    if deployment.model == "gemma3":  # a text model: the same engine, its own workload and report
+        from mstar_jax.engine.text import run_text_deployment  # loads the `gemma` extra's modules
+
+        return run_text_deployment(
+            deployment, output=output, progress=progress, implementation=implementation, print_fn=print_fn
+        )
     workload = deployment.workload
     start = time.perf_counter()
     engine = Engine.from_deployment(deployment, progress=progress, implementation=implementation)

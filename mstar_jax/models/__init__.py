@@ -11,11 +11,14 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from mstar_jax.models.gemma3.deployment import Gemma3DeploymentConfig
 from mstar_jax.models.streaming_tts import StreamingTTSConfig
 
-__all__ = ["MODELS", "StreamingTTSConfig", "model_config"]
+__all__ = ["MODELS", "Gemma3DeploymentConfig", "StreamingTTSConfig", "model_config"]
 
-MODELS: Mapping[str, type] = MappingProxyType({"streaming_tts": StreamingTTSConfig})
+MODELS: Mapping[str, type] = MappingProxyType(
+    {"streaming_tts": StreamingTTSConfig, "gemma3": Gemma3DeploymentConfig}
+)
 """Model name -> its frozen config class (a kw_only dataclass with `resource_specs()`)."""
 
 

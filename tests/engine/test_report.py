@@ -10,13 +10,19 @@ from mstar_jax.engine.report import plot_step_latency, step_latency_figure
 
 
 def _engine(latencies_ms: list[float], rows: int = 2) -> SimpleNamespace:
-    """What the plot reads of an engine: step records (walk, latency, positions) and the two caches."""
+    """What the plot reads of an engine: step records (walk, latency, positions) and its nodes' caches."""
     records = [
         SimpleNamespace(walk="talker_decode", latency=ms / 1e3, positions=tuple(range(i, i + rows)))
         for i, ms in enumerate(latencies_ms)
     ]
-    cache = lambda slot_tokens: SimpleNamespace(config=SimpleNamespace(slot_tokens=slot_tokens))  # noqa: E731
-    return SimpleNamespace(records=records, talker=cache(36), flow=cache(16))
+    cache = lambda key, slot_tokens: SimpleNamespace(  # noqa: E731
+        spec=SimpleNamespace(resource_key=key), config=SimpleNamespace(slot_tokens=slot_tokens)
+    )
+    nodes = {
+        name: SimpleNamespace(managers=(cache(f"{name}_kv", n),))
+        for name, n in (("talker", 36), ("flow", 16))
+    }
+    return SimpleNamespace(records=records, nodes=nodes)
 
 
 def _texts(fig) -> list[str]:

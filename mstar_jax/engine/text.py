@@ -1,0 +1,212 @@
+"""A text model's deployment on the one engine: Gemma 3 built from a deployment, its synthetic workload,
+and its report (the same summary, `report.json` and plot `mstar-jax run` writes for the TTS model).
+
+The workload draws `workload.streams` prompts of random token ids, `[min_text_tokens, max_text_tokens]`
+long, each continued for `[min_new_tokens, max_new_tokens]` greedy tokens, arriving as a Poisson process.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import pathlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from mstar_jax.compile import ExecutableStore, cap_batch_sizes, configure_persistent_cache
+from mstar_jax.engine import report as tts_report
+from mstar_jax.engine.build import EXECUTABLES
+from mstar_jax.engine.engine import ServingEngine
+from mstar_jax.models.gemma3.serving import Gemma3Programs, Gemma3Serving, TextRequest, TextStream
+from mstar_jax.serving.stream import Phase
+
+__all__ = ["TextArrival", "build_text_engine", "run_text_deployment", "summarize_text", "text_workload"]
+
+
+def build_text_engine(
+    deployment: Any, *, progress: bool = True, implementation: str = "auto", interpret: Any = False
+) -> ServingEngine:
+    """Load the deployment's Gemma 3, capture every bucket, warm up.
+
+    Raises:
+      ValueError: a deployment whose two caches are tuned to different `max_slots` (a stream holds a
+        slot of both).
+    """
+    import jax.numpy as jnp
+
+    from mstar_jax.models.gemma3 import load_gguf, open_gguf
+    from mstar_jax.models.gemma3.model import Gemma3
+    from mstar_jax.models.gemma3.stream import Gemma3Streams
+
+    config = deployment.model_config
+    slots = {spec.resource_key: spec.config.max_slots for spec in deployment.specs}
+    if len(set(slots.values())) != 1:
+        raise ValueError(f"resources: {slots} must give both Gemma 3 caches the same max_slots")
+    geometry, tensors = load_gguf(open_gguf(config.path))
+    model = Gemma3.from_tensors(geometry, tensors, dtype=jnp.dtype(config.dtype))
+    configure_persistent_cache(deployment.compile)
+    cache_dir = deployment.compile.persistent_cache_dir
+    streams = Gemma3Streams(
+        geometry, model, global_retention=config.retention, max_slots=next(iter(slots.values())),
+        chunk=config.chunk, batch_sizes=cap_batch_sizes(deployment.batch_sizes, deployment.engine.max_batch),
+        implementation=implementation, interpret=interpret,
+        store=None if cache_dir is None else ExecutableStore(os.path.join(cache_dir, EXECUTABLES)),
+    )  # fmt: skip
+    served = Gemma3Serving(streams, Gemma3Programs.capture(streams, progress=progress))
+    engine = ServingEngine(served, settings=deployment.engine)
+    engine.warm_up()
+    return engine
+
+
+@dataclasses.dataclass(frozen=True)
+class TextArrival:
+    """A text request and when it arrives, in seconds after the run starts."""
+
+    at: float
+    request: TextRequest
+
+
+def text_workload(settings: Any, *, vocab_size: int) -> list[TextArrival]:
+    """Draw the requests of a `WorkloadSettings` for a text model (module doc), in time order."""
+    rng = np.random.default_rng(settings.seed)
+    n = settings.streams
+    if settings.arrival_rate_hz is None:
+        times = np.zeros(n)
+    else:
+        times = np.concatenate([[0.0], np.cumsum(rng.exponential(1.0 / settings.arrival_rate_hz, n - 1))])
+    lengths = rng.integers(settings.min_text_tokens, settings.max_text_tokens + 1, n)
+    new = rng.integers(settings.min_new_tokens, settings.max_new_tokens + 1, n)
+    return [
+        TextArrival(
+            float(times[i]), TextRequest(f"t{i:04d}", rng.integers(0, vocab_size, lengths[i]), int(new[i]))
+        )
+        for i in range(n)
+    ]
+
+
+def drive_text(engine: ServingEngine, arrivals: Sequence[TextArrival], *, progress: bool = True) -> float:
+    """Serve `arrivals` in real time: submit each when its time comes, step until every stream is done.
+
+    Returns:
+      Serving wall time in seconds.
+    """
+    pending = collections.deque(arrivals)
+    start = time.perf_counter()
+    total = sum(a.request.max_new_tokens for a in arrivals)
+    with tqdm(total=total, desc="serving", unit="token", disable=not progress) as bar:
+        while pending or engine.streams:
+            now = time.perf_counter() - start
+            while pending and pending[0].at <= now:
+                engine.submit(pending.popleft().request, on_output=lambda _: bar.update())
+            if not engine.step():
+                if engine.idle and pending:
+                    time.sleep(max(0.0, pending[0].at - (time.perf_counter() - start)))
+                elif not engine.idle:
+                    time.sleep(engine.hold_backoff_s)
+    return time.perf_counter() - start
+
+
+def summarize_text(
+    engine: ServingEngine, *, wall_secs: float, capture_secs: float, warmup_compilations: int
+) -> dict[str, Any]:
+    """The run's figures as a JSON-ready dict (the TTS report's shape, with tokens for audio)."""
+    streams: list[TextStream] = list(engine.finished.values()) + list(engine.streams.values())
+    tokens = sum(len(s.tokens) for s in streams)
+    ttft = [s.first_token_at - s.submitted_at for s in streams if s.first_token_at is not None]
+    latencies = [r.latency for r in engine.records]
+    by_walk = {}
+    for walk in sorted({r.walk for r in engine.records}):
+        walk_lat = [r.latency for r in engine.records if r.walk == walk]
+        by_walk[walk] = {"steps": len(walk_lat), **tts_report.percentiles(walk_lat, 1e3)}
+    managers = [m for node in engine.nodes.values() for m in node.managers]
+    return {
+        "streams": {
+            "submitted": len(streams),
+            "done": sum(s.phase is Phase.DONE for s in streams),
+            "failed": sum(s.phase is Phase.FAILED for s in streams),
+            "cancelled": sum(s.phase is Phase.CANCELLED for s in streams),
+            "longest_tokens": max((s.written + 1 for s in streams), default=0),
+        },
+        "tokens_generated": tokens,
+        "prompt_tokens": sum(s.prefilled for s in streams),
+        "wall_seconds": wall_secs,
+        "tokens_per_second": tokens / wall_secs if wall_secs else None,
+        "time_to_first_token_ms": tts_report.percentiles(ttft, 1e3),
+        "step_latency_ms": tts_report.percentiles(latencies, 1e3),
+        "step_latency_ms_by_walk": by_walk,
+        "steps": len(engine.records),
+        "memory": {
+            "bytes_per_stream": sum(m.config.slot_bytes for m in managers),
+            **{f"{m.spec.resource_key}_slot_tokens": m.config.slot_tokens for m in managers},
+        },
+        "compile": {
+            "buckets": sum(len(step) for step in engine.programs.steps.values()),
+            "capture_wall_seconds": capture_secs,
+            "loaded_from_store": sum(step.report.loaded for step in engine.programs.steps.values()),
+            "warmup_compilations": warmup_compilations,
+            "compilations_after_warmup": engine.compilations,
+        },
+        "admission": dict(engine.counters),
+        "pipeline": {"pipelined": engine.pipelined, **engine.overlap},
+    }
+
+
+def format_text_summary(report: dict[str, Any]) -> str:
+    """The summary `mstar-jax run` prints for a text model."""
+    ms = tts_report.format_ms
+    s, m, c = report["streams"], report["memory"], report["compile"]
+    ttft, lat, rate = report["time_to_first_token_ms"], report["step_latency_ms"], report["tokens_per_second"]
+    lines = [
+        f"streams              {s['done']}/{s['submitted']} done, {s['failed']} failed, {s['cancelled']} "
+        f"cancelled; longest stream {s['longest_tokens']} tokens",
+        f"tokens generated     {report['tokens_generated']} in {report['wall_seconds']:.1f} s of serving "
+        f"({report['prompt_tokens']} prompt tokens read)",
+        f"tokens per second    {rate:.1f}" if rate else "tokens per second    -",
+        f"time to first token  p50 {ms(ttft['p50'])}, p99 {ms(ttft['p99'])}",
+        f"step latency         p50 {ms(lat['p50'])}, p99 {ms(lat['p99'])} over {report['steps']} steps",
+    ]
+    for walk, stats in report["step_latency_ms_by_walk"].items():
+        lines.append(
+            f"  {walk:<18} {stats['steps']:>5} steps, p50 {ms(stats['p50'])}, p99 {ms(stats['p99'])}"
+        )
+    pipeline = report["pipeline"]
+    lines += [
+        f"memory per stream    {tts_report.format_mib(m['bytes_per_stream'])} (both caches' slots), fixed",
+        f"compilation          {c['buckets']} buckets captured in {c['capture_wall_seconds']:.1f} s "
+        f"({c['loaded_from_store']} loaded from the executable store); "
+        f"{c['compilations_after_warmup']} compilations after warm-up",
+        f"admission            {report['admission'] or 'no refusals'}",
+        "pipeline             off: each step read back before the next" if not pipeline["pipelined"] else
+        f"pipeline             {pipeline.get('rows_fed_on_device', 0)} decode rows fed on the device; "
+        f"{pipeline.get('gemma3_steps_read_behind', 0)} steps read back behind the next",
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+def run_text_deployment(
+    deployment: Any,
+    *,
+    output: str | pathlib.Path = "runs/latest",
+    progress: bool = True,
+    implementation: str = "auto",
+    print_fn: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """`run_deployment` for a text model: serve its workload, print the summary, write the report."""
+    start = time.perf_counter()
+    engine = build_text_engine(deployment, progress=progress, implementation=implementation)
+    capture_secs = time.perf_counter() - start
+    vocab = engine.served.streams.config.vocab_size
+    arrivals = text_workload(deployment.workload, vocab_size=vocab)
+    wall = drive_text(engine, arrivals, progress=progress)
+    report = summarize_text(
+        engine, wall_secs=wall, capture_secs=capture_secs, warmup_compilations=engine.warmup_compilations
+    )
+    json_path, png_path = tts_report.write_report(report, engine, pathlib.Path(output))
+    print_fn(format_text_summary(report))
+    print_fn(f"wrote {json_path} and {png_path}")
+    return report

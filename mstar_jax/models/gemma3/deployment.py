@@ -1,0 +1,115 @@
+"""A Gemma 3 deployment's `model.config`: which GGUF file, what the global layers keep, how prompts are read.
+
+A deployment names the model `gemma3` (`mstar_jax.models.MODELS`); its config points at a GGUF file and
+declares the two bounded caches (`resource_specs`) from that file's geometry. Nothing heavier than the
+standard library is imported until the specs are asked for: a deployment of another model never needs
+the `gemma` extra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mstar_jax.models.gemma3.gguf import Gemma3Config
+    from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, SinkWindow
+
+__all__ = ["DTYPES", "GEMMA3_NODE", "Gemma3DeploymentConfig"]
+
+GEMMA3_NODE = "gemma3"
+"""The graph node both caches belong to."""
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Gemma3DeploymentConfig:
+    """What a Gemma 3 deployment serves.
+
+    Attributes:
+      gguf: the model file; None is the `gemma` extra's Gemma 3 270M Q4_K_M.
+      global_sink: positions the global layers keep from a stream's start (attention sinks).
+      global_window: the latest positions the global layers keep (the local layers keep Gemma's 512).
+      chunk: prompt tokens a prefill step reads per stream.
+      max_slots: streams served at once (each holds one slot of both caches).
+      dtype: the weights' and caches' dtype.
+    """
+
+    gguf: str | None = None
+    global_sink: int = 4
+    global_window: int = 1020
+    chunk: int = 128
+    max_slots: int = 4
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for name, minimum in (("global_sink", 0), ("global_window", 1), ("chunk", 1), ("max_slots", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {list(DTYPES)}")
+        if self.gguf is not None:
+            if not isinstance(self.gguf, str) or not self.gguf:
+                raise ValueError(f"gguf={self.gguf!r} must be the path of a .gguf file, or null")
+            path = pathlib.Path(self.gguf)
+            if path.is_dir():
+                raise ValueError(f"gguf={self.gguf!r} is a directory; it must be a .gguf file")
+            if not path.is_file():
+                raise ValueError(f"gguf={self.gguf!r}: no such file")
+
+    @property
+    def path(self) -> pathlib.Path:
+        """The GGUF file (the packaged one is written to the user's cache once)."""
+        if self.gguf is not None:
+            return pathlib.Path(self.gguf)
+        from mstar_jax.models.gemma3.gguf import default_gguf_path  # the `gemma` extra's model
+
+        return default_gguf_path()
+
+    @property
+    def retention(self) -> SinkWindow:
+        from mstar_jax.resources.kv.bounded.config import SinkWindow
+
+        return SinkWindow(self.global_sink, self.global_window)
+
+    def geometry(self) -> Gemma3Config:
+        """The model's geometry, from the file's metadata (no tensor is read).
+
+        Raises:
+          GGUFError: (a ValueError) for a file that is not a readable Gemma 3 GGUF file.
+        """
+        from mstar_jax.models.gemma3.gguf import open_gguf, read_config
+
+        return read_config(open_gguf(self.path))
+
+    @property
+    def jnp_dtype(self) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.dtype(self.dtype)
+
+    def resource_specs(self) -> tuple[BoundedKVSpec, BoundedKVSpec]:
+        """The local and global layers' caches (`Gemma3Streams`' geometry), `max_slots` slots each."""
+        from mstar_jax.models.gemma3.stream import GLOBAL_KV, LOCAL_KV, cache_configs
+        from mstar_jax.resources.kv.bounded.config import BoundedKVSpec
+
+        local, global_ = cache_configs(
+            self.geometry(), global_retention=self.retention, max_slots=self.max_slots, dtype=self.jnp_dtype
+        )
+        return (
+            BoundedKVSpec(LOCAL_KV, {GEMMA3_NODE}, local),
+            BoundedKVSpec(GLOBAL_KV, {GEMMA3_NODE}, global_),
+        )
+
+    def abstract_params(self) -> Any:
+        """The model's parameters as `ShapeDtypeStruct`s (`nnx.eval_shape`: nothing is allocated), for the
+        memory budget."""
+        from flax import nnx
+
+        from mstar_jax.models.gemma3.model import Gemma3
+
+        geometry, dtype = self.geometry(), self.jnp_dtype
+        return nnx.split(nnx.eval_shape(lambda: Gemma3(geometry, dtype=dtype, rngs=nnx.Rngs(0))))[1]

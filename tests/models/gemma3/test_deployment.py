@@ -1,0 +1,155 @@
+"""A Gemma 3 deployment run by `mstar-jax run`: the model read from a GGUF file, served by the one engine.
+
+A small random-weight Gemma 3 (the geometry of `test_model`) is written as a float32 GGUF file; a
+deployment naming it serves a synthetic text workload through `mstar-jax run`. Every stream's tokens must
+be `Gemma3Streams.greedy`'s on the same weights, the report must count what was served, and nothing may
+compile after warm-up. Bad `model.config` values are refused naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from mstar_jax.cli import main
+from mstar_jax.deployment import DeploymentError, parse_deployment
+from mstar_jax.devices import DeviceMemory
+from mstar_jax.memory import memory_budget
+from tests.models.gemma3.test_model import CONFIG, random_tensors
+
+gguf = pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
+
+
+def write_gguf(path, config=CONFIG, seed: int = 0) -> None:
+    """`random_tensors(config)` as a float32 GGUF file with the config's metadata."""
+    writer = gguf.GGUFWriter(path, "gemma3")
+    uints = {
+        "block_count": config.num_layers, "embedding_length": config.d_model,
+        "feed_forward_length": config.ffn_dim, "attention.head_count": config.num_heads,
+        "attention.head_count_kv": config.num_kv_heads, "attention.key_length": config.head_dim,
+        "attention.value_length": config.head_dim, "attention.sliding_window": config.sliding_window,
+        "context_length": config.context_length,
+    }  # fmt: skip
+    for key, value in uints.items():
+        writer.add_uint32(f"gemma3.{key}", value)
+    writer.add_float32("gemma3.attention.layer_norm_rms_epsilon", config.rms_eps)
+    writer.add_float32("gemma3.rope.freq_base", config.rope_global_base)
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_bos_token_id(config.bos_id)
+    writer.add_eos_token_id(config.eos_id)
+    writer.add_add_bos_token(config.add_bos)
+    for name, tensor in random_tensors(config, seed).items():
+        writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma") / "tiny.gguf"
+    write_gguf(path)
+    return path
+
+
+def mapping(model_file, **config) -> dict:
+    return {
+        "model": {
+            "name": "gemma3",
+            "config": {
+                "gguf": str(model_file),
+                "global_sink": 2,
+                "global_window": 10,
+                "chunk": 8,
+                "max_slots": 2,
+                **config,
+            },
+        },
+        "engine": {"max_batch": 2, "pipelined": True},
+        "workload": {
+            "streams": 3,
+            "arrival_rate_hz": None,
+            "min_text_tokens": 1,
+            "max_text_tokens": 20,
+            "min_new_tokens": 4,
+            "max_new_tokens": 12,
+            "seed": 1,
+        },
+    }
+
+
+def test_the_deployment_declares_both_caches_from_the_file(model_file):
+    deployment = parse_deployment(mapping(model_file), "gemma.yaml")
+    local, global_ = (spec.config for spec in deployment.specs)
+    assert [spec.resource_key for spec in deployment.specs] == ["gemma3_local_kv", "gemma3_global_kv"]
+    assert (local.num_layers, global_.num_layers) == (5, 1)  # CONFIG: one global layer in six
+    assert local.max_slots == global_.max_slots == 2
+    assert global_.retention.sink == 2
+    budget = memory_budget(deployment, DeviceMemory(nbytes=2**30, source="test"))
+    weights = sum(t.nbytes for t in random_tensors(CONFIG).values())
+    assert budget.parts[0].nbytes == weights  # counted from the model's own parameters
+    assert budget.parts[1].nbytes == 3 * local.slot_bytes  # two slots and the padding slot
+
+
+def test_mstar_jax_run_serves_the_workload_with_greedys_tokens(model_file, tmp_path, capsys):
+    from mstar_jax.engine.text import build_text_engine, drive_text, text_workload
+    from mstar_jax.models.gemma3 import load_gguf
+    from mstar_jax.models.gemma3.model import Gemma3
+    from mstar_jax.models.gemma3.stream import Gemma3Streams
+
+    path = tmp_path / "gemma.yaml"
+    path.write_text(yaml.safe_dump(mapping(model_file)))
+    assert main(["run", "--config", str(path), "--output", str(tmp_path / "run"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert (tmp_path / "run" / "step_latency.png").stat().st_size > 0
+    deployment = parse_deployment(mapping(model_file), str(path))
+    arrivals = text_workload(deployment.workload, vocab_size=CONFIG.vocab_size)
+    assert report["streams"]["done"] == report["streams"]["submitted"] == 3
+    assert report["tokens_generated"] == sum(a.request.max_new_tokens for a in arrivals)
+    assert report["compile"]["compilations_after_warmup"] == 0
+    assert "time to first token" in out
+    assert "3/3 done" in out
+    # The same workload again, its streams' tokens against each prompt continued alone.
+    engine = build_text_engine(deployment, progress=False)
+    drive_text(engine, arrivals, progress=False)
+    config, tensors = load_gguf(model_file)
+    alone = Gemma3Streams(
+        config,
+        Gemma3.from_tensors(config, tensors),
+        global_retention=deployment.model_config.retention,
+        chunk=8,
+    )
+    for arrival in arrivals:
+        stream = engine.finished[arrival.request.request_id]
+        assert stream.tokens == alone.greedy(arrival.request.prompt, arrival.request.max_new_tokens)
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"gguf": "/nonexistent/tiny.gguf"}, r"gguf='/nonexistent/tiny\.gguf': no such file"),
+        ({"gguf": "DIR"}, r"gguf='.*' is a directory; it must be a \.gguf file"),
+        ({"gguf": 3}, r"gguf=3 must be the path of a \.gguf file, or null"),
+        ({"global_window": 0}, r"global_window=0 must be an int >= 1"),
+        ({"chunk": float("nan")}, r"chunk=nan must be an int >= 1"),
+        ({"max_slots": True}, r"max_slots=True must be an int >= 1"),
+        ({"dtype": "float16"}, r"dtype='float16' must be one of \['float32', 'bfloat16'\]"),
+        ({"windows": 3}, r"model 'gemma3' has no setting\(s\) \['windows'\]"),
+    ],
+)
+def test_bad_model_config_is_refused_naming_the_file_and_field(model_file, config, match):
+    if config.get("gguf") == "DIR":
+        config = {"gguf": str(model_file.parent)}
+    with pytest.raises(DeploymentError, match=r"gemma\.yaml: model\.config: " + match):
+        parse_deployment(mapping(model_file, **config), "gemma.yaml")
+
+
+def test_a_file_that_is_not_gguf_is_refused_naming_it(tmp_path, model_file):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(DeploymentError, match=r"gemma\.yaml: .*bad\.gguf"):
+        parse_deployment(mapping(model_file, gguf=str(bad)), "gemma.yaml")
