@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mstar_jax.checks import check_int
 from mstar_jax.resources.kv.bounded.sharding import DATA, MODEL
 
 __all__ = [
@@ -76,8 +77,8 @@ class DistributedSettings:
 
     def __post_init__(self):
         _check_address(self.coordinator_address)
-        _check_int("num_processes", self.num_processes, 1)
-        _check_int("process_id", self.process_id, 0)
+        check_int("num_processes", self.num_processes, minimum=1, type_error=True)
+        check_int("process_id", self.process_id, minimum=0, type_error=True)
         if self.process_id >= self.num_processes:
             raise ValueError(
                 f"process_id={self.process_id} must be < num_processes={self.num_processes} "
@@ -85,7 +86,7 @@ class DistributedSettings:
             )
         if self.local_device_ids is not None:
             object.__setattr__(self, "local_device_ids", _device_ids(self.local_device_ids))
-        _check_int("initialization_timeout_s", self.initialization_timeout_s, 1)
+        check_int("initialization_timeout_s", self.initialization_timeout_s, minimum=1, type_error=True)
 
     @classmethod
     def from_env(
@@ -252,13 +253,6 @@ def host_local(tree: Any) -> Any:
     return jax.tree.map(fetch, tree)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int >= {minimum}, not {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
-
-
 def _check_address(address: Any) -> None:
     if not isinstance(address, str):
         raise TypeError(
@@ -276,7 +270,7 @@ def _device_ids(ids: Any) -> tuple[int, ...]:
     if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
         raise TypeError(f"local_device_ids={ids!r} must be a sequence of ints >= 0 or None")
     for i, value in enumerate(ids):
-        _check_int(f"local_device_ids[{i}]", value, 0)
+        check_int(f"local_device_ids[{i}]", value, minimum=0, type_error=True)
     if not ids or len(set(ids)) != len(ids):
         raise ValueError(f"local_device_ids={list(ids)} must be non-empty and distinct (or None for all)")
     return tuple(ids)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from typing import Any
+
+from mstar_jax.checks import check_bool, check_int, check_number
 
 __all__ = ["CompileSettings", "EngineSettings", "MeshSettings", "WorkloadSettings"]
 
@@ -43,7 +44,7 @@ class CompileSettings:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _increasing_ints(name, getattr(self, name)))
         for name in ("min_batch", "min_tokens", "max_tokens"):
-            _check_int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), minimum=1)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         for name, derives in (
@@ -64,7 +65,7 @@ class CompileSettings:
             raise ValueError(
                 f"persistent_cache_dir={self.persistent_cache_dir!r} must be a non-empty str or null (off)"
             )
-        _check_float("persistent_cache_min_compile_secs", self.persistent_cache_min_compile_secs, 0.0)
+        check_number("persistent_cache_min_compile_secs", self.persistent_cache_min_compile_secs, minimum=0.0)
 
     def resolved_batch_sizes(self, max_batch: int) -> tuple[int, ...]:
         """`batch_sizes`, or `min_batch`, the powers of two between, and `max_batch`."""
@@ -100,14 +101,13 @@ class EngineSettings:
     pipelined: bool = False
 
     def __post_init__(self):
-        _check_int("max_batch", self.max_batch, 1)
-        _check_float("hold_backoff_s", self.hold_backoff_s, 0.0)
+        check_int("max_batch", self.max_batch, minimum=1)
+        check_number("hold_backoff_s", self.hold_backoff_s, minimum=0.0)
         if self.offload_idle_after_s is not None:
-            _check_float("offload_idle_after_s", self.offload_idle_after_s, 0.0)
+            check_number("offload_idle_after_s", self.offload_idle_after_s, minimum=0.0)
         if self.snapshot_every is not None:
-            _check_int("snapshot_every", self.snapshot_every, 1)
-        if not isinstance(self.pipelined, bool):
-            raise ValueError(f"pipelined={self.pipelined!r} must be true or false")
+            check_int("snapshot_every", self.snapshot_every, minimum=1)
+        check_bool("pipelined", self.pipelined)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,10 +141,10 @@ class WorkloadSettings:
     def __post_init__(self):
         counts = ("streams", "voices", "min_text_tokens", "max_text_tokens", "min_frames", "max_frames")
         for name in (*counts, "min_new_tokens", "max_new_tokens"):
-            _check_int(name, getattr(self, name), 1)
-        _check_int("seed", self.seed, 0)
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("seed", self.seed, minimum=0)
         if self.arrival_rate_hz is not None:
-            _check_float("arrival_rate_hz", self.arrival_rate_hz, 0.0, exclusive=True)
+            check_number("arrival_rate_hz", self.arrival_rate_hz, minimum=0.0, exclusive=True)
         bounds = ("min_text_tokens", "max_text_tokens"), ("min_frames", "max_frames")
         for low, high in (*bounds, ("min_new_tokens", "max_new_tokens")):
             if getattr(self, low) > getattr(self, high):
@@ -164,8 +164,8 @@ class MeshSettings:
     model: int = 1
 
     def __post_init__(self):
-        _check_int("data", self.data, 1)
-        _check_int("model", self.model, 1)
+        check_int("data", self.data, minimum=1)
+        check_int("model", self.model, minimum=1)
 
     @property
     def devices(self) -> int:
@@ -197,32 +197,6 @@ def _default(obj: Any, name: str) -> Any:
 # -- checks -----------------------------------------------------------------------------------------
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
-
-
-def _check_float(name: str, value: Any, minimum: float, exclusive: bool = False) -> None:
-    bound = f"{'>' if exclusive else '>='} {minimum}"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        hint = ""
-        if isinstance(value, str) and _parses_as_float(value):
-            hint = (
-                f" (YAML reads {value!r} as a string: write it with a dot and a signed exponent, e.g. 1.0e-3)"
-            )
-        raise ValueError(f"{name}={value!r} must be a number {bound}{hint}")
-    if not math.isfinite(value) or value < minimum or (exclusive and value == minimum):
-        raise ValueError(f"{name}={value!r} must be a finite number {bound}")
-
-
-def _parses_as_float(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
 def _increasing_ints(name: str, values: Any) -> tuple[int, ...]:
     if isinstance(values, str) or not isinstance(values, tuple | list):
         raise ValueError(f"{name}={values!r} must be a list of ints >= 1, or null")
@@ -230,7 +204,7 @@ def _increasing_ints(name: str, values: Any) -> tuple[int, ...]:
     if not values:
         raise ValueError(f"{name}=[] must list at least one bucket, or be null to derive them")
     for i, value in enumerate(values):
-        _check_int(f"{name}[{i}]", value, 1)
+        check_int(f"{name}[{i}]", value, minimum=1)
     if any(a >= b for a, b in itertools.pairwise(values)):
         raise ValueError(f"{name}={list(values)} must be strictly increasing")
     return values

@@ -1227,7 +1227,7 @@ ENGINE_CASES = [
     ),
     _case(
         "engine-pipelined-int", lambda p, e: _new_engine(p, pipelined=1), ValueError,
-        r"pipelined=1 must be true or false",
+        r"pipelined=1 must be a bool",
     ),
     _case(
         "engine-history-0", lambda p, e: _new_engine(p, history=0), ValueError,

@@ -470,7 +470,7 @@ def test_a_pipelined_engine_on_a_mesh_is_refused_naming_both():
         DeploymentError, match=r"d.yaml: engine.pipelined=true needs one device; the mesh has 4"
     ):
         parse_deployment(_with(_default_mapping(), "mesh", {"data": 2, "model": 2}), source="d.yaml")
-    with pytest.raises(DeploymentError, match=r"pipelined='yes' must be true or false"):
+    with pytest.raises(DeploymentError, match=r"pipelined='yes' must be a bool"):
         parse_deployment(_with(_default_mapping(), "engine.pipelined", "yes"), source="d.yaml")
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-import numbers
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from mstar_jax.checks import check_int
 from mstar_jax.resources.spec import CombinedSplit
 from mstar_jax.resources.step import BucketKey
 
@@ -63,11 +63,6 @@ class BatchChunk(NamedTuple):
     prefill_rows: int = 0
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
-
-
 def _increasing(name: str, values: Any) -> tuple[int, ...]:
     if isinstance(values, str) or not isinstance(values, Iterable):
         raise ValueError(f"{name}={values!r} must be a sequence of ints >= 1")
@@ -75,7 +70,7 @@ def _increasing(name: str, values: Any) -> tuple[int, ...]:
     if not values:
         raise ValueError(f"{name}=() must hold at least one bucket")
     for i, value in enumerate(values):
-        _check_int(f"{name}[{i}]", value, 1)
+        check_int(f"{name}[{i}]", value, minimum=1, numpy=True)
     values = tuple(int(value) for value in values)  # numpy ints would not make valid BucketKeys
     if any(a >= b for a, b in itertools.pairwise(values)):
         raise ValueError(f"{name}={list(values)} must be strictly increasing")
@@ -89,7 +84,7 @@ def cap_batch_sizes(batch_sizes: Sequence[int], cap: int) -> tuple[int, ...]:
       batch_sizes: strictly increasing sizes, e.g. `CompileSettings.resolved_batch_sizes(max_batch)`.
       cap: the most rows a batch can have (the engine's `max_batch`, at most every cache's `max_slots`).
     """
-    _check_int("cap", cap, 1)
+    check_int("cap", cap, minimum=1, numpy=True)
     return (*(size for size in _increasing("batch_sizes", batch_sizes) if size < cap), cap)
 
 
@@ -123,7 +118,7 @@ class BucketSet:
                 f"prefill_rows={list(prefill)} must give one count per batch size {list(self.batch_sizes)}"
             )
         for i, (rows, bs) in enumerate(zip(prefill, self.batch_sizes, strict=True)):
-            _check_int(f"prefill_rows[{i}]", rows, 0)
+            check_int(f"prefill_rows[{i}]", rows, minimum=0, numpy=True)
             if rows > bs:
                 raise ValueError(f"prefill_rows[{i}]={rows} must be <= its batch size {bs}")
         if any(a > b for a, b in itertools.pairwise(prefill)):
@@ -199,9 +194,9 @@ class BucketSet:
             the row), or prefill rows on a walk that is not combined.
         """
         walk = self.graph_walk
-        _check_int("bs", bs, 1)
-        _check_int("num_tokens", num_tokens, 1)
-        _check_int("prefill_rows", prefill_rows, 0)
+        check_int("bs", bs, minimum=1, numpy=True)
+        check_int("num_tokens", num_tokens, minimum=1, numpy=True)
+        check_int("prefill_rows", prefill_rows, minimum=0, numpy=True)
         if num_tokens > self.max_tokens:
             raise NoBucketError(
                 f"a row of {num_tokens} tokens exceeds the largest {walk!r} bucket ({self.max_tokens} tokens "
@@ -247,8 +242,8 @@ class BucketSet:
         Raises:
           NoBucketError: prefill rows on a walk that has no room for any.
         """
-        _check_int("bs", bs, 0)
-        _check_int("prefill_rows", prefill_rows, 0)
+        check_int("bs", bs, minimum=0, numpy=True)
+        check_int("prefill_rows", prefill_rows, minimum=0, numpy=True)
         if prefill_rows > bs:
             raise ValueError(f"{prefill_rows=} must be <= {bs=}")
         room = 0 if self.prefill_rows is None else self.prefill_rows[-1]

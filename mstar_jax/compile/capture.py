@@ -27,6 +27,7 @@ from typing import Any
 import jax
 from tqdm.auto import tqdm
 
+from mstar_jax.checks import check_int, check_number
 from mstar_jax.compile.buckets import NoBucketError
 from mstar_jax.compile.padding import bucket_sizes, measure, pad, unpad
 from mstar_jax.compile.recompile import count_compilations
@@ -42,12 +43,6 @@ __all__ = [
     "disable_persistent_cache",
     "enable_persistent_cache",
 ]
-
-
-def _check_number(name: str, value: Any, minimum: float, kind: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, kind) or value < minimum:
-        noun = "an int" if kind is int else "a number"
-        raise ValueError(f"{name}={value!r} must be {noun} >= {minimum}")
 
 
 class ReplayError(TypeError):
@@ -121,7 +116,7 @@ def capture(
         raise ValueError("buckets is empty; capture needs at least one BucketKey")
     if len(set(keys)) != len(keys):
         raise ValueError(f"buckets names a bucket twice: {[str(k) for k in keys]}")
-    _check_number("max_workers", max_workers, 1, int)
+    check_int("max_workers", max_workers, minimum=1)
     static = dict(static_kwargs or {})
     donated = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
     label = name or getattr(fn, "__name__", "step")
@@ -275,8 +270,8 @@ def enable_persistent_cache(
     """
     if not isinstance(directory, str) or not directory:
         raise ValueError(f"directory={directory!r} must be a non-empty str")
-    _check_number("min_compile_secs", min_compile_secs, 0, int | float)
-    _check_number("min_entry_size_bytes", min_entry_size_bytes, -1, int)
+    check_number("min_compile_secs", min_compile_secs, minimum=0, finite=False)
+    check_int("min_entry_size_bytes", min_entry_size_bytes, minimum=-1)
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_secs))

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mstar_jax.checks import check_choice, check_int
 from mstar_jax.compile.buckets import CombinedRows
 from mstar_jax.resources.step import BucketKey
 
@@ -49,11 +50,8 @@ class PadAxes:
     fill: Any = 0
 
     def __post_init__(self):
-        if self.group not in GROUPS:
-            raise ValueError(f"group={self.group!r} must be one of {GROUPS}")
-        r = self.rows_per_request
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise ValueError(f"rows_per_request={r!r} must be an int >= 1")
+        check_choice("group", self.group, GROUPS)
+        check_int("rows_per_request", self.rows_per_request, minimum=1)
         if self.rows is not None and self.rows == self.tokens:
             raise ValueError(f"rows={self.rows} and tokens={self.tokens} must be different axes")
 

@@ -14,7 +14,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
-import numpy as np
+
+from mstar_jax.checks import check_int
 
 if TYPE_CHECKING:
     from mstar_jax.resources.base import Resource
@@ -153,16 +154,12 @@ class CombinedSplit:
     def max_prefill_rows(self, max_rows_in_combined: Mapping[str, int | None], bucket_rows: int) -> int:
         """Prefill rows the compiled program makes room for: `min(bucket_rows, sum of caps)`, where a
         walk's cap is `max_rows_in_combined[walk]`, or `bucket_rows` when that is None or absent."""
-        if isinstance(bucket_rows, bool) or not isinstance(bucket_rows, int | np.integer) or bucket_rows < 0:
-            raise ValueError(f"bucket_rows={bucket_rows!r} must be an int >= 0")
+        check_int("bucket_rows", bucket_rows, minimum=0, numpy=True)
         total = 0
         for walk in self.prefill_walks:
             cap = max_rows_in_combined.get(walk)
-            if cap is None:
-                cap = bucket_rows
-            elif isinstance(cap, bool) or not isinstance(cap, int | np.integer) or cap < 0:
-                raise ValueError(f"max_rows_in_combined[{walk!r}]={cap!r} must be None or an int >= 0")
-            total += cap
+            check_int(f"max_rows_in_combined[{walk!r}]", cap, minimum=0, allow_none=True, numpy=True)
+            total += bucket_rows if cap is None else cap
         return min(bucket_rows, total)
 
 

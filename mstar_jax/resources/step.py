@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 
 import jax
 
+from mstar_jax.checks import check_int
+
 __all__ = [
     "ADMIT_OK",
     "FULL_ADMIT_NOT_READY",
@@ -156,9 +158,7 @@ class BucketKey:
 
     def __post_init__(self):
         for name in ("bs", "num_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"BucketKey.{name}={value!r} must be an int >= 1")
+            check_int(f"BucketKey.{name}", getattr(self, name), minimum=1)
         try:
             hash(self.cg_key_info)  # a key that cannot be hashed cannot name a compiled program
         except TypeError:

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 import numpy as np
 
+from mstar_jax.checks import check_choice, check_int
 from mstar_jax.models.streaming_tts.resource_keys import FLOW_KV, TALKER_KV
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, SinkWindow
 from mstar_jax.resources.spec import NodeResourceSpec, register_static_pytree
@@ -108,9 +109,9 @@ class StreamingTTSConfig:
         for field in dataclasses.fields(self):
             if field.name in ("dtype", "talker_sink_extra", "seed"):
                 continue
-            _check_int(field.name, getattr(self, field.name), 1)
-        _check_int("talker_sink_extra", self.talker_sink_extra, 0)
-        _check_int("seed", self.seed, 0)
+            check_int(field.name, getattr(self, field.name), minimum=1)
+        check_int("talker_sink_extra", self.talker_sink_extra, minimum=0)
+        check_int("seed", self.seed, minimum=0)
         if self.talker_heads % self.talker_kv_heads:
             raise ValueError(
                 f"talker_heads={self.talker_heads} must be a multiple of talker_kv_heads="
@@ -126,8 +127,7 @@ class StreamingTTSConfig:
                 f"query_window={self.query_window} must be <= talker_window + 1 = {self.talker_window + 1}: "
                 "a wider band lets a prefill chunk attend its own tokens that decoding would have evicted"
             )
-        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:  # a list is unhashable
-            raise ValueError(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
+        check_choice("dtype", self.dtype, sorted(DTYPES))
 
     @property
     def storage_dtype(self) -> np.dtype:
@@ -177,8 +177,3 @@ class StreamingTTSConfig:
 
 
 register_static_pytree(StreamingTTSConfig)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")

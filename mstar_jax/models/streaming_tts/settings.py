@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 from typing import Any
 
 from jax.sharding import Mesh
 
+from mstar_jax.checks import check_number
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig
 
@@ -58,11 +58,10 @@ class StreamingTTSSettings:
                 f"interpret={self.interpret!r} must be hashable (a bool or pltpu.InterpretParams): it is a "
                 "static argument of every compiled step"
             ) from None
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0: greedy)")
         # 1 and 1.0 are one setting; a float keeps the executable store's key the same for both.
-        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(
+            self, "temperature", check_number("temperature", self.temperature, minimum=0, note="0: greedy")
+        )
         if self.mesh is not None and not isinstance(self.mesh, Mesh):
             raise TypeError(f"mesh={self.mesh!r} must be a jax.sharding.Mesh or None")
 

@@ -54,7 +54,7 @@ def test_a_models_settings_cannot_be_assigned(model, name):
     [
         ({"temperature": -0.5}, ValueError, r"temperature=-0\.5 must be a finite number >= 0"),
         ({"temperature": float("nan")}, ValueError, r"temperature=nan must be a finite number >= 0"),
-        ({"temperature": True}, ValueError, r"temperature=True must be a finite number >= 0"),
+        ({"temperature": True}, ValueError, r"temperature=True must be a number >= 0"),
         ({"interpret": {"detect_races": True}}, TypeError, r"interpret=.* must be hashable"),
         ({"implementation": None}, TypeError, r"implementation=None must be a str"),
         ({"config": dataclasses.asdict(CONFIG)}, TypeError, r"config=.* must be a StreamingTTSConfig"),

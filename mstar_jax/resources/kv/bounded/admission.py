@@ -6,8 +6,7 @@ manager's records, config, source lengths and bank, and changes nothing.
 
 from __future__ import annotations
 
-import numpy as np
-
+from mstar_jax.checks import is_int
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep, StreamPosition
 from mstar_jax.resources.step import (
     AdmitOutcome,
@@ -17,7 +16,7 @@ from mstar_jax.resources.step import (
     StepContext,
 )
 
-__all__ = ["SegmentChecks", "is_int", "refuse", "step_tokens_of"]
+__all__ = ["SegmentChecks", "refuse", "step_tokens_of"]
 
 
 def refuse(reason) -> AdmitOutcome:
@@ -27,10 +26,6 @@ def refuse(reason) -> AdmitOutcome:
         if isinstance(reason, AdmitRuntimeError)
         else AdmitOutcome(False, True, reason)
     )
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def step_tokens_of(step: BoundedKVStep, seg: Segment) -> int:
@@ -55,10 +50,10 @@ class SegmentChecks:
         if pos is None:
             return AdmitRuntimeError(f"bounded KV step declares no position for {rid!r}")
         for field, value in zip(StreamPosition._fields, pos, strict=True):
-            if not is_int(value) or value < 0:
+            if not is_int(value, numpy=True) or value < 0:
                 return AdmitRuntimeError(f"{rid!r} declares {field}={value!r}; it must be an int >= 0")
         for field, value in (("span", seg.span), ("step tokens", step_tokens)):
-            if not is_int(value):
+            if not is_int(value, numpy=True):
                 return AdmitRuntimeError(f"{rid!r} declares {field}={value!r}; it must be an int")
         if not cfg.min_source_len <= pos.source_len <= cfg.max_source_len:
             return AdmitRuntimeError(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 
 from kernels_pallas.sink_window_attention import sink_window_attention
+from mstar_jax.checks import is_int
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank, write_step
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig
 
@@ -27,7 +27,7 @@ def check_layer(layer: object, config: BoundedKVConfig) -> None:
     """
     if isinstance(layer, jax.Array):
         return
-    if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
+    if not is_int(layer, numpy=True):
         allowed = f"[0, num_layers={config.num_layers})"
         raise TypeError(f"layer={layer!r} must be an int in {allowed}, got {type(layer).__name__}")
     if not 0 <= layer < config.num_layers:

@@ -28,6 +28,7 @@ import numpy as np
 
 from kernels_pallas.sink_window_attention import table as tbl
 from kernels_pallas.sink_window_attention.store import store_step_after
+from mstar_jax.checks import check_int
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, store_capacity
 
 __all__ = ["BoundedKVCache", "BoundedKVPlan", "SourceBank", "write_step"]
@@ -115,11 +116,8 @@ class BoundedKVPlan:
     num_tokens: int | None = dataclasses.field(default=None, metadata={"static": True})
 
     def __post_init__(self):
-        n = self.num_tokens
-        if n is not None:
-            if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
-                raise ValueError(f"num_tokens={n!r} must be None or an int >= 1")
-            object.__setattr__(self, "num_tokens", int(n))  # a static field: hashed, compared, printed
+        n = check_int("num_tokens", self.num_tokens, minimum=1, allow_none=True, numpy=True)
+        object.__setattr__(self, "num_tokens", n)  # a static field: hashed, compared, printed
 
     @property
     def num_requests(self) -> int:
@@ -135,8 +133,7 @@ class BoundedKVPlan:
         Args:
           num_tokens: T, the step arrays' token axis.
         """
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int | np.integer) or num_tokens < 0:
-            raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 0")
+        check_int("num_tokens", num_tokens, minimum=0, numpy=True)
         return self.stream_lengths()[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
 
     def step_tokens(self) -> jax.Array:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from mstar_jax.checks import check_bool, check_int
 from mstar_jax.resources.spec import NodeResourceSpec, register_static_pytree
 from mstar_jax.resources.step import ResourceStep, register_step_pytree
 
@@ -68,11 +69,6 @@ class StreamPosition(NamedTuple):
     source: int = 0
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class BoundedKVConfig:
     """Geometry and retention of a bounded KV cache, validated at construction.
@@ -114,22 +110,21 @@ class BoundedKVConfig:
 
     def __post_init__(self):
         for name in ("num_layers", "num_heads", "head_dim", "rows_per_request", "max_slots"):
-            _check_int(name, getattr(self, name), 1)
-        _check_int("max_source_len", self.max_source_len, 0)
-        _check_int("min_source_len", self.min_source_len, 0)
+            check_int(name, getattr(self, name), minimum=1, numpy=True)
+        check_int("max_source_len", self.max_source_len, minimum=0, numpy=True)
+        check_int("min_source_len", self.min_source_len, minimum=0, numpy=True)
         if self.min_source_len > self.max_source_len:
             raise ValueError(
                 f"min_source_len={self.min_source_len} must be <= max_source_len={self.max_source_len}"
             )
         if self.query_window is not None:
-            _check_int("query_window", self.query_window, 1)
+            check_int("query_window", self.query_window, minimum=1, numpy=True)
             if self.reverse_step_order:
                 raise ValueError(
                     f"reverse_step_order=True with query_window={self.query_window}: a causal window needs "
                     "the stream in step order; use one or the other"
                 )
-        if not isinstance(self.reverse_step_order, bool):
-            raise ValueError(f"reverse_step_order={self.reverse_step_order!r} must be a bool")
+        check_bool("reverse_step_order", self.reverse_step_order)
         object.__setattr__(self, "dtype", _storage_dtype(self.dtype))
         object.__setattr__(self, "_runs", self._tabulate_retention())
         object.__setattr__(self, "_run_starts", tuple(start for start, _ in self._runs))
@@ -210,8 +205,7 @@ class BoundedKVConfig:
         Raises:
           ValueError: if `source_len` is outside `[min_source_len, max_source_len]`.
         """
-        if isinstance(source_len, bool) or not isinstance(source_len, int | np.integer):
-            raise ValueError(f"source_len={source_len!r} must be an int")
+        check_int("source_len", source_len, numpy=True)
         if not self.min_source_len <= source_len <= self.max_source_len:
             raise ValueError(
                 f"source_len={source_len} is outside [min_source_len={self.min_source_len}, "
@@ -291,12 +285,9 @@ def _as_sink_window(policy: Any, source_len: int) -> SinkWindow:
             f"retention({source_len})={policy!r} must be a SinkWindow(sink, window[, window_includes_step])"
         )
     policy = SinkWindow(*policy)
-    _check_int(f"retention({source_len}).sink", policy.sink, 0)
-    _check_int(f"retention({source_len}).window", policy.window, 0)
-    if not isinstance(policy.window_includes_step, bool):
-        raise ValueError(
-            f"retention({source_len}).window_includes_step={policy.window_includes_step!r} must be a bool"
-        )
+    check_int(f"retention({source_len}).sink", policy.sink, minimum=0, numpy=True)
+    check_int(f"retention({source_len}).window", policy.window, minimum=0, numpy=True)
+    check_bool(f"retention({source_len}).window_includes_step", policy.window_includes_step)
     return SinkWindow(int(policy.sink), int(policy.window), policy.window_includes_step)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
+from mstar_jax.checks import check_int
 from mstar_jax.resources.base import Resource
 from mstar_jax.resources.kv.bounded import layout
 from mstar_jax.resources.kv.bounded.admission import SegmentChecks, refuse, step_tokens_of
@@ -72,8 +73,7 @@ class BoundedKVManager(HostCopies, Sources, SegmentChecks, Resource):
         model_shards: int = 1,
         local_data_shards: Collection[int] | None = None,
     ):
-        if isinstance(num_sources, bool) or not isinstance(num_sources, int) or num_sources < 1:
-            raise ValueError(f"num_sources={num_sources!r} must be an int >= 1")
+        check_int("num_sources", num_sources, minimum=1)
         self.spec = spec
         self.config = spec.config
         self._slots = SlotPools(self.config.max_slots, data_shards, local_data_shards)

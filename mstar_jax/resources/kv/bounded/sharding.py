@@ -43,6 +43,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.sink_window_attention import sink_window_attention
+from mstar_jax.checks import check_int
 from mstar_jax.resources.kv.bounded.attention import attend, check_layer, check_step_width
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig
@@ -84,8 +85,7 @@ def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None
         `data * model` of them, or when they are not and fewer are present.
     """
     for name, size in (("data", data), ("model", model)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"{name}={size!r} must be an int >= 1")
+        check_int(name, size, minimum=1)
     needed = data * model
     present = list(jax.devices() if devices is None else devices)
     if len(present) < needed or (devices is not None and len(present) != needed):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from mstar_jax.checks import is_int
+
 __all__ = ["SlotPools"]
 
 
@@ -27,7 +29,7 @@ class SlotPools:
     """
 
     def __init__(self, slots: int, shards: int = 1, local: Collection[int] | None = None):
-        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1 or slots % shards:
+        if not is_int(shards) or shards < 1 or slots % shards:
             raise ValueError(
                 f"max_slots={slots} must split evenly over data_shards={shards!r} (an int >= 1 dividing it)"
             )

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mstar_jax.checks import check_int
 from mstar_jax.resources.kv.bounded.cache import SourceBank
 
 __all__ = ["Sources"]
@@ -85,8 +86,7 @@ class Sources:
         return self._readers[index]
 
     def _check_source_index(self, index: int) -> None:
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.bank.num_sources:
-            raise ValueError(f"source index={index!r} must be an int in [0, {self.bank.num_sources})")
+        check_int("source index", index, minimum=0, below=self.bank.num_sources)
 
 
 def _finite(index: int, name: str, x: np.ndarray, dtype) -> np.ndarray:
