@@ -5,6 +5,8 @@ those against an independent float64 NumPy forward pass that attends through the
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from mstar_jax.serving.stream import Phase
 from mstar_jax.settings import EngineSettings
 from tests.serving.byte_model import DIM, HEAD_DIM, NODE, RETENTION, ByteRequest, ByteServing, init_params
 
+ROOT = Path(__file__).resolve().parents[2]
 SLOTS, NEW = 2, 12
 PROMPTS = (b"hello", b"mstar-jax!", b"x", b"bounded caches")  # four prompts, two slots: some wait
 
@@ -150,3 +153,13 @@ def test_the_engine_refuses_what_the_model_cannot_serve_before_queueing(
         engine.submit(request_)
     assert not engine.streams
     assert engine.served.manager.free_slots == SLOTS
+
+
+def test_the_engine_guides_walkthrough_shows_the_steps_code_as_it_is():
+    guide = (ROOT / "docs" / "guides" / "engine.md").read_text()
+    section = guide[guide.index("### A model in one file") :]
+    shown = section[section.index("```python\n") + len("```python\n") : section.index("```\n")]
+    source = {
+        line.strip() for line in (ROOT / "tests" / "serving" / "byte_model.py").read_text().splitlines()
+    }
+    assert [line for line in shown.splitlines() if line.strip() not in source] == []
