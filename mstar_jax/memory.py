@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from mstar_jax.checks import check_int
 from mstar_jax.devices import (
     DeviceMemory,
     DeviceMemoryError,
@@ -386,8 +387,7 @@ def serving_budget(
     for key, config in caches.items():
         if not isinstance(config, BoundedKVConfig):
             raise TypeError(f"caches[{key!r}]={config!r} must be a BoundedKVConfig")
-    if isinstance(num_sources, bool) or not isinstance(num_sources, int) or num_sources < 1:
-        raise ValueError(f"num_sources={num_sources!r} must be an int >= 1")
+    check_int("num_sources", num_sources, minimum=1)
     nbytes = tree_bytes(params)  # first: it names a leaf without a shape
     count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
     weights = BudgetPart(

@@ -115,7 +115,7 @@ PARSE_CASES = [
     ),
     _case(
         "model.name=null", {"model.name": None}, DeploymentError,
-        r"deploy\.yaml: model\.name: unknown model None; known models: \['streaming_tts'\]",
+        r"deploy\.yaml: model\.name: unknown model None; known models: \['gemma3', 'streaming_tts'\]",
     ),
     _case(
         "top-level-int-key", {(1,): "x"}, DeploymentError,
@@ -560,7 +560,7 @@ CONFIG_CASES = [
     ),
     _case(
         "model_config-unknown-model", lambda: model_config("tts"), [], ValueError,
-        r"unknown model 'tts'; known models: \['streaming_tts'\]",
+        r"unknown model 'tts'; known models: \['gemma3', 'streaming_tts'\]",
     ),
     _case(
         "store-a-file", ExecutableStore, [_THIS_FILE], ValueError,

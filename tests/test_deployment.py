@@ -18,7 +18,7 @@ from mstar_jax.deployment import (
     parse_deployment,
 )
 from mstar_jax.memory import resource_costs
-from mstar_jax.models import MODELS, StreamingTTSConfig, model_config
+from mstar_jax.models import MODELS, Gemma3DeploymentConfig, StreamingTTSConfig, model_config
 from mstar_jax.resources.kv.bounded.config import SinkWindow
 from mstar_jax.resources.spec import NodeResourceSpec
 
@@ -211,9 +211,10 @@ def test_explicit_buckets_are_kept():
 
 
 def test_model_registry():
-    assert dict(MODELS) == {"streaming_tts": StreamingTTSConfig}
+    assert dict(MODELS) == {"streaming_tts": StreamingTTSConfig, "gemma3": Gemma3DeploymentConfig}
     assert model_config("streaming_tts", {"talker_window": 40, "query_window": 41}).talker_window == 40
-    with pytest.raises(ValueError, match=r"unknown model 'tts'; known models: \['streaming_tts'\]"):
+    known = r"unknown model 'tts'; known models: \['gemma3', 'streaming_tts'\]"
+    with pytest.raises(ValueError, match=known):
         model_config("tts", {})
     with pytest.raises(
         ValueError, match=r"model 'streaming_tts' has no setting\(s\) \['layers'\]; it accepts"
@@ -247,7 +248,7 @@ UNKNOWN_KEYS = [
 ]
 
 BAD_VALUES = [
-    ("model.name", "tts", ["model.name: unknown model 'tts'", "['streaming_tts']"]),
+    ("model.name", "tts", ["model.name: unknown model 'tts'", "['gemma3', 'streaming_tts']"]),
     ("model.name", _DELETE, ["model: missing 'name'"]),
     ("model", "streaming_tts", ["model: must be a mapping", "str 'streaming_tts'"]),
     ("model.config", [1], ["model.config: must be a mapping"]),

@@ -35,7 +35,7 @@ __all__ = ["Admission"]
 
 
 class Admission:
-    """The part of `Engine` that admits a step's rows and answers refusals (module doc)."""
+    """The part of `ServingEngine` that admits a step's rows and answers refusals (module doc)."""
 
     def _admit(self, node: Node, rows: list, bucket: BucketKey | None = None) -> tuple[Declared, list] | None:
         """Admit the largest part of `rows` the resources accept, handling each refusal (module doc);
@@ -64,9 +64,10 @@ class Admission:
                 if not culprits:  # the batch alone is refused: give up on it rather than loop
                     culprits = dict.fromkeys(rids, reason.message)
                 for rid, message in culprits.items():
-                    self._fail(self.streams[rid], RequestError(
-                        f"resource {full.failed_resource!r} rejected the request: {message}"
-                    ))  # fmt: skip
+                    if rid in self.streams:  # a request that ended meanwhile is refused, not failed
+                        self._fail(self.streams[rid], RequestError(
+                            f"resource {full.failed_resource!r} rejected the request: {message}"
+                        ))  # fmt: skip
                 rows = [r for r in rows if r.stream.request_id not in culprits]
             else:  # admitted but not ready (or an unknown refusal): everyone waits
                 rows = self._hold(rows, rids)
@@ -125,8 +126,10 @@ class Admission:
         return [r for r in rows if r.stream.request_id not in rids]
 
     def _evict(self, node: Node, key: str | None, *, exclude: set[str]) -> bool:
-        """Offload the least recently stepped paused stream holding a slot of `key`; True if one was
-        (never in a multi-process deployment, which keeps streams on device)."""
+        """Offload, from every cache of the node, the least recently stepped paused stream holding a slot
+        of `key`; True if one was (never in a multi-process deployment, which keeps streams on device).
+        A stream holds a slot in each of its node's caches: offloading it from one alone would leave it
+        half on the device, which no step can run."""
         if self.lockstep:
             return False
         manager = node.runner[key or node.key]
@@ -137,7 +140,7 @@ class Admission:
         if not victims:
             return False
         victim = min(victims, key=lambda s: s.last_step_at)
-        node.runner.offload(victim.request_id, keys=[key or node.key])
+        node.runner.offload(victim.request_id, keys=node.keys)
         self.counters["offloads"] += 1
         return True
 
@@ -145,6 +148,6 @@ class Admission:
         for stream in self.streams.values():
             if now - stream.last_step_at >= self.offload_idle_after_s:
                 for node in self.nodes.values():
-                    if node.manager.slot_of(stream.request_id) is not None:
+                    if node.holds(stream.request_id):
                         node.runner.offload(stream.request_id)
                         self.counters["offloads"] += 1

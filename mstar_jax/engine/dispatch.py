@@ -25,7 +25,7 @@ __all__ = ["Dispatch"]
 
 
 class Dispatch:
-    """The part of `Engine` that runs one step and reads steps back (module doc)."""
+    """The part of `ServingEngine` that runs one step and reads steps back (module doc)."""
 
     def _run(self, node: Node, rows: list, walk: str | None = None) -> bool:
         """Dispatch one program on `rows` (of `walk`, where the rows alone do not say it); True if it
@@ -150,10 +150,9 @@ class Dispatch:
         else:  # every later step of the node in flight came after it
             dropped = [step, *(s for s in self._copying if s.node is node)]
             self._copying = collections.deque(s for s in self._copying if s.node is not node)
-        manager = step.node.manager
         offloaded = {
             row.stream.request_id: row.stream for s in dropped for row in s.rows
-            if not row.stream.phase.finished and manager.slot_of(row.stream.request_id) is None
+            if not row.stream.phase.finished and not node.holds(row.stream.request_id)
         }  # fmt: skip
         self._recover(step.node, [], err, lost=True)
         for stream in offloaded.values():

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from mstar_jax.checks import check_int
 from mstar_jax.engine import batch, recovery
 from mstar_jax.engine.admission import Admission
 from mstar_jax.engine.dispatch import Dispatch
@@ -77,8 +78,7 @@ class ServingEngine(Admission, Dispatch, Lockstep, Recovery, WarmUp):
             raise TypeError(f"settings={settings!r} must be an EngineSettings (mstar_jax.settings)")
         if not callable(clock):
             raise TypeError(f"clock={clock!r} must be callable, returning seconds")
-        if history is not None and (isinstance(history, bool) or not isinstance(history, int) or history < 1):
-            raise ValueError(f"history={history!r} must be None or an int >= 1")
+        check_int("history", history, minimum=1, allow_none=True)
         self.served, self.programs, self.mesh = served, served.programs, served.mesh
         check_pipelined(settings, self.mesh)
         # On a mesh a bucket's batch size counts one data shard's rows.
@@ -243,6 +243,8 @@ class ServingEngine(Admission, Dispatch, Lockstep, Recovery, WarmUp):
             for rows, walk in programs:
                 if self.counters["faults"] != faults:
                     rows = []  # formed before a fault failed or rewound their streams: stale
+                # A client's callback (an earlier program's outputs) may have ended some meanwhile.
+                rows = [row for row in rows if not row.stream.phase.finished]
                 if rows or self.lockstep:  # in lockstep every process enters every program (lockstep.py)
                     ran |= self._run(node, rows, walk)
             if node.feeds:

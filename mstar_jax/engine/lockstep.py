@@ -1,7 +1,7 @@
 """One engine in many processes: every process runs the same programs, in the same order, on its own
 requests (docs/design.md §10).
 
-In a multi-process deployment (a TPU pod's hosts) every process runs an `Engine` over the one global
+In a multi-process deployment (a TPU pod's hosts) every process runs a `ServingEngine` over the one global
 mesh, and a compiled step is a program all of them must enter together. Each process admits its own
 requests into its own data shards; before each of a round's programs (e.g. the TTS model's talker
 decode, talker prefill, flow) the processes agree, over `distributed.most_of_all`, on its bucket: the
@@ -34,7 +34,7 @@ class MultiProcessError(ValueError):
 
 
 class Lockstep:
-    """The part of `Engine` that keeps the processes of a multi-process deployment in step (module doc).
+    """The part of `ServingEngine` that keeps a multi-process deployment's processes in step (module doc).
 
     `lockstep` is True in such a deployment; everything here is then called by every process alike.
     """

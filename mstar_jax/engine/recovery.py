@@ -53,13 +53,12 @@ def take_snapshot(
 
 
 class Recovery:
-    """The part of `Engine` that serves on after a step raised (module doc)."""
+    """The part of `ServingEngine` that serves on after a step raised (module doc)."""
 
     def _recover(self, node: Node, rows: list, err: Exception, *, lost: bool = False) -> None:
         """Serve on after `node`'s step raised `err` (module doc; docs/design.md §11); `lost`: its caches
         are to be treated as lost even where their buffers survive."""
         self.counters["faults"] += 1
-        manager = node.manager
         if not lost and not any(m.cache_lost() for m in node.managers):
             for row in rows:
                 row.stream.faults += 1
@@ -73,7 +72,7 @@ class Recovery:
                 {r.stream.request_id for r in rows if not r.stream.phase.finished},
             )
             return
-        holders = [s for s in self.streams.values() if manager.slot_of(s.request_id) is not None]
+        holders = [s for s in self.streams.values() if node.holds(s.request_id)]
         self.counters["requests_lost"] += len(holders)
         if self.snapshot_every is None:
             for m in node.managers:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from mstar_jax.checks import check_int
 from mstar_jax.engine.voices import Voice
 from mstar_jax.serving.stream import (
     Phase,
@@ -72,8 +73,7 @@ class TTSRequest:
                 f"got dtype {text.dtype}"
             )
         object.__setattr__(self, "text", tuple(int(t) for t in text))
-        if isinstance(self.frames, bool) or not isinstance(self.frames, int) or self.frames < 1:
-            raise ValueError(f"request {self.request_id!r}: frames={self.frames!r} must be an int >= 1")
+        check_int(f"request {self.request_id!r}: frames", self.frames, minimum=1)
         if not isinstance(self.voice, Voice):
             raise TypeError(
                 f"request {self.request_id!r}: voice={self.voice!r} must be a Voice (VoiceBank.add)"

@@ -130,7 +130,7 @@ def summarize_text(
             "done": sum(s.phase is Phase.DONE for s in streams),
             "failed": sum(s.phase is Phase.FAILED for s in streams),
             "cancelled": sum(s.phase is Phase.CANCELLED for s in streams),
-            "longest_tokens": max((s.written + 1 for s in streams), default=0),
+            "longest_tokens": max((len(s.request.prompt) + len(s.tokens) for s in streams), default=0),
         },
         "tokens_generated": tokens,
         "prompt_tokens": sum(s.prefilled for s in streams),

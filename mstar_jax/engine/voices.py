@@ -13,6 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from mstar_jax.checks import check_int, is_int
 from mstar_jax.distributed import host_local
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
 from mstar_jax.resources.kv.bounded.config import StreamPosition
@@ -30,9 +31,7 @@ class Voice:
 
     def __post_init__(self):
         for name, minimum in (("index", 0), ("frames", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"Voice {name}={value!r} must be an int >= {minimum}")
+            check_int(f"Voice {name}", getattr(self, name), minimum=minimum)
 
     def position(self, written: int) -> StreamPosition:
         """The stream position of a request of this voice that has written `written` entries."""
@@ -65,19 +64,13 @@ class VoiceBank:
             or a voice in use; nothing is registered then.
         """
         cfg = self.model.config
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.capacity:
-            raise ValueError(f"voice index={index!r} must be an int in [0, {self.capacity})")
-        if (
-            isinstance(frames, bool)
-            or not isinstance(frames, int)
-            or not cfg.min_voice_frames <= frames <= cfg.max_voice_frames
-        ):
+        check_int("voice index", index, minimum=0, below=self.capacity)
+        if not is_int(frames) or not cfg.min_voice_frames <= frames <= cfg.max_voice_frames:
             raise ValueError(
                 f"voice frames={frames!r} must be in [min_voice_frames={cfg.min_voice_frames}, "
                 f"max_voice_frames={cfg.max_voice_frames}], an int"
             )
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"voice seed={seed!r} must be an int >= 0")
+        check_int("voice seed", seed, minimum=0)
         for manager in (self.talker, self.flow):
             readers = manager.readers(index)
             if readers:

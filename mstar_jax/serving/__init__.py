@@ -1,18 +1,43 @@
-"""The serving layer models plug into: the step transaction every model's steps run through, the
-attention its layers call on a bounded cache, and the abstract arguments it is captured from."""
+"""The serving layer models plug into: the protocol a model implements to be served by the engine
+(`ServedModel`, its `Node`s, the `Stream` every request has), the step transaction every model's steps
+run through, the attention its layers call on a bounded cache, a decoder step that feeds on the device,
+and the abstract arguments it is captured from."""
 
 from mstar_jax.serving.abstract import abstract, shaped
 from mstar_jax.serving.attention import LayerAttention, layer_attention
+from mstar_jax.serving.feed import fed
+from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps
+from mstar_jax.serving.stream import (
+    Phase,
+    ReplayMismatchError,
+    RequestCancelledError,
+    RequestError,
+    StateLostError,
+    StepFailedError,
+    Stream,
+)
 from mstar_jax.serving.transaction import Declared, Resources, abort, admit, declare, run_admitted
 
 __all__ = [
     "Declared",
+    "InFlight",
     "LayerAttention",
+    "Node",
+    "Phase",
+    "ReplayMismatchError",
+    "RequestCancelledError",
+    "RequestError",
     "Resources",
+    "ServedModel",
+    "StateLostError",
+    "StepFailedError",
+    "Stream",
+    "StreamOps",
     "abort",
     "abstract",
     "admit",
     "declare",
+    "fed",
     "layer_attention",
     "run_admitted",
     "shaped",

@@ -69,8 +69,12 @@ class Node:
 
     @property
     def manager(self):
-        """The node's first cache (its slots say which requests the node holds)."""
+        """The node's first cache."""
         return self.runner[self.keys[0]]
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the request holds a slot in any of the node's caches (on the device, not offloaded)."""
+        return any(manager.slot_of(request_id) is not None for manager in self.managers)
 
 
 @dataclasses.dataclass(eq=False)

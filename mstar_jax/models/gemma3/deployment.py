@@ -12,6 +12,8 @@ import dataclasses
 import pathlib
 from typing import TYPE_CHECKING, Any
 
+from mstar_jax.checks import check_choice, check_int
+
 if TYPE_CHECKING:
     from mstar_jax.models.gemma3.gguf import Gemma3Config
     from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, SinkWindow
@@ -46,11 +48,8 @@ class Gemma3DeploymentConfig:
 
     def __post_init__(self):
         for name, minimum in (("global_sink", 0), ("global_window", 1), ("chunk", 1), ("max_slots", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} must be one of {list(DTYPES)}")
+            check_int(name, getattr(self, name), minimum=minimum)
+        check_choice("dtype", self.dtype, DTYPES)
         if self.gguf is not None:
             if not isinstance(self.gguf, str) or not self.gguf:
                 raise ValueError(f"gguf={self.gguf!r} must be the path of a .gguf file, or null")

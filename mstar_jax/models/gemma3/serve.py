@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from mstar_jax.checks import check_int
 from mstar_jax.models.gemma3.stream import DECODE, PREFILL, Gemma3Streams
 from mstar_jax.resources.step import AllocationFailed
 
@@ -72,8 +73,7 @@ class Generation:
 
 
 def _check(prompts: Sequence[Sequence[int]], max_new_tokens: int, vocab_size: int) -> list[np.ndarray]:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
     if not prompts:
         raise ValueError("prompts is empty; give at least one prompt")
     arrays = []

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.sink_window_attention import table as tbl
+from mstar_jax.checks import check_int
 from mstar_jax.compile import Buckets, CapturedStep, capture
 from mstar_jax.models.gemma3.stream import DECODE, GLOBAL_KV, LOCAL_KV, PREFILL, Gemma3Streams
 from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan
@@ -65,9 +66,7 @@ class TextRequest:
             object.__setattr__(self, name, tuple(int(t) for t in values))
         if not self.prompt:
             raise ValueError(f"request {self.request_id!r}: prompt is empty; it needs at least one token")
-        n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"request {self.request_id!r}: max_new_tokens={n!r} must be an int >= 1")
+        check_int(f"request {self.request_id!r}: max_new_tokens", self.max_new_tokens, minimum=1)
 
 
 @dataclasses.dataclass(eq=False)
@@ -75,7 +74,9 @@ class TextStream(Stream):
     """A text request's progress and tokens; `request` is its `TextRequest`.
 
     Attributes:
-      tokens: the tokens generated so far.
+      tokens: the tokens delivered so far (a fault's replay never takes one back).
+      generated: tokens the stream's steps have generated since its start or its last rewind; behind
+        `len(tokens)` while a replay regenerates delivered tokens, which must come out the same.
       on_token: called with each new token (from the engine's thread).
       first_token_at: clock stamp of its first token (None until then).
       prefilled: prompt tokens read.
@@ -83,18 +84,16 @@ class TextStream(Stream):
       tokens_in_flight: tokens of steps dispatched but not read back yet (a pipelined engine).
       feed: `(step, row)`: where the newest of those tokens sits in that step's device output; None once
         read.
-      replay_tokens: after a fault rewound it, the tokens it had generated, which the replay must
-        generate again.
     """
 
     tokens: list[int] = dataclasses.field(default_factory=list)
+    generated: int = 0
     on_token: Callable[[int], None] | None = None
     first_token_at: float | None = None
     prefilled: int = 0
     written: int = 0
     tokens_in_flight: int = 0
     feed: tuple[int, int] | None = None
-    replay_tokens: tuple[int, ...] = ()
 
     def written_in(self, node: str) -> int:
         return self.written
@@ -102,7 +101,7 @@ class TextStream(Stream):
     @property
     def tokens_scheduled(self) -> int:
         """Tokens generated or being generated."""
-        return len(self.tokens) + self.tokens_in_flight
+        return self.generated + self.tokens_in_flight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +215,7 @@ class Gemma3Serving(ServedModel):
                 if stream.feed is not None and stream.feed[0] == in_flight:
                     decode.append(TextRow(stream, (0,), decode=True, feed=stream.feed[1]))
                 else:
-                    decode.append(TextRow(stream, (stream.tokens[-1],), decode=True))
+                    decode.append(TextRow(stream, (stream.tokens[stream.generated - 1],), decode=True))
             else:
                 prompt = stream.request.prompt
                 prefill.append(
@@ -271,17 +270,19 @@ class Gemma3Serving(ServedModel):
                 stream.feed = None
             stream.tokens_in_flight -= 1
             stream.faults = 0
-            token, at = int(outputs[index]), len(stream.tokens)
-            if at < len(stream.replay_tokens) and stream.replay_tokens[at] != token:
-                ops.fail(stream, ReplayMismatchError(
-                    f"request {stream.request_id!r}: replaying after a fault generated token {token} at "
-                    f"{at}, where it had generated {stream.replay_tokens[at]}"
-                ))  # fmt: skip
+            token, at = int(outputs[index]), stream.generated
+            stream.generated += 1
+            if at < len(stream.tokens):  # replayed after a fault: the client has it already
+                if stream.tokens[at] != token:
+                    ops.fail(stream, ReplayMismatchError(
+                        f"request {stream.request_id!r}: replaying after a fault generated token {token} "
+                        f"at {at}, where it had generated {stream.tokens[at]}"
+                    ))  # fmt: skip
                 continue
             stream.tokens.append(token)
             if stream.first_token_at is None:
                 stream.first_token_at = now
-            if stream.on_token is not None and at >= len(stream.replay_tokens):  # a replay's are known
+            if stream.on_token is not None:
                 try:
                     stream.on_token(token)
                 except Exception as err:  # a client's callback must not stop the other streams
@@ -289,18 +290,16 @@ class Gemma3Serving(ServedModel):
                     continue
                 if stream.phase.finished:  # the callback cancelled its own stream
                     continue
-            if len(stream.tokens) == stream.request.max_new_tokens or token in stream.request.stop_tokens:
+            if stream.generated == stream.request.max_new_tokens or token in stream.request.stop_tokens:
                 ops.done(stream)
 
     # -- recovery -----------------------------------------------------------------------------------
 
     def mark(self, stream: TextStream) -> tuple:
-        return (stream.phase, stream.prefilled, stream.written, len(stream.tokens))
+        return (stream.phase, stream.prefilled, stream.written, stream.generated)
 
     def rewind(self, stream: TextStream, node: Node, mark: tuple | None) -> None:
-        phase, prefilled, written, tokens = mark or (Phase.WAITING, 0, 0, 0)
-        if len(stream.tokens) > len(stream.replay_tokens):  # an earlier replay may still be catching up
-            stream.replay_tokens = tuple(stream.tokens)
-        del stream.tokens[tokens:]
+        phase, prefilled, written, generated = mark or (Phase.WAITING, 0, 0, 0)
         stream.tokens_in_flight, stream.feed = 0, None  # an engine rewinds only with nothing in flight
-        stream.phase, stream.prefilled, stream.written = phase, prefilled, written
+        stream.phase, stream.prefilled = phase, prefilled
+        stream.written, stream.generated = written, generated

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from kernels_pallas.sink_window_attention import table as tbl
+from mstar_jax.checks import check_int
 from mstar_jax.compile import (
     Buckets,
     BucketSet,
@@ -139,8 +140,7 @@ class Gemma3Streams:
         interpret=False,
         store: ExecutableStore | None = None,
     ):
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk={chunk!r} must be an int >= 1")
+        check_int("chunk", chunk, minimum=1)
         self.config, self.chunk = config, chunk
         local, global_ = cache_configs(
             config, global_retention=global_retention, max_slots=max_slots, dtype=model.embed[...].dtype
