@@ -1,4 +1,4 @@
-"""Admission in the engine loop: declaring a step of rows padded to a bucket (`_declare`), and what a
+"""Admission in the engine loop: declaring a step of rows padded to a bucket (`Admission.declare`), and what a
 step does when a resource refuses some of its rows.
 
 - `AllocationFailed` (no free slot): offload an idle stream (paused by its client) from the resource
@@ -12,8 +12,8 @@ step does when a resource refuses some of its rows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import Any
 
 from mstar_jax.engine import batch
 from mstar_jax.resources.step import (
@@ -25,55 +25,85 @@ from mstar_jax.resources.step import (
     RequestOffloading,
     SubmoduleStep,
 )
-from mstar_jax.serving.stream import RequestError
-from mstar_jax.serving.transaction import Declared
-
-if TYPE_CHECKING:
-    from mstar_jax.serving.model import Node
+from mstar_jax.serving.model import Node, ServedModel
+from mstar_jax.serving.stream import RequestError, Stream
 
 __all__ = ["Admission"]
 
 
 class Admission:
-    """The part of `ServingEngine` that admits a step's rows and answers refusals (module doc)."""
+    """Admits a step's rows and answers refusals (module doc).
 
-    def _admit(self, node: Node, rows: list, bucket: BucketKey | None = None) -> tuple[Declared, list] | None:
+    Args:
+      served: the model (its buckets, bucket choice and stream positions).
+      nodes: the engine's nodes, by name.
+      streams: the engine's live streams (read; holds and offloads are written to them).
+      counters: the engine's counters (holds, allocation failures, offloads, reloads).
+      clock: the engine's time source.
+      hold_backoff_s: how long a refused request waits before it is retried.
+      can_offload: whether streams may move to host memory (not in a multi-process deployment).
+      fail: ends a stream with a failure (the engine's).
+    """
+
+    def __init__(
+        self,
+        *,
+        served: ServedModel,
+        nodes: Mapping[str, Node],
+        streams: MutableMapping[str, Stream],
+        counters: MutableMapping[str, int],
+        clock: Callable[[], float],
+        hold_backoff_s: float,
+        can_offload: bool,
+        fail: Callable[[Stream, RequestError], None],
+    ):
+        self._served, self._nodes, self._streams, self._counters = served, nodes, streams, counters
+        self._clock, self._hold_backoff_s, self._can_offload, self._fail = (
+            clock,
+            hold_backoff_s,
+            can_offload,
+            fail,
+        )
+        self._buckets, self._mesh = served.programs.buckets, served.mesh
+
+    def admit(self, node: Node, rows: list, bucket: BucketKey | None = None) -> tuple[Any, list] | None:
         """Admit the largest part of `rows` the resources accept, handling each refusal (module doc);
-        in `bucket` when one is given (the bucket every process agreed on), else the tightest."""
+        in `bucket` when one is given (the bucket every process agreed on), else the tightest. Returns
+        the declared step and its rows in bucket order, or None when no row could be admitted."""
         while rows:
-            declared, rows = self._declare(node, rows, bucket)
+            declared, rows = self.declare(node, rows, bucket)
             full = self._try_admit(node, declared.sub)
             if full.ok and full.ready:
                 return declared, rows
             reason, rids = full.reason, {r.stream.request_id for r in rows}
             if not full.ok and isinstance(reason, AllocationFailed):
-                self.counters["allocation_failed"] += 1
+                self._counters["allocation_failed"] += 1
                 if self._evict(node, full.failed_resource, exclude=rids):
                     continue
-                rows = self._hold(rows, {reason.request_id})
+                rows = self.hold(rows, {reason.request_id})
             elif not full.ok and isinstance(reason, RequestOffloading):
                 if node.runner.reload(reason.request_id) or (
                     self._evict(node, full.failed_resource, exclude=rids)
                     and node.runner.reload(reason.request_id)
                 ):
-                    self.counters["reloads"] += 1
+                    self._counters["reloads"] += 1
                     continue
-                rows = self._hold(rows, {reason.request_id})
+                rows = self.hold(rows, {reason.request_id})
             elif not full.ok and isinstance(reason, AdmitRuntimeError):
                 culprits = self._terminal_rows(node, rows)
                 if not culprits:  # the batch alone is refused: give up on it rather than loop
                     culprits = dict.fromkeys(rids, reason.message)
                 for rid, message in culprits.items():
-                    if rid in self.streams:  # a request that ended meanwhile is refused, not failed
-                        self._fail(self.streams[rid], RequestError(
+                    if rid in self._streams:  # a request that ended meanwhile is refused, not failed
+                        self._fail(self._streams[rid], RequestError(
                             f"resource {full.failed_resource!r} rejected the request: {message}"
                         ))  # fmt: skip
                 rows = [r for r in rows if r.stream.request_id not in culprits]
             else:  # admitted but not ready (or an unknown refusal): everyone waits
-                rows = self._hold(rows, rids)
+                rows = self.hold(rows, rids)
         return None
 
-    def _declare(self, node: Node, rows: Sequence, bucket: BucketKey | None = None) -> tuple[Declared, list]:
+    def declare(self, node: Node, rows: Sequence, bucket: BucketKey | None = None) -> tuple[Any, list]:
         """The step of `rows` padded to its tightest bucket (or to `bucket`), its rows in the bucket's
         order.
 
@@ -81,25 +111,25 @@ class Admission:
         (`placement`), and the caches pad each shard to it themselves.
         """
         width = None
-        if self.mesh is not None:  # a shard's rows beyond the bucket wait for the next step
+        if self._mesh is not None:  # a shard's rows beyond the bucket wait for the next step
             placed = node.manager.placement([r.stream.request_id for r in rows])
-            largest = min(self.programs.buckets.max_batch(walk) for walk in self.programs.buckets.walks)
+            largest = min(self._buckets.max_batch(walk) for walk in self._buckets.walks)
             rows, width = batch.fit_shards(rows, placed, largest if bucket is None else bucket.bs)
         if bucket is None:
-            bucket = self.served.choose_bucket(node, rows, rows_per_shard=width)
+            bucket = self._served.choose_bucket(node, rows, rows_per_shard=width)
         return batch.declare(
             bucket,
             rows,
             keys=node.keys,
-            position=lambda s: self.served.position(node, s),
-            pad=self.mesh is None,
+            position=lambda s: self._served.position(node, s),
+            pad=self._mesh is None,
         )
 
     def _terminal_rows(self, node: Node, rows: list) -> dict[str, str]:
         """Admit each row alone (then abort it) to find those refused for good, with their messages."""
         culprits = {}
         for row in rows:
-            declared, _ = self._declare(node, [row])
+            declared, _ = self.declare(node, [row])
             full = self._try_admit(node, declared.sub)
             if full.ok:
                 node.runner.abort_step(declared.sub)
@@ -118,11 +148,12 @@ class Admission:
                 AdmitOutcome(False, False, AdmitRuntimeError(f"admit raised {err!r}")), node.key
             )
 
-    def _hold(self, rows: list, rids: set[str]) -> list:
-        until = self.clock() + self.hold_backoff_s
+    def hold(self, rows: list, rids: set[str]) -> list:
+        """Hold the requests `rids` for `hold_backoff_s`; return the other rows."""
+        until = self._clock() + self._hold_backoff_s
         for rid in rids:
-            self.streams[rid].hold_until = until
-            self.counters["holds"] += 1
+            self._streams[rid].hold_until = until
+            self._counters["holds"] += 1
         return [r for r in rows if r.stream.request_id not in rids]
 
     def _evict(self, node: Node, key: str | None, *, exclude: set[str]) -> bool:
@@ -130,24 +161,25 @@ class Admission:
         of `key`; True if one was (never in a multi-process deployment, which keeps streams on device).
         A stream holds a slot in each of its node's caches: offloading it from one alone would leave it
         half on the device, which no step can run."""
-        if self.lockstep:
+        if not self._can_offload:
             return False
         manager = node.runner[key or node.key]
         victims = [
-            s for s in self.streams.values()
+            s for s in self._streams.values()
             if s.paused and s.request_id not in exclude and manager.slot_of(s.request_id) is not None
         ]  # fmt: skip
         if not victims:
             return False
         victim = min(victims, key=lambda s: s.last_step_at)
         node.runner.offload(victim.request_id, keys=node.keys)
-        self.counters["offloads"] += 1
+        self._counters["offloads"] += 1
         return True
 
-    def _offload_idle(self, now: float) -> None:
-        for stream in self.streams.values():
-            if now - stream.last_step_at >= self.offload_idle_after_s:
-                for node in self.nodes.values():
+    def offload_idle(self, now: float, idle_after_s: float) -> None:
+        """Offload every stream no step has touched for `idle_after_s`."""
+        for stream in self._streams.values():
+            if now - stream.last_step_at >= idle_after_s:
+                for node in self._nodes.values():
                     if node.holds(stream.request_id):
                         node.runner.offload(stream.request_id)
-                        self.counters["offloads"] += 1
+                        self._counters["offloads"] += 1

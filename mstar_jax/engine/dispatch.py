@@ -10,35 +10,86 @@ state is treated as lost (docs/design.md §11)."""
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, MutableMapping
+from typing import Any
 
 import jax
 
 from mstar_jax.compile import warn_on_compilations
 from mstar_jax.distributed import host_local
 from mstar_jax.engine import batch
+from mstar_jax.engine.admission import Admission
+from mstar_jax.engine.lockstep import Lockstep
 from mstar_jax.engine.records import StepRecord
-from mstar_jax.serving.model import InFlight, Node
-from mstar_jax.serving.stream import StateLostError
+from mstar_jax.engine.recovery import Recovery
+from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps
+from mstar_jax.serving.stream import RequestError, StateLostError, Stream
 from mstar_jax.serving.transaction import Resources, run_admitted
 
 __all__ = ["Dispatch"]
 
 
 class Dispatch:
-    """The part of `ServingEngine` that runs one step and reads steps back (module doc)."""
+    """Runs one step and reads steps back (module doc).
 
-    def _run(self, node: Node, rows: list, walk: str | None = None) -> bool:
+    Args:
+      served: the model (its inputs, and what a step does at dispatch and at read).
+      programs: the captured programs (`steps`: walk -> `CapturedStep`).
+      clock: the engine's time source.
+      pipelined: read a step back only once the next is dispatched.
+      admission: admits the rows (`Admission`).
+      recovery: serves on after a step raised (`Recovery`).
+      lockstep: keeps the processes in step (`Lockstep`).
+      records, counters, overlap: the engine's step records, counters and overlap counters.
+      ops: what the model may do to its streams while a step is read (`StreamOps`).
+      fail: ends a stream with a failure (the engine's).
+
+    Attributes:
+      in_flight: each feeding node's newest step not read back yet.
+      copying: the other nodes' steps whose outputs are on their way to the host, in dispatch order.
+      dispatched: steps dispatched so far.
+      compilations: programs compiled by steps once `warmed_up`.
+    """
+
+    def __init__(
+        self,
+        *,
+        served: ServedModel,
+        programs: Any,
+        clock: Callable[[], float],
+        pipelined: bool,
+        admission: Admission,
+        recovery: Recovery,
+        lockstep: Lockstep,
+        records: collections.deque,
+        counters: MutableMapping[str, int],
+        overlap: MutableMapping[str, int],
+        ops: StreamOps,
+        fail: Callable[[Stream, RequestError], None],
+    ):
+        self._served, self.programs, self._clock, self._pipelined = served, programs, clock, pipelined
+        self._admission, self._recovery, self._lockstep = admission, recovery, lockstep
+        self._records, self._counters, self._overlap = records, counters, overlap
+        self._ops, self._fail = ops, fail
+        self.in_flight: dict[str, InFlight | None] = dict.fromkeys(n.name for n in served.nodes if n.feeds)
+        self.copying: collections.deque[InFlight] = collections.deque()
+        self.dispatched = 0
+        self.compilations = 0
+        self.warmed_up = False
+
+    def run(self, node: Node, rows: list, walk: str | None = None) -> bool:
         """Dispatch one program on `rows` (of `walk`, where the rows alone do not say it); True if it
         ran. A synchronous engine reads its outputs at once, a pipelined one when the next has gone."""
-        started = self.clock()
-        agreed = self._agreed_bucket(node, rows, walk) if self.lockstep else None
-        if self.lockstep and agreed is None:
+        started = self._clock()
+        lockstep = self._lockstep.enabled
+        agreed = self._lockstep.agreed_bucket(node, rows, walk) if lockstep else None
+        if lockstep and agreed is None:
             return False
-        admitted = self._admit(node, rows, agreed)
+        admitted = self._admission.admit(node, rows, agreed)
         if admitted is None:
             if agreed is None:
                 return False
-            admitted = self._declare(node, [], agreed)  # the others run it: enter it with no rows
+            admitted = self._admission.declare(node, [], agreed)  # the others run it: enter it with no rows
         declared, rows = admitted
         bucket, node_step = declared.bucket, declared.sub.steps[node.key]
         positions = tuple(r.stream.written_in(node.name) for r in rows)
@@ -46,11 +97,11 @@ class Dispatch:
 
         def replay(resources: Resources):
             nonlocal layout
-            if self.mesh is not None:
+            if self._served.mesh is not None:
                 layout = node.manager.plan_rows(node_step, declared.sub.ctx)
-            inputs = self.served.inputs(node, bucket, rows, layout)
+            inputs = self._served.inputs(node, bucket, rows, layout)
             if node.feeds:
-                step = self._in_flight.get(node.name)
+                step = self.in_flight.get(node.name)
                 inputs = (node.no_feed if step is None else step.outputs, *inputs)
             # A node of one cache takes it bare, a node of several takes them as a tuple.
             caches, banks, plans = (
@@ -61,7 +112,7 @@ class Dispatch:
                 caches, outputs = self.programs.steps[bucket.graph_walk].replay(
                     bucket, node.params, caches, banks, plans, *inputs
                 )
-                if not self.pipelined:  # read inside the transaction: a failed read fails the step
+                if not self._pipelined:  # read inside the transaction: a failed read fails the step
                     outputs = host_local(outputs)  # this process's rows (every row, in one process)
             return ((caches,) if len(node.keys) == 1 else tuple(caches)), (outputs, counter)
 
@@ -69,71 +120,71 @@ class Dispatch:
             outputs, counter = run_admitted(node.runner, declared, replay)
         except Exception as err:
             self.drain()  # the streams as every earlier step left them, for the recovery
-            self._recover(node, rows, err)
+            self._recovery.recover(node, rows, err)
             return True
         if self.warmed_up:
             self.compilations += counter.count
         if not rows:
-            self.counters["lockstep_empty_steps"] += 1
+            self._counters["lockstep_empty_steps"] += 1
             return True
-        self._dispatched += 1
+        self.dispatched += 1
         step = InFlight(
-            node, self._dispatched, bucket, rows, batch.row_indices(bucket, rows, layout), outputs, started,
+            node, self.dispatched, bucket, rows, batch.row_indices(bucket, rows, layout), outputs, started,
             positions, counter.count,
         )  # fmt: skip
-        self.served.dispatched(step, self.clock())
+        self._served.dispatched(step, self._clock())
         if node.feeds:
-            self.overlap["rows_fed_on_device"] += sum(getattr(row, "feed", -1) >= 0 for row in rows)
-            earlier, self._in_flight[node.name] = self._in_flight.get(node.name), step
+            self._overlap["rows_fed_on_device"] += sum(getattr(row, "feed", -1) >= 0 for row in rows)
+            earlier, self.in_flight[node.name] = self.in_flight.get(node.name), step
             if earlier is not None:
-                self.overlap[f"{node.name}_steps_read_behind"] += 1
-                self._read(earlier)
+                self._overlap[f"{node.name}_steps_read_behind"] += 1
+                self.read(earlier)
         else:
-            self._copying.append(step)
+            self.copying.append(step)
             for array in jax.tree.leaves(outputs):
                 if isinstance(array, jax.Array) and not array.is_deleted():  # a lost one fails when read
                     array.copy_to_host_async()  # the outputs come back while the device goes on
-        if not self.pipelined:
+        if not self._pipelined:
             self.drain()
         return True
 
     def drain(self) -> bool:
         """Read back every step in flight and deliver its outputs (a pipelined engine); True if any was."""
         drained = False
-        for step in list(self._in_flight.values()):
-            drained |= step is not None and self._read(step)
-        return self._deliver_copied(wait=True) or drained
+        for step in list(self.in_flight.values()):
+            drained |= step is not None and self.read(step)
+        return self.deliver_copied(wait=True) or drained
 
-    def _deliver_copied(self, *, wait: bool) -> bool:
+    def deliver_copied(self, *, wait: bool) -> bool:
         """Deliver the non-feeding steps in flight whose outputs are on the host, in order (all, if
         `wait`)."""
         delivered = False
-        while self._copying and (
-            wait or all(x.is_deleted() or x.is_ready() for x in jax.tree.leaves(self._copying[0].outputs))
+        while self.copying and (
+            wait or all(x.is_deleted() or x.is_ready() for x in jax.tree.leaves(self.copying[0].outputs))
         ):
-            self.overlap[f"{self._copying[0].node.name}_steps_read_behind"] += self.pipelined and not wait
-            delivered |= self._read(self._copying[0])
+            self._overlap[f"{self.copying[0].node.name}_steps_read_behind"] += self._pipelined and not wait
+            delivered |= self.read(self.copying[0])
         return delivered
 
-    def _read(self, step: InFlight) -> bool:
+    def read(self, step: InFlight) -> bool:
         """Bring `step`'s outputs to the host and hand them to its streams; True (it came back)."""
         if step.node.feeds:
-            if self._in_flight.get(step.node.name) is step:
-                self._in_flight[step.node.name] = None
+            if self.in_flight.get(step.node.name) is step:
+                self.in_flight[step.node.name] = None
         else:
-            self._copying.remove(step)
+            self.copying.remove(step)
         try:
             outputs = host_local(step.outputs)
         except Exception as err:  # the step failed on the device after it was dispatched
             self._lost_in_flight(step, err)
             return True
-        now = self.clock()
+        now = self._clock()
         rids = tuple(r.stream.request_id for r in step.rows)
-        self.records.append(StepRecord(
+        self._records.append(StepRecord(
             step.bucket.graph_walk, step.bucket, len(step.rows), step.started, now - step.started,
             step.positions, step.compilations, rids,
         ))  # fmt: skip
-        self.served.read(step, outputs, now, self._ops)
+        self._served.read(step, outputs, now, self._ops)
         return True
 
     def _lost_in_flight(self, step: InFlight, err: Exception) -> None:
@@ -145,16 +196,16 @@ class Dispatch:
         read from the lost state) holds no slot for the recovery to rewind; it fails the same way."""
         node = step.node
         if node.feeds:
-            dropped = [s for s in (step, self._in_flight.get(node.name)) if s is not None]
-            self._in_flight[node.name] = None
+            dropped = [s for s in (step, self.in_flight.get(node.name)) if s is not None]
+            self.in_flight[node.name] = None
         else:  # every later step of the node in flight came after it
-            dropped = [step, *(s for s in self._copying if s.node is node)]
-            self._copying = collections.deque(s for s in self._copying if s.node is not node)
+            dropped = [step, *(s for s in self.copying if s.node is node)]
+            self.copying = collections.deque(s for s in self.copying if s.node is not node)
         offloaded = {
             row.stream.request_id: row.stream for s in dropped for row in s.rows
             if not row.stream.phase.finished and not node.holds(row.stream.request_id)
         }  # fmt: skip
-        self._recover(step.node, [], err, lost=True)
+        self._recovery.recover(step.node, [], err, lost=True)
         for stream in offloaded.values():
             self._fail(stream, StateLostError(
                 f"a {step.node.name} step with request {stream.request_id!r} failed on the device after it "

@@ -15,8 +15,9 @@ copy, delivered when they are there. It gives every request the same outputs as 
 Whatever needs the streams as they are (a snapshot, a fault, an offload, nothing left to dispatch) first
 reads everything in flight (`drain`).
 
-How it answers a refused admission (docs/design.md §4) is in `admission`, how one step is dispatched
-and read back in `dispatch`, how it survives a fault in `recovery`.
+The engine is made of parts, each given the state it needs: `Admission` (how a refused admission is
+answered, docs/design.md §4), `Dispatch` (one step dispatched and read back), `Recovery` (how it
+survives a fault), `Lockstep` (many processes in step) and `warm_up`.
 
 Cancelling or finishing a request returns its slots at once. Nothing compiles after `warm_up()`: every
 step replays a program captured at load time, and a step that compiles anyway warns
@@ -42,16 +43,16 @@ from mstar_jax.engine.dispatch import Dispatch
 from mstar_jax.engine.lockstep import Lockstep, MultiProcessError
 from mstar_jax.engine.records import StepRecord
 from mstar_jax.engine.recovery import Recovery
-from mstar_jax.engine.warmup import WarmUp
+from mstar_jax.engine.warmup import warm_up
 from mstar_jax.resources.step import UnknownRequestError
-from mstar_jax.serving.model import InFlight, ServedModel
+from mstar_jax.serving.model import ServedModel
 from mstar_jax.serving.stream import Phase, RequestCancelledError, RequestError, Stream
 from mstar_jax.settings import EngineSettings
 
 __all__ = ["ServingEngine", "StepRecord", "check_pipelined"]
 
 
-class ServingEngine(Admission, Dispatch, Lockstep, Recovery, WarmUp):
+class ServingEngine:
     """Serves any `ServedModel`: on one host, or in every process of a multi-process mesh (`lockstep`).
 
     Args:
@@ -79,11 +80,12 @@ class ServingEngine(Admission, Dispatch, Lockstep, Recovery, WarmUp):
         if not callable(clock):
             raise TypeError(f"clock={clock!r} must be callable, returning seconds")
         check_int("history", history, minimum=1, allow_none=True)
-        self.served, self.programs, self.mesh = served, served.programs, served.mesh
+        self.served, self.mesh = served, served.mesh
+        buckets = served.programs.buckets
         check_pipelined(settings, self.mesh)
         # On a mesh a bucket's batch size counts one data shard's rows.
         shards = 1 if self.mesh is None else self.mesh.shape["data"]
-        largest = shards * min(self.programs.buckets.max_batch(walk) for walk in self.programs.buckets.walks)
+        largest = shards * min(buckets.max_batch(walk) for walk in buckets.walks)
         if settings.max_batch > largest:
             raise ValueError(
                 f"max_batch={settings.max_batch!r} must be an int in [1, {largest}] (the largest bucket)"
@@ -94,24 +96,94 @@ class ServingEngine(Admission, Dispatch, Lockstep, Recovery, WarmUp):
         self.hold_backoff_s, self.snapshot_every = settings.hold_backoff_s, settings.snapshot_every
         self.offload_idle_after_s = settings.offload_idle_after_s
         self.nodes = {node.name: node for node in served.nodes}
-        # Steps dispatched whose outputs are not read yet: a feeding node's newest, and the others' in order.
-        self._in_flight: dict[str, InFlight | None] = dict.fromkeys(n.name for n in served.nodes if n.feeds)
-        self._copying: collections.deque[InFlight] = collections.deque()
-        self._dispatched = 0
-        # What a pipelined engine overlapped: decode rows whose token stayed on the device, and steps
-        # read back only once the next one was dispatched.
-        self.overlap: collections.Counter[str] = collections.Counter()
-        self.last_snapshot: recovery.EngineSnapshot | None = None
         self.steps_run = 0
         self.streams: dict[str, Stream] = {}  # live, in arrival order
         self.finished: dict[str, Stream] = {}
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=history)
         self.counters: collections.Counter[str] = collections.Counter()
-        self.compilations = 0  # after warm-up
+        # What a pipelined engine overlapped: decode rows whose token stayed on the device, and steps
+        # read back only once the next one was dispatched.
+        self.overlap: collections.Counter[str] = collections.Counter()
         self.warmup_compilations = 0
-        self.warmed_up = False
-        self._ops = _StreamOps(self)
-        self._check_lockstep(settings.offload_idle_after_s, settings.snapshot_every)
+        self._lockstep = Lockstep(self.mesh, self.nodes, buckets)
+        self._lockstep.check(settings.offload_idle_after_s, settings.snapshot_every)
+        self._admission = Admission(
+            served=served, nodes=self.nodes, streams=self.streams, counters=self.counters, clock=clock,
+            hold_backoff_s=settings.hold_backoff_s, can_offload=not self._lockstep.enabled, fail=self._fail,
+        )  # fmt: skip
+        self._recovery = Recovery(
+            served=served, streams=self.streams, counters=self.counters,
+            snapshot_every=settings.snapshot_every, fail=self._fail, hold=self._admission.hold,
+        )  # fmt: skip
+        self._dispatch = Dispatch(
+            served=served, programs=served.programs, clock=clock, pipelined=settings.pipelined,
+            admission=self._admission, recovery=self._recovery, lockstep=self._lockstep,
+            records=self.records, counters=self.counters, overlap=self.overlap, ops=_StreamOps(self),
+            fail=self._fail,
+        )  # fmt: skip
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether this engine is one of a multi-process deployment's (`Lockstep`)."""
+        return self._lockstep.enabled
+
+    @property
+    def programs(self) -> Any:
+        """The captured programs the engine replays (`served.programs` unless replaced, e.g. by
+        `faults.inject_faults`)."""
+        return self._dispatch.programs
+
+    @programs.setter
+    def programs(self, programs: Any) -> None:
+        self._dispatch.programs = programs
+
+    @property
+    def compilations(self) -> int:
+        """Programs compiled after warm-up (0 unless something went wrong)."""
+        return self._dispatch.compilations
+
+    @compilations.setter
+    def compilations(self, count: int) -> None:
+        self._dispatch.compilations = count
+
+    @property
+    def warmed_up(self) -> bool:
+        return self._dispatch.warmed_up
+
+    @property
+    def last_snapshot(self) -> recovery.EngineSnapshot | None:
+        """The snapshot a fault restores from (None: none taken yet)."""
+        return self._recovery.last_snapshot
+
+    @last_snapshot.setter
+    def last_snapshot(self, snapshot: recovery.EngineSnapshot | None) -> None:
+        self._recovery.last_snapshot = snapshot
+
+    def busy_anywhere(self, busy: bool) -> bool:
+        """Whether any process has work (`busy` itself in one process): a loop driving the engine ends on
+        it, so every process steps as often."""
+        return self._lockstep.busy_anywhere(busy)
+
+    def drain(self) -> bool:
+        """Read back every step in flight and deliver its outputs (a pipelined engine); True if any was."""
+        return self._dispatch.drain()
+
+    def warm_up(self) -> int:
+        """Compile what serving calls besides the captured steps (`warmup.warm_up`); from here on
+        `compilations` counts any compilation a step causes.
+
+        Runs on an idle engine (it borrows a slot of each cache). Returns the compilations it caused.
+        """
+        if self.streams:
+            raise RuntimeError("warm_up() runs on an idle engine; call it before submitting requests")
+        snapshot = None if self.snapshot_every is None else self.snapshot
+        count = warm_up(served=self.served, nodes=self.nodes, lockstep=self._lockstep, snapshot=snapshot)
+        if snapshot is not None:
+            self.last_snapshot, self.counters["snapshots"] = None, 0
+        self._dispatch.warmed_up = True
+        self._dispatch.compilations = 0
+        self.warmup_compilations = count
+        return count
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -230,11 +302,11 @@ class ServingEngine(Admission, Dispatch, Lockstep, Recovery, WarmUp):
         (for a pipelined engine: was dispatched, or came back)."""
         now = self.clock()
         if self.offload_idle_after_s is not None:
-            self._offload_idle(now)
+            self._admission.offload_idle(now, self.offload_idle_after_s)
         ran = False
         for turn, node in enumerate(self.nodes.values()):
-            dispatched = self._dispatched
-            in_flight = self._in_flight.get(node.name)
+            dispatch = self._dispatch
+            dispatched, in_flight = dispatch.dispatched, dispatch.in_flight.get(node.name)
             programs = self.served.rows(
                 node, list(self.streams.values()), now=now if turn == 0 else self.clock(),
                 max_batch=self.max_batch, in_flight=None if in_flight is None else in_flight.serial,
@@ -246,12 +318,12 @@ class ServingEngine(Admission, Dispatch, Lockstep, Recovery, WarmUp):
                 # A client's callback (an earlier program's outputs) may have ended some meanwhile.
                 rows = [row for row in rows if not row.stream.phase.finished]
                 if rows or self.lockstep:  # in lockstep every process enters every program (lockstep.py)
-                    ran |= self._run(node, rows, walk)
+                    ran |= dispatch.run(node, rows, walk)
             if node.feeds:
-                in_flight = self._in_flight.get(node.name)
-                if self._dispatched == dispatched and in_flight is not None:
-                    ran |= self._read(in_flight)  # nothing behind it: the nodes after wait for its tokens
-                ran |= self._deliver_copied(wait=False)
+                in_flight = dispatch.in_flight.get(node.name)
+                if dispatch.dispatched == dispatched and in_flight is not None:
+                    ran |= dispatch.read(in_flight)  # nothing behind it: the nodes after wait for its tokens
+                ran |= dispatch.deliver_copied(wait=False)
         ran = ran or self.drain()  # nothing could be dispatched: what is in flight comes back now
         if ran:
             self.steps_run += 1

@@ -15,16 +15,16 @@ offload, and snapshots (each would read a slot through a program only its owner 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 
 from mstar_jax import distributed
+from mstar_jax.compile import Buckets
 from mstar_jax.engine import batch
 from mstar_jax.resources.step import BucketKey
-
-if TYPE_CHECKING:
-    from mstar_jax.serving.model import Node
+from mstar_jax.serving.model import Node
 
 __all__ = ["Lockstep", "MultiProcessError"]
 
@@ -34,17 +34,29 @@ class MultiProcessError(ValueError):
 
 
 class Lockstep:
-    """The part of `ServingEngine` that keeps a multi-process deployment's processes in step (module doc).
+    """Keeps a multi-process deployment's processes in step (module doc); in one process it agrees with
+    itself at no cost.
 
-    `lockstep` is True in such a deployment; everything here is then called by every process alike.
+    Args:
+      mesh: the engine's mesh (None: one device, no other process).
+      nodes: the engine's nodes (their caches must admit into this process's data shards).
+      buckets: the buckets every process captured.
+
+    Attributes:
+      enabled: the mesh spans processes; everything here is then called by every process alike.
     """
 
-    lockstep: bool = False
+    def __init__(self, mesh: Any, nodes: Mapping[str, Node], buckets: Buckets):
+        self.enabled = mesh is not None and distributed.spans_processes(mesh)
+        self._mesh, self._nodes, self._buckets = mesh, nodes, buckets
 
-    def _check_lockstep(self, offload_idle_after_s: float | None, snapshot_every: int | None) -> None:
-        """Refuse what a multi-process engine cannot do, and managers admitting into others' shards."""
-        self.lockstep = self.mesh is not None and distributed.spans_processes(self.mesh)
-        if not self.lockstep:
+    def check(self, offload_idle_after_s: float | None, snapshot_every: int | None) -> None:
+        """Refuse what a multi-process engine cannot do, and managers admitting into others' shards.
+
+        Raises:
+          MultiProcessError: naming the setting or the manager.
+        """
+        if not self.enabled:
             return
         settings = {"offload_idle_after_s": offload_idle_after_s, "snapshot_every": snapshot_every}
         for name, value in settings.items():
@@ -54,18 +66,19 @@ class Lockstep:
                     "(offloads and snapshots read slots through programs only their owner would run); "
                     f"set {name}: null"
                 )
-        local = distributed.local_data_shards(self.mesh)
-        for name, manager in ((key, node.runner[key]) for node in self.nodes.values() for key in node.keys):
-            if manager.local_data_shards != local:
-                raise MultiProcessError(
-                    f"the {name} manager admits into data shards {list(manager.local_data_shards)}, but "
-                    f"process {jax.process_index()} holds {list(local)}; build it with "
-                    "local_data_shards=mstar_jax.distributed.local_data_shards(mesh)"
-                )
+        local = distributed.local_data_shards(self._mesh)
+        for node in self._nodes.values():
+            for name, manager in zip(node.keys, node.managers, strict=True):
+                if manager.local_data_shards != local:
+                    raise MultiProcessError(
+                        f"the {name} manager admits into data shards {list(manager.local_data_shards)}, but "
+                        f"process {jax.process_index()} holds {list(local)}; build it with "
+                        "local_data_shards=mstar_jax.distributed.local_data_shards(mesh)"
+                    )
 
-    def _agreed_bucket(self, node: Node, rows: list, walk: str) -> BucketKey | None:
+    def agreed_bucket(self, node: Node, rows: list, walk: str) -> BucketKey | None:
         """The bucket every process runs `walk` in next (None: no process has rows for it)."""
-        buckets = self.programs.buckets
+        buckets = self._buckets
         width = 0
         if rows:
             placed = node.manager.placement([r.stream.request_id for r in rows])
@@ -76,4 +89,4 @@ class Lockstep:
     def busy_anywhere(self, busy: bool) -> bool:
         """Whether any process says it has work (`busy` itself in one process); loops that drive the
         engine end on it, so every process steps as often."""
-        return bool(distributed.most_of_all(int(busy))) if self.lockstep else busy
+        return bool(distributed.most_of_all(int(busy))) if self.enabled else busy

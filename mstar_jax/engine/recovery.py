@@ -14,13 +14,13 @@ rather than delivering them again.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 from mstar_jax.resources.kv.bounded.host import BoundedKVSnapshot
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
-from mstar_jax.serving.model import Node
-from mstar_jax.serving.stream import StateLostError, StepFailedError, Stream
+from mstar_jax.serving.model import Node, ServedModel
+from mstar_jax.serving.stream import RequestError, StateLostError, StepFailedError, Stream
 
 __all__ = ["EngineSnapshot", "Recovery", "take_snapshot"]
 
@@ -53,12 +53,39 @@ def take_snapshot(
 
 
 class Recovery:
-    """The part of `ServingEngine` that serves on after a step raised (module doc)."""
+    """Serves on after a step raised (module doc).
 
-    def _recover(self, node: Node, rows: list, err: Exception, *, lost: bool = False) -> None:
+    Args:
+      served: the model (it rewinds its streams).
+      streams: the engine's live streams.
+      counters: the engine's counters (faults, requests lost and restored).
+      snapshot_every: whether snapshots are taken (None: a lost cache fails its requests).
+      fail: ends a stream with a failure (the engine's).
+      hold: holds rows for a while, returning the others (`Admission.hold`).
+
+    Attributes:
+      last_snapshot: what a lost cache is restored from (the engine takes it every `snapshot_every`
+        steps).
+    """
+
+    def __init__(
+        self,
+        *,
+        served: ServedModel,
+        streams: Mapping[str, Stream],
+        counters: MutableMapping[str, int],
+        snapshot_every: int | None,
+        fail: Callable[[Stream, RequestError], None],
+        hold: Callable[[list, set[str]], list],
+    ):
+        self._served, self._streams, self._counters = served, streams, counters
+        self._snapshot_every, self._fail, self._hold = snapshot_every, fail, hold
+        self.last_snapshot: EngineSnapshot | None = None
+
+    def recover(self, node: Node, rows: list, err: Exception, *, lost: bool = False) -> None:
         """Serve on after `node`'s step raised `err` (module doc; docs/design.md §11); `lost`: its caches
         are to be treated as lost even where their buffers survive."""
-        self.counters["faults"] += 1
+        self._counters["faults"] += 1
         if not lost and not any(m.cache_lost() for m in node.managers):
             for row in rows:
                 row.stream.faults += 1
@@ -72,9 +99,9 @@ class Recovery:
                 {r.stream.request_id for r in rows if not r.stream.phase.finished},
             )
             return
-        holders = [s for s in self.streams.values() if node.holds(s.request_id)]
-        self.counters["requests_lost"] += len(holders)
-        if self.snapshot_every is None:
+        holders = [s for s in self._streams.values() if node.holds(s.request_id)]
+        self._counters["requests_lost"] += len(holders)
+        if self._snapshot_every is None:
             for m in node.managers:
                 m.recover()
             for stream in holders:
@@ -86,11 +113,11 @@ class Recovery:
         snapshot = self.last_snapshot
         marks = {
             rid: mark for rid, (stream, mark) in (snapshot.marks.items() if snapshot else ())
-            if self.streams.get(rid) is stream
+            if self._streams.get(rid) is stream
         }  # fmt: skip
         for key, m in zip(node.keys, node.managers, strict=True):
             m.recover(snapshot.caches[key] if snapshot else None, restore=marks.keys())
         for stream in holders:
             node.runner.ingest_request(stream.request_id)  # those not restored start over
-            self.served.rewind(stream, node, marks.get(stream.request_id))
-        self.counters["requests_restored"] += len(holders)
+            self._served.rewind(stream, node, marks.get(stream.request_id))
+        self._counters["requests_restored"] += len(holders)

@@ -28,7 +28,7 @@ def main() -> dict:
     refusals = []  # what needs one process alone to touch the whole cache
     for offload_idle_after_s, snapshot_every in ((1.0, None), (None, 2)):
         try:
-            engine._check_lockstep(offload_idle_after_s, snapshot_every)
+            engine._lockstep.check(offload_idle_after_s, snapshot_every)
         except MultiProcessError as error:
             refusals.append(str(error))
     engine.submit(TTSRequest("late", [1, 2], next(iter(engine.voices.voices.values())), 4))
