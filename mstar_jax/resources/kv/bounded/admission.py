@@ -1,13 +1,16 @@
 """Admission checks of the bounded KV cache: every field of one row, before anything is claimed.
 
-`SegmentChecks` is the part of `BoundedKVManager` that answers whether a row may run; it reads the
-manager's records, config, source lengths and bank, and changes nothing.
+`check_segment` answers whether a row may run, from the manager's records, config and source lengths,
+and changes nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from mstar_jax.checks import is_int
-from mstar_jax.resources.kv.bounded.config import BoundedKVStep, StreamPosition
+from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVStep, StreamPosition
 from mstar_jax.resources.step import (
     AdmitOutcome,
     AdmitRuntimeError,
@@ -16,7 +19,7 @@ from mstar_jax.resources.step import (
     StepContext,
 )
 
-__all__ = ["SegmentChecks", "refuse", "step_tokens_of"]
+__all__ = ["check_segment", "refuse", "step_tokens_of"]
 
 
 def refuse(reason) -> AdmitOutcome:
@@ -33,69 +36,83 @@ def step_tokens_of(step: BoundedKVStep, seg: Segment) -> int:
     return step.step_tokens.get(seg.request_id, max(seg.span, 1))
 
 
-class SegmentChecks:
-    """The row checks of `BoundedKVManager.admit` (which holds the state they read)."""
+def check_segment(
+    seg: Segment,
+    pos: StreamPosition | None,
+    step_tokens: int,
+    ctx: StepContext,
+    *,
+    config: BoundedKVConfig,
+    requests: Mapping[str, Any],
+    num_sources: int,
+    source_lengths: Mapping[int, int],
+) -> AdmitRuntimeError | RequestOffloading | None:
+    """Why one row of a step may not run (None: it may), as `BoundedKVManager.admit` checks it.
 
-    def _check_segment(
-        self, seg: Segment, pos: StreamPosition | None, step_tokens: int, ctx: StepContext
-    ) -> AdmitRuntimeError | RequestOffloading | None:
-        rid, cfg = seg.request_id, self.config
-        request = self._requests.get(rid)
-        if request is None:
+    Args:
+      seg, pos, step_tokens, ctx: the row, its declared position and tokens, the step's context.
+      config: the cache's config.
+      requests: the manager's request records.
+      num_sources: sources the bank holds.
+      source_lengths: the registered sources' lengths.
+    """
+    rid, cfg = seg.request_id, config
+    request = requests.get(rid)
+    if request is None:
+        return AdmitRuntimeError(
+            f"bounded KV: request {rid!r} was never ingested (call ingest_request first)"
+        )
+    if request.host_copy is not None:
+        return RequestOffloading(f"bounded KV: {rid!r} is offloaded to host memory", seg.label, rid)
+    if pos is None:
+        return AdmitRuntimeError(f"bounded KV step declares no position for {rid!r}")
+    for field, value in zip(StreamPosition._fields, pos, strict=True):
+        if not is_int(value, numpy=True) or value < 0:
+            return AdmitRuntimeError(f"{rid!r} declares {field}={value!r}; it must be an int >= 0")
+    for field, value in (("span", seg.span), ("step tokens", step_tokens)):
+        if not is_int(value, numpy=True):
+            return AdmitRuntimeError(f"{rid!r} declares {field}={value!r}; it must be an int")
+    if not cfg.min_source_len <= pos.source_len <= cfg.max_source_len:
+        return AdmitRuntimeError(
+            f"{rid!r} has a {pos.source_len}-token source; the slots hold sources of "
+            f"[{cfg.min_source_len}, {cfg.max_source_len}] tokens"
+        )
+    if not 0 <= pos.source < num_sources:
+        return AdmitRuntimeError(
+            f"{rid!r} declares source={pos.source!r}; sources are indexed [0, {num_sources})"
+        )
+    if pos.source_len > 0:
+        length = source_lengths.get(pos.source)
+        if length is None:
             return AdmitRuntimeError(
-                f"bounded KV: request {rid!r} was never ingested (call ingest_request first)"
+                f"{rid!r} reads source {pos.source}, which is not registered; "
+                f"registered: {sorted(source_lengths)}"
             )
-        if request.host_copy is not None:
-            return RequestOffloading(f"bounded KV: {rid!r} is offloaded to host memory", seg.label, rid)
-        if pos is None:
-            return AdmitRuntimeError(f"bounded KV step declares no position for {rid!r}")
-        for field, value in zip(StreamPosition._fields, pos, strict=True):
-            if not is_int(value, numpy=True) or value < 0:
-                return AdmitRuntimeError(f"{rid!r} declares {field}={value!r}; it must be an int >= 0")
-        for field, value in (("span", seg.span), ("step tokens", step_tokens)):
-            if not is_int(value, numpy=True):
-                return AdmitRuntimeError(f"{rid!r} declares {field}={value!r}; it must be an int")
-        if not cfg.min_source_len <= pos.source_len <= cfg.max_source_len:
+        if pos.source_len > length:
             return AdmitRuntimeError(
-                f"{rid!r} has a {pos.source_len}-token source; the slots hold sources of "
-                f"[{cfg.min_source_len}, {cfg.max_source_len}] tokens"
+                f"{rid!r} reads {pos.source_len} tokens of source {pos.source}, which holds {length}"
             )
-        if not 0 <= pos.source < self.bank.num_sources:
-            return AdmitRuntimeError(
-                f"{rid!r} declares source={pos.source!r}; sources are indexed [0, {self.bank.num_sources})"
-            )
-        if pos.source_len > 0:
-            length = self._source_lengths.get(pos.source)
-            if length is None:
-                return AdmitRuntimeError(
-                    f"{rid!r} reads source {pos.source}, which is not registered; "
-                    f"registered: {sorted(self._source_lengths)}"
-                )
-            if pos.source_len > length:
-                return AdmitRuntimeError(
-                    f"{rid!r} reads {pos.source_len} tokens of source {pos.source}, which holds {length}"
-                )
-        if request.source_len is not None and (pos.source, pos.source_len) != (
-            request.source,
-            request.source_len,
-        ):
-            return AdmitRuntimeError(
-                f"{rid!r} declares source {pos.source} of length {pos.source_len}, but its stream started on "
-                f"source {request.source} of length {request.source_len}"
-            )
-        if pos.written != request.written:
-            return AdmitRuntimeError(
-                f"{rid!r} declares {pos.written} written tokens; {request.written} were committed "
-                "(positions must continue from the last committed step)"
-            )
-        if step_tokens < 1:
-            return AdmitRuntimeError(f"{rid!r}: step tokens={step_tokens} must be >= 1")
-        if not 0 <= seg.span <= step_tokens:
-            return AdmitRuntimeError(f"{rid!r}: span={seg.span} must be in [0, step tokens={step_tokens}]")
-        lease = ctx.slot_lease
-        if lease is not None and lease.bucket is not None and step_tokens > lease.bucket.num_tokens:
-            return AdmitRuntimeError(
-                f"{rid!r} brings {step_tokens} tokens; bucket {lease.bucket} holds "
-                f"{lease.bucket.num_tokens} per row"
-            )
-        return None
+    if request.source_len is not None and (pos.source, pos.source_len) != (
+        request.source,
+        request.source_len,
+    ):
+        return AdmitRuntimeError(
+            f"{rid!r} declares source {pos.source} of length {pos.source_len}, but its stream started on "
+            f"source {request.source} of length {request.source_len}"
+        )
+    if pos.written != request.written:
+        return AdmitRuntimeError(
+            f"{rid!r} declares {pos.written} written tokens; {request.written} were committed "
+            "(positions must continue from the last committed step)"
+        )
+    if step_tokens < 1:
+        return AdmitRuntimeError(f"{rid!r}: step tokens={step_tokens} must be >= 1")
+    if not 0 <= seg.span <= step_tokens:
+        return AdmitRuntimeError(f"{rid!r}: span={seg.span} must be in [0, step tokens={step_tokens}]")
+    lease = ctx.slot_lease
+    if lease is not None and lease.bucket is not None and step_tokens > lease.bucket.num_tokens:
+        return AdmitRuntimeError(
+            f"{rid!r} brings {step_tokens} tokens; bucket {lease.bucket} holds "
+            f"{lease.bucket.num_tokens} per row"
+        )
+    return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from functools import partial
 from typing import Any
 
@@ -74,7 +74,28 @@ class BoundedKVSnapshot:
 
 
 class HostCopies:
-    """Offload, reload, snapshot and recovery for `BoundedKVManager` (which holds the state they use)."""
+    """Offload, reload, snapshot and recovery of a bounded cache's slots.
+
+    Args:
+      config: the cache's storage config (the cache recovery rebuilds).
+      requests: the manager's request records (read and updated in place).
+      slots: the manager's slot pools.
+      readers: the manager's live readers per source (recounted in place by `recover`).
+      get_cache, set_cache: the manager's device cache (`BoundedKVManager.cache`).
+    """
+
+    def __init__(
+        self,
+        *,
+        config: Any,
+        requests: dict[str, RequestRecord],
+        slots: Any,
+        readers: Counter[int],
+        get_cache: Callable[[], BoundedKVCache],
+        set_cache: Callable[[BoundedKVCache], None],
+    ):
+        self._config, self._requests, self._slots, self._readers = config, requests, slots, readers
+        self._get_cache, self._set_cache = get_cache, set_cache
 
     def is_offloaded(self, request_id: str) -> bool:
         request = self._requests.get(request_id)
@@ -85,11 +106,11 @@ class HostCopies:
         request = self._requests.get(request_id)
         if request is None or request.slot is None:
             return 0
-        k, v = jax.device_get(_load_slot(self.cache, jnp.int32(request.slot)))
+        k, v = jax.device_get(_load_slot(self._get_cache(), jnp.int32(request.slot)))
         request.host_copy = (k, v)
         self._slots.give(request.slot)
         request.slot = None
-        return self.cache.nbytes // self._slots.axis_length
+        return self._get_cache().nbytes // self._slots.axis_length
 
     def reload(self, request_id: str) -> bool:
         """Bring an offloaded request back into a free slot, bit-exactly; False while none is free."""
@@ -100,20 +121,20 @@ class HostCopies:
             return False
         slot = self._slots.take()
         k, v = request.host_copy
-        self.cache = _store_slot(self.cache, jnp.int32(slot), k, v)
+        self._set_cache(_store_slot(self._get_cache(), jnp.int32(slot), k, v))
         request.slot, request.host_copy = slot, None
         return True
 
     def cache_lost(self) -> bool:
         """True when a buffer of the device cache is gone (donated to a step that then failed)."""
-        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache))
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self._get_cache()))
 
     def snapshot(self) -> BoundedKVSnapshot:
         """Copy the cache and every request's record to host memory (between steps)."""
         records = {rid: dataclasses.replace(r, admitted=None) for rid, r in self._requests.items()}
         # Read through a device copy, a layer at a time: reading the cache's own buffers would pin them to
         # the host array (on CPU), and a pinned buffer is not donated, so every later step would copy it.
-        cache = jax.tree.map(lambda layer: jax.device_get(_copy_layer(layer)), self.cache)
+        cache = jax.tree.map(lambda layer: jax.device_get(_copy_layer(layer)), self._get_cache())
         return BoundedKVSnapshot(cache, records)
 
     def recover(self, snapshot: BoundedKVSnapshot | None = None, restore: Collection[str] = ()) -> list[str]:
@@ -126,14 +147,15 @@ class HostCopies:
         request goes back to its slot, so to its data shard.
         """
         lost = [rid for rid, r in self._requests.items() if r.slot is not None]
-        shardings = jax.tree.map(lambda x: x.sharding, self.cache)  # where the lost cache lived (a mesh)
+        # Where the lost cache lived (a mesh).
+        shardings = jax.tree.map(lambda x: x.sharding, self._get_cache())
         if snapshot is None:
-            fresh = BoundedKVCache.abstract(self.config, self._slots.shards)
-            self.cache = jax.tree.map(
-                lambda s, where: jnp.zeros(s.shape, s.dtype, device=where), fresh, shardings
+            fresh = BoundedKVCache.abstract(self._config, self._slots.shards)
+            self._set_cache(
+                jax.tree.map(lambda s, where: jnp.zeros(s.shape, s.dtype, device=where), fresh, shardings)
             )
         else:
-            self.cache = jax.device_put(snapshot.cache, shardings)
+            self._set_cache(jax.device_put(snapshot.cache, shardings))
         for rid in lost:
             saved = snapshot.requests.get(rid) if snapshot is not None and rid in restore else None
             if saved is None:
@@ -143,6 +165,6 @@ class HostCopies:
         # Only restored records hold slots now, and they all come from one snapshot: no slot is held twice.
         held = {r.slot for r in self._requests.values() if r.slot is not None}
         self._slots.reset(held)
-        self._readers = Counter(r.source for r in self._requests.values() if r.source_len)
-        self._claimed_in_step = []
+        self._readers.clear()  # the manager's own counter, recounted
+        self._readers.update(r.source for r in self._requests.values() if r.source_len)
         return lost

@@ -12,15 +12,16 @@ import dataclasses
 from collections import Counter
 from collections.abc import Collection, Sequence
 
+import jax
 import numpy as np
 
 from mstar_jax.checks import check_int
 from mstar_jax.resources.base import Resource
 from mstar_jax.resources.kv.bounded import layout
-from mstar_jax.resources.kv.bounded.admission import SegmentChecks, refuse, step_tokens_of
+from mstar_jax.resources.kv.bounded.admission import check_segment, refuse, step_tokens_of
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, BoundedKVStep, StreamPosition
-from mstar_jax.resources.kv.bounded.host import HostCopies, RequestRecord
+from mstar_jax.resources.kv.bounded.host import BoundedKVSnapshot, HostCopies, RequestRecord
 from mstar_jax.resources.kv.bounded.sharding import stored_heads
 from mstar_jax.resources.kv.bounded.slots import SlotPools
 from mstar_jax.resources.kv.bounded.sources import Sources
@@ -42,7 +43,7 @@ __all__ = ["DEFAULT_NUM_SOURCES", "BoundedKVManager"]
 DEFAULT_NUM_SOURCES = 8
 
 
-class BoundedKVManager(HostCopies, Sources, SegmentChecks, Resource):
+class BoundedKVManager(Resource):
     """Serves a `BoundedKVSpec`: one slot per live request, sources read in place.
 
     Admission is atomic: a refused `admit` claims nothing. `plan` is a pure function of the step and
@@ -84,11 +85,21 @@ class BoundedKVManager(HostCopies, Sources, SegmentChecks, Resource):
         if self.stored_heads != self.config.num_heads:
             self._storage = dataclasses.replace(self.config, num_heads=self.stored_heads)
         self._cache: BoundedKVCache | None = BoundedKVCache.create(self._storage, data_shards=data_shards)
-        self.bank = SourceBank.create(self._storage, num_sources)
         self._requests: dict[str, RequestRecord] = {}
         self._source_lengths: dict[int, int] = {}
         self._readers: Counter[int] = Counter()
         self._claimed_in_step: list[str] = []
+        # Its parts, given the state they share with it (the records, slots and counters are the same
+        # objects: a part updates them in place).
+        bank = SourceBank.create(self._storage, num_sources)
+        self._sources = Sources(
+            config=self.config, stored_heads=self.stored_heads, bank=bank, lengths=self._source_lengths,
+            readers=self._readers,
+        )  # fmt: skip
+        self._host = HostCopies(
+            config=self._storage, requests=self._requests, slots=self._slots, readers=self._readers,
+            get_cache=lambda: self.cache, set_cache=lambda cache: setattr(self, "cache", cache),
+        )  # fmt: skip
 
     @classmethod
     def build(cls, spec: NodeResourceSpec, dependencies=None, **kwargs) -> BoundedKVManager:
@@ -127,6 +138,57 @@ class BoundedKVManager(HostCopies, Sources, SegmentChecks, Resource):
     @cache.setter
     def cache(self, cache: BoundedKVCache) -> None:
         self._cache = cache
+
+    @property
+    def bank(self) -> SourceBank:
+        """The source bank (`register_source` replaces it with the updated one)."""
+        return self._sources.bank
+
+    @bank.setter
+    def bank(self, bank: SourceBank) -> None:
+        self._sources.bank = bank
+
+    # Sources.
+    def register_source(self, index: int, k: Sequence[jax.Array], v: Sequence[jax.Array]) -> None:
+        """Register (or replace) source `index` (`Sources.register`)."""
+        self._sources.register(index, k, v)
+
+    def remove_source(self, index: int) -> None:
+        """Forget source `index` (`Sources.remove`)."""
+        self._sources.remove(index)
+
+    def source_length(self, index: int) -> int | None:
+        return self._source_lengths.get(index)
+
+    def readers(self, index: int) -> int:
+        """Live requests reading source `index` (offloaded ones included)."""
+        return self._readers[index]
+
+    # Host copies.
+    def is_offloaded(self, request_id: str) -> bool:
+        return self._host.is_offloaded(request_id)
+
+    def offload(self, request_id: str) -> int:
+        """Copy the request's slot to host memory and free the slot; return the device bytes reclaimed."""
+        return self._host.offload(request_id)
+
+    def reload(self, request_id: str) -> bool:
+        """Bring an offloaded request back into a free slot, bit-exactly; False while none is free."""
+        return self._host.reload(request_id)
+
+    def cache_lost(self) -> bool:
+        """True when a buffer of the device cache is gone (donated to a step that then failed)."""
+        return self._host.cache_lost()
+
+    def snapshot(self) -> BoundedKVSnapshot:
+        """Copy the cache and every request's record to host memory (between steps)."""
+        return self._host.snapshot()
+
+    def recover(self, snapshot: BoundedKVSnapshot | None = None, restore: Collection[str] = ()) -> list[str]:
+        """Rebuild the device cache after a fault lost it; return the requests whose state was lost
+        (`HostCopies.recover`)."""
+        self._claimed_in_step = []
+        return self._host.recover(snapshot, restore)
 
     # Introspection.
     @property
@@ -228,7 +290,10 @@ class BoundedKVManager(HostCopies, Sources, SegmentChecks, Resource):
                     )
                 )
             pos = step.positions.get(seg.request_id)
-            reason = self._check_segment(seg, pos, step_tokens_of(step, seg), ctx)
+            reason = check_segment(
+                seg, pos, step_tokens_of(step, seg), ctx, config=self.config, requests=self._requests,
+                num_sources=self.bank.num_sources, source_lengths=self._source_lengths,
+            )  # fmt: skip
             if reason is not None:
                 return refuse(reason)
             admitted[seg.request_id] = (pos, seg.span)

@@ -1,12 +1,13 @@
 """The source bank of a bounded KV cache: registering, replacing and removing sources, and counting the
 live requests that read each one (a source they read can be neither replaced nor removed).
 
-`Sources` is the part of `BoundedKVManager` that owns the bank; it reads the manager's config and reader
-counts.
+`Sources` is the part of `BoundedKVManager` that owns the bank, given the manager's config, its stored
+heads and its source lengths and reader counts.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from functools import partial
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from mstar_jax.checks import check_int
 from mstar_jax.resources.kv.bounded.cache import SourceBank
+from mstar_jax.resources.kv.bounded.config import BoundedKVConfig
 
 __all__ = ["Sources"]
 
@@ -30,9 +32,36 @@ def _store_source(bank: SourceBank, index, k, v) -> SourceBank:
 
 
 class Sources:
-    """Source-bank methods of `BoundedKVManager` (which holds `bank`, `_source_lengths` and `_readers`)."""
+    """A bounded cache's source bank and what it holds.
 
-    def register_source(self, index: int, k: Sequence[jax.Array], v: Sequence[jax.Array]) -> None:
+    Args:
+      config: the cache's config.
+      stored_heads: KV heads each source stores (a copy of a head per model shard where there are fewer
+        heads than shards).
+      bank: the bank (`SourceBank.create`); `register` replaces it with the updated one.
+      lengths: the manager's registered sources' lengths (updated in place).
+      readers: the manager's live readers per source (read: a source in use is neither replaced nor
+        removed).
+    """
+
+    def __init__(
+        self,
+        *,
+        config: BoundedKVConfig,
+        stored_heads: int,
+        bank: SourceBank,
+        lengths: dict[int, int],
+        readers: Counter[int],
+    ):
+        self.bank = bank
+        self._config, self._stored_heads, self._lengths, self._readers = (
+            config,
+            stored_heads,
+            lengths,
+            readers,
+        )
+
+    def register(self, index: int, k: Sequence[jax.Array], v: Sequence[jax.Array]) -> None:
         """Register (or replace) source `index`: per layer K and V of shape [R, G, length, D].
 
         Raises:
@@ -40,8 +69,8 @@ class Sources:
             reading the source would read it), a length outside [min_source_len, max_source_len], or
             replacing a source a live request reads (its stream would change under it).
         """
-        cfg = self.config
-        self._check_source_index(index)
+        cfg = self._config
+        self.check_index(index)
         if self._readers[index]:
             raise ValueError(
                 f"source {index} is read by {self._readers[index]} live request(s); "
@@ -62,30 +91,23 @@ class Sources:
             )
         k, v = (_finite(index, name, x, cfg.dtype) for name, x in (("k", k), ("v", v)))
         pad = [(0, 0)] * 3 + [(0, self.bank.k[0].shape[3] - length), (0, 0)]
-        copies = self.stored_heads // cfg.num_heads  # head j of the store is head j // copies
+        copies = self._stored_heads // cfg.num_heads  # head j of the store is head j // copies
         k, v = (np.repeat(np.pad(x, pad), copies, axis=2) for x in (k, v))
         self.bank = _store_source(self.bank, np.int32(index), k, v)
-        self._source_lengths[index] = length
+        self._lengths[index] = length
 
-    def remove_source(self, index: int) -> None:
+    def remove(self, index: int) -> None:
         """Forget source `index`. Raises ValueError if it is unknown or a live request reads it."""
-        self._check_source_index(index)
-        if index not in self._source_lengths:
-            raise ValueError(f"source {index} is not registered; registered: {sorted(self._source_lengths)}")
+        self.check_index(index)
+        if index not in self._lengths:
+            raise ValueError(f"source {index} is not registered; registered: {sorted(self._lengths)}")
         if self._readers[index]:
             raise ValueError(
                 f"source {index} is read by {self._readers[index]} live request(s); cannot remove it"
             )
-        del self._source_lengths[index]
+        del self._lengths[index]
 
-    def source_length(self, index: int) -> int | None:
-        return self._source_lengths.get(index)
-
-    def readers(self, index: int) -> int:
-        """Live requests reading source `index` (offloaded ones included)."""
-        return self._readers[index]
-
-    def _check_source_index(self, index: int) -> None:
+    def check_index(self, index: int) -> None:
         check_int("source index", index, minimum=0, below=self.bank.num_sources)
 
 
