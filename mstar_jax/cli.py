@@ -227,7 +227,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    return gemma3_command.run(args, CommandLineError)
+    from mstar_jax.engine.generate import run  # imports the engine only when serving
+
+    return run(args, CommandLineError)
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {

@@ -535,3 +535,17 @@ def test_generate_names_a_gguf_file_it_cannot_read(capsys):
         "--gguf '/nonexistent/model.gguf' cannot be read: No such file or directory"
         in capsys.readouterr().err
     )
+
+
+def test_generate_charges_each_step_the_time_no_step_before_it_took():
+    """`generate`'s rates: a pipelined step, dispatched before the one before it was read, is charged only
+    from that read-back on; a step after an idle gap from its own start."""
+    from mstar_jax.engine.generate import charged_seconds
+    from mstar_jax.engine.records import StepRecord
+
+    def record(started: float, done: float) -> StepRecord:
+        return StepRecord("walk", None, 1, started, done - started, (0,), 0)
+
+    steps = [record(0.0, 1.0), record(0.5, 1.5), record(1.2, 3.0), record(5.0, 5.5)]
+    assert charged_seconds(steps) == pytest.approx([1.0, 0.5, 1.5, 0.5])
+    assert sum(charged_seconds(steps)) == pytest.approx(3.5)  # the time some step was running

@@ -23,9 +23,18 @@ from mstar_jax.engine import report as tts_report
 from mstar_jax.engine.build import EXECUTABLES
 from mstar_jax.engine.engine import ServingEngine
 from mstar_jax.models.gemma3.serving import Gemma3Programs, Gemma3Serving, TextRequest, TextStream
+from mstar_jax.models.gemma3.stream import Gemma3Streams
 from mstar_jax.serving.stream import Phase
+from mstar_jax.settings import EngineSettings
 
-__all__ = ["TextArrival", "build_text_engine", "run_text_deployment", "summarize_text", "text_workload"]
+__all__ = [
+    "TextArrival",
+    "build_text_engine",
+    "run_text_deployment",
+    "summarize_text",
+    "text_engine",
+    "text_workload",
+]
 
 
 def build_text_engine(
@@ -41,7 +50,6 @@ def build_text_engine(
 
     from mstar_jax.models.gemma3 import load_gguf, open_gguf
     from mstar_jax.models.gemma3.model import Gemma3
-    from mstar_jax.models.gemma3.stream import Gemma3Streams
 
     config = deployment.model_config
     slots = {spec.resource_key: spec.config.max_slots for spec in deployment.specs}
@@ -57,8 +65,14 @@ def build_text_engine(
         implementation=implementation, interpret=interpret,
         store=None if cache_dir is None else ExecutableStore(os.path.join(cache_dir, EXECUTABLES)),
     )  # fmt: skip
+    return text_engine(streams, deployment.engine, progress=progress)
+
+
+def text_engine(streams: Gemma3Streams, settings: EngineSettings, *, progress: bool = True) -> ServingEngine:
+    """`streams` (a `Gemma3Streams`) served by the engine under `settings` (`EngineSettings`): every
+    bucket's program captured (or loaded from `streams`' executable store), the engine warmed up."""
     served = Gemma3Serving(streams, Gemma3Programs.capture(streams, progress=progress))
-    engine = ServingEngine(served, settings=deployment.engine)
+    engine = ServingEngine(served, settings=settings)
     engine.warm_up()
     return engine
 

@@ -1,4 +1,5 @@
-"""`mstar-jax generate` with the real Gemma 3 270M: prompts wait for a slot, text streams out as it comes.
+"""`mstar-jax generate` with the real Gemma 3 270M, through the engine: prompts wait for a slot, text streams
+out as it comes.
 
 The continuations are facts the model knows (counting, the days of the week), the same oracle
 `test_real_model` uses; its agreement with llama.cpp is tested there.
@@ -16,9 +17,9 @@ from tests.models.gemma3.extra import skip_module_without_the_gemma_extra
 skip_module_without_the_gemma_extra()
 
 from mstar_jax import cli  # noqa: E402
+from mstar_jax.engine.generate import _Printer  # noqa: E402
 from mstar_jax.memory import format_bytes  # noqa: E402
 from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, open_gguf, read_config  # noqa: E402
-from mstar_jax.models.gemma3.command import _Printer  # noqa: E402
 from mstar_jax.models.gemma3.stream import cache_configs  # noqa: E402
 from mstar_jax.resources.kv.bounded.config import SinkWindow  # noqa: E402
 
