@@ -29,8 +29,8 @@ from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import BucketKey
 from mstar_jax.serving.abstract import abstract, shaped
 from mstar_jax.serving.feed import fed
-from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps
-from mstar_jax.serving.stream import Phase, ReplayMismatchError, RequestError, Stream
+from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps, notify
+from mstar_jax.serving.stream import Phase, ReplayMismatchError, Stream
 
 __all__ = ["DecodeRow", "DecoderPrograms", "DecoderStream", "GreedyDecoder", "capture_decoder", "fed_width"]
 
@@ -75,7 +75,7 @@ class DecodeRow:
     """One stream's part of a step: `tokens` written at its end; `feed` >= 0: the token is the step in
     flight's output at that row (`tokens` is then a placeholder)."""
 
-    stream: DecoderStream
+    stream: Stream
     tokens: tuple[int, ...]
     decode: bool
     feed: int = -1
@@ -313,14 +313,8 @@ class GreedyDecoder(ServedModel):
             stream.tokens.append(token)
             if stream.first_token_at is None:
                 stream.first_token_at = now
-            if stream.on_output is not None:
-                try:
-                    stream.on_output(token)
-                except Exception as err:  # a client's callback must not stop the other streams
-                    ops.fail(stream, RequestError(f"request {stream.request_id!r}: on_output raised {err!r}"))
-                    continue
-                if stream.phase.finished:  # the callback cancelled its own stream
-                    continue
+            if not notify(stream, stream.on_output, token, ops, name="on_output"):
+                continue  # the callback raised, or cancelled its own stream
             if stream.generated == stream.request.max_new_tokens or token in self.stop_tokens(stream):
                 ops.done(stream)
 
