@@ -18,7 +18,8 @@ Read statically with `ast`, without importing anything. The rules:
 One edge is allowed to close a cycle: the seed's own lazy builder import inside
 `BoundedKVSpec.resource_class` (config -> manager -> config), which keeps declaring a resource free of
 the manager and its kernels. Layering (STYLE.md): `kernels_pallas` imports nothing from `mstar_jax`;
-`mstar_jax.resources` imports nothing from `mstar_jax.models` or `mstar_jax.engine`.
+`mstar_jax.resources` and `mstar_jax.serving` (what models plug into) import nothing from `mstar_jax.models`
+or `mstar_jax.engine`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ ALLOWED = frozenset(
 FORBIDDEN = {
     "kernels_pallas": ("mstar_jax",),
     "mstar_jax.resources": ("mstar_jax.models", "mstar_jax.engine"),
+    "mstar_jax.serving": ("mstar_jax.models", "mstar_jax.engine"),
 }
 
 

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.compile import (
     Buckets,
     BucketSet,
@@ -214,9 +213,7 @@ class TTSPrograms:
         i32, u32 = jnp.int32, jnp.uint32
 
         def plan(rows: int, key: BucketKey) -> BoundedKVPlan:  # the manager's plan of a step in `key`
-            return BoundedKVPlan(
-                shaped((shards * rows, tbl.ROW_INTS), i32, rows_sharding), num_tokens=key.num_tokens
-            )
+            return BoundedKVPlan.abstract(shards * rows, key.num_tokens, rows_sharding)
 
         def rows_of(bs: int, *shape: int, dtype=i32) -> jax.ShapeDtypeStruct:
             return shaped((shards * bs, *shape), dtype, rows_sharding)

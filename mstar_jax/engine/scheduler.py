@@ -16,25 +16,16 @@ import dataclasses
 from collections.abc import Iterable
 
 from mstar_jax.engine.request import Phase, Stream
+from mstar_jax.serving.decoder import DecodeRow
 
 __all__ = ["FlowRow", "TalkerRow", "flow_rows", "talker_rows"]
 
 
-@dataclasses.dataclass(frozen=True)
-class TalkerRow:
-    """One request's part of a talker step: `tokens` (prompt tokens or the last frame's token) written
-    at the stream's current end; `decode` says which kernel runs it. `feed` >= 0: the last frame's code
-    is still on the device, in that row of the step in flight, and the program reads its token there
-    (`tokens` is then a placeholder)."""
-
-    stream: Stream
-    tokens: tuple[int, ...]
-    decode: bool
-    feed: int = -1
-
-    @property
-    def span(self) -> int:
-        return len(self.tokens)
+TalkerRow = DecodeRow
+"""One request's part of a talker step (`DecodeRow`): `tokens` (prompt tokens or the last frame's token)
+written at the stream's current end; `decode` says which kernel runs it. `feed` >= 0: the last frame's
+code is still on the device, in that row of the step in flight, and the program reads its token there
+(`tokens` is then a placeholder)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ from mstar_jax.engine import batch
 from mstar_jax.engine.build import build_from_deployment
 from mstar_jax.engine.engine import ServingEngine, check_pipelined
 from mstar_jax.engine.programs import TTSPrograms
-from mstar_jax.engine.request import AudioChunk, ReplayMismatchError, RequestError, Stream, TTSRequest
+from mstar_jax.engine.request import AudioChunk, ReplayMismatchError, Stream, TTSRequest
 from mstar_jax.engine.scheduler import FlowRow, flow_rows, talker_rows
 from mstar_jax.engine.voices import Voice, VoiceBank
 from mstar_jax.models.streaming_tts.model import (
@@ -45,7 +45,7 @@ from mstar_jax.models.streaming_tts.resource_keys import FLOW_KV, TALKER_KV
 from mstar_jax.resources.kv.bounded.config import StreamPosition
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.runner import ResourceRunner
-from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps
+from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps, notify
 from mstar_jax.serving.stream import Phase
 from mstar_jax.settings import EngineSettings
 
@@ -228,14 +228,8 @@ class TTSServing(ServedModel):
             stream.chunks.append(chunk)
             if stream.first_audio_at is None:
                 stream.first_audio_at = now
-            if stream.on_chunk is not None:
-                try:
-                    stream.on_chunk(chunk)
-                except Exception as err:  # a client's callback must not stop the other streams
-                    ops.fail(stream, RequestError(f"request {stream.request_id!r}: on_chunk raised {err!r}"))
-                    continue
-                if stream.phase.finished:  # the callback cancelled its own stream
-                    continue
+            if not notify(stream, stream.on_chunk, chunk, ops, name="on_chunk"):
+                continue  # the callback raised, or cancelled its own stream
             if stream.talker_done and stream.frames_decoded == stream.request.frames:
                 ops.done(stream)
 

@@ -1,10 +1,19 @@
 """The serving layer models plug into: the protocol a model implements to be served by the engine
 (`ServedModel`, its `Node`s, the `Stream` every request has), the step transaction every model's steps
 run through, the attention its layers call on a bounded cache, a decoder step that feeds on the device,
-and the abstract arguments it is captured from."""
+the abstract arguments it is captured from, and the bookkeeping every one-node decoder shares
+(`GreedyDecoder`)."""
 
 from mstar_jax.serving.abstract import abstract, shaped
 from mstar_jax.serving.attention import LayerAttention, layer_attention
+from mstar_jax.serving.decoder import (
+    DecodeRow,
+    DecoderPrograms,
+    DecoderStream,
+    GreedyDecoder,
+    capture_decoder,
+    fed_width,
+)
 from mstar_jax.serving.feed import fed
 from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps
 from mstar_jax.serving.stream import (
@@ -20,6 +29,10 @@ from mstar_jax.serving.transaction import Declared, Resources, abort, admit, dec
 
 __all__ = [
     "Declared",
+    "DecodeRow",
+    "DecoderPrograms",
+    "DecoderStream",
+    "GreedyDecoder",
     "InFlight",
     "LayerAttention",
     "Node",
@@ -36,8 +49,10 @@ __all__ = [
     "abort",
     "abstract",
     "admit",
+    "capture_decoder",
     "declare",
     "fed",
+    "fed_width",
     "layer_attention",
     "run_admitted",
     "shaped",

@@ -32,7 +32,7 @@ from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import BucketKey
 from mstar_jax.serving.stream import RequestError, Stream
 
-__all__ = ["InFlight", "Node", "ServedModel", "StreamOps"]
+__all__ = ["InFlight", "Node", "ServedModel", "StreamOps", "notify"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -117,6 +117,22 @@ class StreamOps(Protocol):
 
     def release(self, stream: Stream, node: str) -> None:
         """Give back what `stream` holds in `node`'s caches (it has nothing more to do there)."""
+
+
+def notify(stream: Stream, callback: Any, output: Any, ops: StreamOps, *, name: str) -> bool:
+    """Hand a client's `callback` (None: nobody listens) one new output of `stream`; False if the stream
+    ended meanwhile: the callback raised (that stream alone fails, the others go on) or cancelled it.
+
+    Args:
+      name: the callback's name, for the failure's message (`on_output`).
+    """
+    if callback is not None:
+        try:
+            callback(output)
+        except Exception as err:  # a client's callback must not stop the other streams
+            ops.fail(stream, RequestError(f"request {stream.request_id!r}: {name} raised {err!r}"))
+            return False
+    return not stream.phase.finished
 
 
 class ServedModel(abc.ABC):

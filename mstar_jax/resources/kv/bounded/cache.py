@@ -119,6 +119,16 @@ class BoundedKVPlan:
         n = check_int("num_tokens", self.num_tokens, minimum=1, allow_none=True, numpy=True)
         object.__setattr__(self, "num_tokens", n)  # a static field: hashed, compared, printed
 
+    @classmethod
+    def abstract(
+        cls, num_requests: int, num_tokens: int | None = None, sharding: Any = None
+    ) -> BoundedKVPlan:
+        """The plan of a step of `num_requests` rows as an abstract argument for ahead-of-time capture:
+        its table a `ShapeDtypeStruct` i32[num_requests, ROW_INTS] (placed by `sharding` if given), e.g.
+        for a bucket `BoundedKVPlan.abstract(bucket.bs, bucket.num_tokens)`."""
+        table = jax.ShapeDtypeStruct((num_requests, tbl.ROW_INTS), jnp.int32, sharding=sharding)
+        return cls(table, num_tokens=num_tokens)
+
     @property
     def num_requests(self) -> int:
         return self.table.shape[0]

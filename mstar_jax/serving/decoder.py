@@ -1,0 +1,330 @@
+"""A decoder of one feeding node, as the engine serves it: the protocol's bookkeeping, written once.
+
+`GreedyDecoder` implements `ServedModel` for a model of one graph node whose step returns one token per
+row (its greedy choice, or any choice a replay reproduces) and feeds: a decode row reads its input token
+from the previous step's outputs on the device (`serving/feed.py`). Each round runs a decode row of one
+token for every stream generating, then prompt chunks of `chunk` tokens for the others; a prompt's last
+chunk gives the stream its first token. After a fault, a rewound stream regenerates its delivered tokens
+against `DecoderStream.tokens` (a `generated` counter), which must come out the same and are not
+delivered again.
+
+A model subclasses it with its request type and its checks, its node (`GreedyDecoder.__init__`) and its
+programs (`capture_decoder`), and says in small hooks what differs: `prompt`, `chunk`, the walks
+(`decode_walk`, `prefill_walk`, `choose_walk`), `stop_tokens` and `extra_inputs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from mstar_jax.compile import Buckets, CapturedStep, capture
+from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan
+from mstar_jax.resources.kv.bounded.config import StreamPosition
+from mstar_jax.resources.runner import ResourceRunner
+from mstar_jax.resources.step import BucketKey
+from mstar_jax.serving.abstract import abstract, shaped
+from mstar_jax.serving.feed import fed
+from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps, notify
+from mstar_jax.serving.stream import Phase, ReplayMismatchError, Stream
+
+__all__ = ["DecodeRow", "DecoderPrograms", "DecoderStream", "GreedyDecoder", "capture_decoder", "fed_width"]
+
+
+@dataclasses.dataclass(eq=False)
+class DecoderStream(Stream):
+    """A decoder request's progress and tokens.
+
+    Attributes:
+      tokens: the tokens delivered so far (a fault's replay never takes one back).
+      generated: tokens the stream's steps have generated since its start or its last rewind; behind
+        `len(tokens)` while a replay regenerates delivered tokens, which must come out the same.
+      on_output: called with each new token (from the engine's thread); None: nobody listens.
+      first_token_at: clock stamp of its first token (None until then).
+      prefilled: prompt tokens read.
+      written: entries committed to the node's caches.
+      tokens_in_flight: tokens of steps dispatched but not read back yet (a pipelined engine).
+      feed: `(step, row)`: where the newest of those tokens sits in that step's device output; None once
+        read.
+    """
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    generated: int = 0
+    on_output: Callable[[int], None] | None = None
+    first_token_at: float | None = None
+    prefilled: int = 0
+    written: int = 0
+    tokens_in_flight: int = 0
+    feed: tuple[int, int] | None = None
+
+    def written_in(self, node: str) -> int:
+        return self.written
+
+    @property
+    def tokens_scheduled(self) -> int:
+        """Tokens generated or being generated."""
+        return self.generated + self.tokens_in_flight
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRow:
+    """One stream's part of a step: `tokens` written at its end; `feed` >= 0: the token is the step in
+    flight's output at that row (`tokens` is then a placeholder)."""
+
+    stream: Stream
+    tokens: tuple[int, ...]
+    decode: bool
+    feed: int = -1
+
+    @property
+    def span(self) -> int:
+        return len(self.tokens)
+
+
+def fed_width(buckets: Buckets) -> int:
+    """`C`, the width every program of a feeding node pads its outputs to: the most rows any bucket has."""
+    return max(buckets.max_batch(walk) for walk in buckets.walks)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecoderPrograms:
+    """A decoder's captured programs (`capture_decoder`).
+
+    Attributes:
+      buckets: its buckets, of one walk or more.
+      steps: walk -> `CapturedStep`; each takes `(params, caches, banks, plans, prev_tokens i32[C],
+        feed i32[B], tokens i32[B, T], lengths i32[B], *extra i32[B, T])` and returns the caches and
+        every row's next token, padded to `C`.
+    """
+
+    buckets: Buckets
+    steps: dict[str, CapturedStep]
+
+    @property
+    def width(self) -> int:
+        """`C` (`fed_width`)."""
+        return fed_width(self.buckets)
+
+
+def capture_decoder(
+    step: Callable,
+    buckets: Buckets,
+    params: Any,
+    caches: Any,
+    banks: Any,
+    *,
+    name: str,
+    extra: int = 0,
+    fingerprint: Any = None,
+    progress: bool = False,
+    **options: Any,
+) -> dict[str, CapturedStep]:
+    """`fed(step)` captured for every bucket of every walk, from abstract arguments of the arrays given.
+
+    Args:
+      step: `step(params, caches, banks, plans, tokens i32[B, T], lengths i32[B], *extra, **static) ->
+        (caches, i32[B])`.
+      buckets: the buckets.
+      params, caches, banks: the node's weights, caches and source banks (a cache and its bank, or
+        tuples of them: the plans are then a tuple too, one a cache).
+      name: the programs' name (each walk's adds the walk).
+      extra: inputs i32[B, T] the step takes after `lengths`.
+      fingerprint: what `step` closes over (`capture`); the padding width is added to it.
+      progress: show a progress bar per walk.
+      options: the rest of `capture`'s keywords (`static_kwargs`, `store`).
+
+    Returns:
+      walk -> `CapturedStep` (`DecoderPrograms.steps`).
+    """
+    width = fed_width(buckets)
+    several = isinstance(caches, tuple)
+
+    def arguments(bucket: BucketKey) -> tuple:
+        rows = shaped((bucket.bs,), jnp.int32)
+        ids = shaped((bucket.bs, bucket.num_tokens), jnp.int32)
+        plan = BoundedKVPlan.abstract(bucket.bs, bucket.num_tokens)
+        plans = (plan,) * len(caches) if several else plan
+        head = (abstract(params), abstract(caches), abstract(banks), plans)
+        return (*head, shaped((width,), jnp.int32), rows, ids, rows, *(ids,) * extra)
+
+    fed_step, steps = fed(step, width=width), {}
+    fingerprint = ("fed", width, *(() if fingerprint is None else fingerprint))
+    for walk in buckets.walks:
+        steps[walk] = capture(
+            fed_step, buckets[walk].keys(), arguments, donate_argnums=(1,), name=f"{name} {walk}",
+            fingerprint=fingerprint, progress=progress, **options,
+        )  # fmt: skip
+    return steps
+
+
+class GreedyDecoder(ServedModel):
+    """A `ServedModel` of one feeding decoder node (module doc).
+
+    Args:
+      name: the node's name.
+      runner: its `ResourceRunner`.
+      keys: its caches' keys, in the order its programs take them.
+      params: its weights.
+      programs: its programs (`DecoderPrograms`, or any with `buckets`, `steps` and `width`).
+
+    Class attributes a subclass sets:
+      request_type: the requests it serves (others are refused with a `TypeError`).
+      stream_type: its streams (a `DecoderStream`).
+      decode_walk, prefill_walk: the walks of its decode and its prefill rows; the same walk: one program
+        runs both (decode rows first).
+      chunk: prompt tokens a prefill row reads, at most (an attribute or a property).
+    """
+
+    request_type: type = object
+    stream_type: type[DecoderStream] = DecoderStream
+    decode_walk: str
+    prefill_walk: str
+    chunk: int
+
+    def __init__(self, name: str, runner: ResourceRunner, keys: tuple[str, ...], params: Any, programs: Any):
+        self.programs = programs
+        no_feed = jnp.zeros((programs.width,), jnp.int32)  # nothing in flight: a program reads no token
+        walks = programs.buckets.walks
+        self.nodes = (Node(name, runner, keys, params, walks, feeds=True, no_feed=no_feed),)
+
+    # -- hooks --------------------------------------------------------------------------------------
+
+    def check(self, request: Any) -> None:
+        """Refuse a request the model cannot serve (`TypeError`, `ValueError` naming the field)."""
+
+    def prompt(self, stream: DecoderStream) -> Sequence[int]:
+        """The tokens the stream reads before it generates (default: its request's `prompt`)."""
+        return stream.request.prompt
+
+    def stop_tokens(self, stream: DecoderStream) -> Collection[int]:
+        """Tokens that end the stream, kept as its last (default: its request's `stop_tokens`, if any)."""
+        return getattr(stream.request, "stop_tokens", ())
+
+    def choose_walk(self, rows: Sequence[DecodeRow]) -> str:
+        """The walk of a program of `rows` (default: rows of one token run the decode walk)."""
+        return self.decode_walk if max(row.span for row in rows) == 1 else self.prefill_walk
+
+    def extra_inputs(self, bucket: BucketKey) -> tuple:
+        """Host inputs the programs take after `lengths` (default none)."""
+        return ()
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def new_stream(self, request: Any, *, on_output: Any, now: float) -> DecoderStream:
+        if not isinstance(request, self.request_type):
+            raise TypeError(f"request={request!r} must be a {self.request_type.__name__}")
+        self.check(request)
+        return self.stream_type(request, on_output=on_output, submitted_at=now)
+
+    def outputs(self, stream: DecoderStream) -> list[int]:
+        return stream.tokens
+
+    # -- scheduling ---------------------------------------------------------------------------------
+
+    def rows(
+        self,
+        node: Node,
+        streams: Sequence[DecoderStream],
+        *,
+        now: float,
+        max_batch: int,
+        in_flight: int | None,
+    ) -> list[tuple[list, str | None]]:
+        """A decode row for each stream generating (its token fed from the step in flight, or its last
+        token from the host), a prompt chunk for each other, in programs of at most `max_batch` rows.
+        Every decode row is in the round's first program: a later one's previous outputs are the first's,
+        not the step's that was in flight. (A round's programs vary in number: the decoder is served by one
+        process, never in lockstep.)"""
+        decode, prefill = [], []
+        for s in streams:
+            if s.phase.finished or s.phase is Phase.FLUSH or s.paused or s.hold_until > now:
+                continue
+            if s.phase is not Phase.DECODE:
+                chunk = self.prompt(s)[s.prefilled : s.prefilled + self.chunk]
+                prefill.append(DecodeRow(s, tuple(chunk), decode=False))
+            elif s.feed is not None and s.feed[0] == in_flight:
+                decode.append(DecodeRow(s, (0,), decode=True, feed=s.feed[1]))
+            else:
+                decode.append(DecodeRow(s, (s.tokens[s.generated - 1],), decode=True))
+        decode = decode[:max_batch]  # the rest wait for the next round
+        if self.decode_walk == self.prefill_walk:
+            rows, walk = decode + prefill, self.decode_walk
+            return [(rows[i : i + max_batch], walk) for i in range(0, len(rows), max_batch)]
+        chunks = [(prefill[i : i + max_batch], self.prefill_walk) for i in range(0, len(prefill), max_batch)]
+        return [(decode, self.decode_walk), *chunks]
+
+    def choose_bucket(self, node: Node, rows: Sequence, *, rows_per_shard: int | None = None) -> BucketKey:
+        span = max(row.span for row in rows)
+        return self.programs.buckets.bucket_for(self.choose_walk(rows), rows_per_shard or len(rows), span)
+
+    def position(self, node: Node, stream: DecoderStream) -> StreamPosition:
+        return StreamPosition(0, stream.written)
+
+    def inputs(self, node: Node, bucket: BucketKey, rows: Sequence[DecodeRow], layout: Any) -> tuple:
+        """`feed i32[B]`, `tokens i32[B, T]`, `lengths i32[B]`, then `extra_inputs`."""
+        feed, lengths = np.full(bucket.bs, -1, np.int32), np.zeros(bucket.bs, np.int32)
+        tokens = np.zeros((bucket.bs, bucket.num_tokens), np.int32)
+        for i, row in enumerate(rows):
+            feed[i], lengths[i], tokens[i, : row.span] = row.feed, row.span, row.tokens
+        return feed, tokens, lengths, *self.extra_inputs(bucket)
+
+    # -- outputs ------------------------------------------------------------------------------------
+
+    def dispatched(self, step: InFlight, now: float) -> None:
+        emits = []
+        for row, index in zip(step.rows, step.indices, strict=True):
+            stream = row.stream
+            stream.written += row.span
+            stream.last_step_at = now
+            if not row.decode:
+                stream.prefilled += row.span
+                stream.phase = Phase.PREFILL
+            emits.append(row.decode or stream.prefilled == len(self.prompt(stream)))
+            if emits[-1]:
+                stream.tokens_in_flight += 1
+                stream.feed = (step.serial, index)
+                stream.phase = Phase.DECODE
+            if stream.tokens_scheduled >= stream.request.max_new_tokens:
+                stream.phase = Phase.FLUSH  # its last token is coming: no step needs it as input
+        step.emits = tuple(emits)
+
+    def read(self, step: InFlight, outputs: Any, now: float, ops: StreamOps) -> None:
+        for row, index, emits in zip(step.rows, step.indices, step.emits, strict=True):
+            stream = row.stream
+            if stream.phase.finished or not emits:
+                continue
+            if stream.feed == (step.serial, index):
+                stream.feed = None
+            stream.tokens_in_flight -= 1
+            stream.faults = 0
+            token, at = int(outputs[index]), stream.generated
+            stream.generated += 1
+            if at < len(stream.tokens):  # replayed after a fault: the client has it already
+                if stream.tokens[at] != token:
+                    ops.fail(stream, ReplayMismatchError(
+                        f"request {stream.request_id!r}: replaying after a fault generated token {token} "
+                        f"at {at}, where it had generated {stream.tokens[at]}"
+                    ))  # fmt: skip
+                continue
+            stream.tokens.append(token)
+            if stream.first_token_at is None:
+                stream.first_token_at = now
+            if not notify(stream, stream.on_output, token, ops, name="on_output"):
+                continue  # the callback raised, or cancelled its own stream
+            if stream.generated == stream.request.max_new_tokens or token in self.stop_tokens(stream):
+                ops.done(stream)
+
+    # -- recovery -----------------------------------------------------------------------------------
+
+    def mark(self, stream: DecoderStream) -> tuple:
+        return (stream.phase, stream.prefilled, stream.written, stream.generated)
+
+    def rewind(self, stream: DecoderStream, node: Node, mark: tuple | None) -> None:
+        phase, prefilled, written, generated = mark or (Phase.WAITING, 0, 0, 0)
+        stream.tokens_in_flight, stream.feed = 0, None  # an engine rewinds only with nothing in flight
+        stream.phase, stream.prefilled = phase, prefilled
+        stream.written, stream.generated = written, generated
