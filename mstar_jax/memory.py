@@ -74,7 +74,6 @@ MIN_SOURCES = 8
 """Source-bank entries `Engine.from_deployment` allocates at least, whatever the workload's voices."""
 SAMPLES_PER_FRAME = 1920
 """Audio samples per codec frame (24 kHz at 12.5 Hz): the vocoder's width, `model.SAMPLES_PER_FRAME`."""
-_FLOW_FEATURES = 32  # the flow's time and frame-index sinusoid features (`flow._FEATURES`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -459,31 +458,11 @@ def source_bytes(config: BoundedKVConfig) -> int:
 
 
 def weight_count(config: StreamingTTSConfig) -> int:
-    """Parameters of the talker and the flow decoder, counted from their shapes (`talker.py`, `flow.py`)."""
-    e, f = config.d_model, config.talker_ffn_dim
-    q, kv = config.talker_heads * config.talker_head_dim, config.talker_kv_heads * config.talker_head_dim
-    # Per block: 2 RMSNorm scales, wq, wk, wv, wo, and the SwiGLU's gate, up and down.
-    talker_block = 2 * e + e * q + 2 * e * kv + q * e + 3 * e * f
-    talker = (
-        (config.text_vocab_size + config.codec_vocab_size + 1) * e  # one embedding for text, codes, BOS
-        + config.talker_layers * talker_block
-        + e  # final norm
-        + e * config.codec_vocab_size  # head
-    )
-    e, m = config.flow_d_model, config.mel_bins
-    h = config.flow_heads * config.flow_head_dim
-    # Per block: 2 RMSNorm scales, wq, wk, wv, wo, and the GELU MLP (4x wide).
-    flow_block = 2 * e + 3 * e * h + h * e + 2 * 4 * e * e
-    flow = (
-        (config.codec_vocab_size + 1) * e  # code embedding with the null code
-        + (m + 1) * e  # mel_in, with bias
-        + 2 * (_FLOW_FEATURES + 1) * e  # time_in, index_in, with biases
-        + config.flow_layers * flow_block
-        + e  # final norm
-        + (e + 1) * m  # mel_out, with bias
-        + (m + 1) * SAMPLES_PER_FRAME  # vocoder, with bias
-    )
-    return talker + flow
+    """Parameters of the talker and the flow decoder, counted from the model's own parameters
+    (`nnx.eval_shape`: no weight is drawn)."""
+    from mstar_jax.models.streaming_tts.model import abstract_params  # the model's modules, when asked
+
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params(config)))
 
 
 def weight_bytes(config: StreamingTTSConfig) -> int:

@@ -26,7 +26,6 @@ from mstar_jax.memory import (
     weight_count,
     workspace_bytes,
 )
-from mstar_jax.models.streaming_tts import flow as flow_module
 from mstar_jax.models.streaming_tts import model as model_module
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
@@ -55,7 +54,6 @@ def test_weights_equal_the_models_parameters(config):
     assert weight_count(config) == sum(leaf.size for leaf in leaves)
     assert weight_bytes(config) == sum(leaf.nbytes for leaf in leaves)
     assert memory.SAMPLES_PER_FRAME == model_module.SAMPLES_PER_FRAME
-    assert memory._FLOW_FEATURES == flow_module._FEATURES
 
 
 def test_default_weights_by_hand():

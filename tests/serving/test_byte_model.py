@@ -158,7 +158,7 @@ def test_the_engine_refuses_what_the_model_cannot_serve_before_queueing(
 def test_the_engine_guides_walkthrough_shows_the_steps_code_as_it_is():
     guide = (ROOT / "docs" / "guides" / "engine.md").read_text()
     section = guide[guide.index("### A model in one file") :]
-    shown = section[section.index("```python\n") + len("```python\n") : section.index("```\n")]
+    shown = section[section.index("```py\n") + len("```py\n") : section.index("```\n")]
     source = {
         line.strip() for line in (ROOT / "tests" / "serving" / "byte_model.py").read_text().splitlines()
     }

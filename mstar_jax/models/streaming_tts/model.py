@@ -114,6 +114,13 @@ def _graphdefs(config: StreamingTTSConfig) -> tuple[nnx.GraphDef, nnx.GraphDef]:
     return nnx.graphdef(talker), nnx.graphdef(flow)
 
 
+def abstract_params(config: StreamingTTSConfig) -> tuple[nnx.State, nnx.State]:
+    """The talker's and the flow's parameters as `ShapeDtypeStruct`s (`nnx.eval_shape`: nothing is
+    allocated); the model stores each in `config.storage_dtype`."""
+    talker, flow = nnx.eval_shape(lambda: _modules(config))
+    return nnx.state(talker), nnx.state(flow)
+
+
 class StreamingTTSModel:
     """The random-initialised talker and flow decoder of a `StreamingTTSConfig`, as step functions.
 
