@@ -34,8 +34,10 @@ __all__ = [
     "format_mib",
     "format_ms",
     "format_summary",
+    "latency_by_walk",
     "percentiles",
     "plot_step_latency",
+    "serving_report",
     "step_latency_figure",
     "summarize",
     "write_report",
@@ -77,10 +79,6 @@ def summarize(
     audio_secs = frames / FRAME_RATE_HZ
     ttfa = [s.first_audio_at - s.submitted_at for s in streams if s.first_audio_at is not None]
     latencies = [r.latency for r in engine.records]
-    by_walk = {}
-    for walk in sorted({r.walk for r in engine.records}):
-        walk_lat = [r.latency for r in engine.records if r.walk == walk]
-        by_walk[walk] = {"steps": len(walk_lat), **percentiles(walk_lat, 1e3)}
     slot_bytes = engine.talker.config.slot_bytes + engine.flow.config.slot_bytes
     longest = max(streams, key=lambda s: s.talker_written + s.request.frames, default=None)
     dense = 0
@@ -108,7 +106,7 @@ def summarize(
         "frames_per_second": frames / wall_secs if wall_secs else None,
         "time_to_first_audio_ms": percentiles(ttfa, 1e3),
         "step_latency_ms": percentiles(latencies, 1e3),
-        "step_latency_ms_by_walk": by_walk,
+        "step_latency_ms_by_walk": latency_by_walk(engine.records),
         "steps": len(engine.records),
         "mesh": _mesh_report(engine),
         "memory": {
@@ -119,6 +117,22 @@ def summarize(
             "talker_slot_tokens": talker_kv.slot_tokens,
             "flow_slot_tokens": flow_kv.slot_tokens,
         },
+        **serving_report(engine, capture_secs=capture_secs, warmup_compilations=warmup_compilations),
+    }
+
+
+def latency_by_walk(records) -> dict[str, dict[str, Any]]:
+    """Each graph walk's steps and their latency percentiles (ms), from the engine's step records."""
+    by_walk = {}
+    for walk in sorted({r.walk for r in records}):
+        walk_lat = [r.latency for r in records if r.walk == walk]
+        by_walk[walk] = {"steps": len(walk_lat), **percentiles(walk_lat, 1e3)}
+    return by_walk
+
+
+def serving_report(engine: Any, *, capture_secs: float, warmup_compilations: int) -> dict[str, Any]:
+    """What every model's report says of the engine: compilation, admission and the pipeline."""
+    return {
         "compile": {
             "buckets": sum(len(step) for step in engine.programs.steps.values()),
             "capture_wall_seconds": capture_secs,

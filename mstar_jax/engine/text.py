@@ -22,6 +22,7 @@ from mstar_jax.compile import ExecutableStore, cap_batch_sizes, configure_persis
 from mstar_jax.engine import report as tts_report
 from mstar_jax.engine.build import EXECUTABLES
 from mstar_jax.engine.engine import ServingEngine
+from mstar_jax.engine.workload import arrival_times
 from mstar_jax.models.gemma3.serving import Gemma3Programs, Gemma3Serving, TextRequest, TextStream
 from mstar_jax.models.gemma3.stream import Gemma3Streams
 from mstar_jax.serving.stream import Phase
@@ -88,11 +89,7 @@ class TextArrival:
 def text_workload(settings: Any, *, vocab_size: int) -> list[TextArrival]:
     """Draw the requests of a `WorkloadSettings` for a text model (module doc), in time order."""
     rng = np.random.default_rng(settings.seed)
-    n = settings.streams
-    if settings.arrival_rate_hz is None:
-        times = np.zeros(n)
-    else:
-        times = np.concatenate([[0.0], np.cumsum(rng.exponential(1.0 / settings.arrival_rate_hz, n - 1))])
+    n, times = settings.streams, arrival_times(settings, rng)
     lengths = rng.integers(settings.min_text_tokens, settings.max_text_tokens + 1, n)
     new = rng.integers(settings.min_new_tokens, settings.max_new_tokens + 1, n)
     return [
@@ -133,10 +130,6 @@ def summarize_text(
     tokens = sum(len(s.tokens) for s in streams)
     ttft = [s.first_token_at - s.submitted_at for s in streams if s.first_token_at is not None]
     latencies = [r.latency for r in engine.records]
-    by_walk = {}
-    for walk in sorted({r.walk for r in engine.records}):
-        walk_lat = [r.latency for r in engine.records if r.walk == walk]
-        by_walk[walk] = {"steps": len(walk_lat), **tts_report.percentiles(walk_lat, 1e3)}
     managers = [m for node in engine.nodes.values() for m in node.managers]
     return {
         "streams": {
@@ -152,21 +145,15 @@ def summarize_text(
         "tokens_per_second": tokens / wall_secs if wall_secs else None,
         "time_to_first_token_ms": tts_report.percentiles(ttft, 1e3),
         "step_latency_ms": tts_report.percentiles(latencies, 1e3),
-        "step_latency_ms_by_walk": by_walk,
+        "step_latency_ms_by_walk": tts_report.latency_by_walk(engine.records),
         "steps": len(engine.records),
         "memory": {
             "bytes_per_stream": sum(m.config.slot_bytes for m in managers),
             **{f"{m.spec.resource_key}_slot_tokens": m.config.slot_tokens for m in managers},
         },
-        "compile": {
-            "buckets": sum(len(step) for step in engine.programs.steps.values()),
-            "capture_wall_seconds": capture_secs,
-            "loaded_from_store": sum(step.report.loaded for step in engine.programs.steps.values()),
-            "warmup_compilations": warmup_compilations,
-            "compilations_after_warmup": engine.compilations,
-        },
-        "admission": dict(engine.counters),
-        "pipeline": {"pipelined": engine.pipelined, **engine.overlap},
+        **tts_report.serving_report(
+            engine, capture_secs=capture_secs, warmup_compilations=warmup_compilations
+        ),
     }
 
 
