@@ -60,7 +60,6 @@ class BoundedKVManager(Resource):
       cache: the device cache the manager holds (offload, reload, snapshots and recovery work on it); the
         engine replaces it with each step's result. After `take_cache()` the caller holds it instead,
         and reading this raises until it is assigned back.
-      bank: the source bank.
     """
 
     supports_eviction = True
