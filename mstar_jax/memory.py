@@ -23,6 +23,7 @@ command line (`mstar-jax check --device-memory 16GiB`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -265,6 +266,7 @@ def num_sources(deployment: Deployment) -> int:
     return max(MIN_SOURCES, deployment.workload.voices)
 
 
+@functools.cache  # a config is frozen; counting traces the model's modules
 def weight_count(config: StreamingTTSConfig) -> int:
     """Parameters of the talker and the flow decoder, counted from the model's own parameters
     (`nnx.eval_shape`: no weight is drawn)."""

@@ -108,7 +108,7 @@ class ServingEngine:
         self._lockstep = Lockstep(self.mesh, self.nodes, buckets)
         self._lockstep.check(settings.offload_idle_after_s, settings.snapshot_every)
         self._admission = Admission(
-            served=served, nodes=self.nodes, streams=self.streams, counters=self.counters, clock=clock,
+            served=served, nodes=self.nodes, streams=self.streams, counters=self.counters, clock=self._now,
             hold_backoff_s=settings.hold_backoff_s, can_offload=not self._lockstep.enabled, fail=self._fail,
         )  # fmt: skip
         self._recovery = Recovery(
@@ -116,11 +116,15 @@ class ServingEngine:
             snapshot_every=settings.snapshot_every, fail=self._fail, hold=self._admission.hold,
         )  # fmt: skip
         self._dispatch = Dispatch(
-            served=served, programs=served.programs, clock=clock, pipelined=settings.pipelined,
+            served=served, programs=served.programs, clock=self._now, pipelined=settings.pipelined,
             admission=self._admission, recovery=self._recovery, lockstep=self._lockstep,
             records=self.records, counters=self.counters, overlap=self.overlap, ops=_StreamOps(self),
             fail=self._fail,
         )  # fmt: skip
+
+    def _now(self) -> float:
+        """The engine's clock, read at each call, so a caller may replace `clock` (a test's fake one)."""
+        return self.clock()
 
     @property
     def lockstep(self) -> bool:

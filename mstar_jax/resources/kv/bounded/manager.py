@@ -13,11 +13,10 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 
 import jax
-import numpy as np
 
 from mstar_jax.checks import check_int
 from mstar_jax.resources.base import Resource
-from mstar_jax.resources.kv.bounded import layout
+from mstar_jax.resources.kv.bounded import planning
 from mstar_jax.resources.kv.bounded.admission import check_segment, refuse, step_tokens_of
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, BoundedKVStep, StreamPosition
@@ -371,26 +370,10 @@ class BoundedKVManager(Resource):
         step = _as_bounded_step(step)
         ctx = ctx or StepContext.for_step(step)
         segments = step.segments or ()
-        real = [i for i, seg in enumerate(segments) if not self._is_padding(seg.request_id, ctx)]
+        real = [seg.request_id for seg in segments if not self._is_padding(seg.request_id, ctx)]
         lease = ctx.slot_lease
         bucket_rows = lease.bucket.bs if lease is not None and lease.bucket is not None else None
-        if self._slots.shards == 1:
-            rows = max(len(segments), bucket_rows or 0)
-            return rows, {segments[i].request_id: i for i in real}
-        by_shard: list[list[str]] = [[] for _ in range(self._slots.shards)]
-        for i in real:
-            rid = segments[i].request_id
-            by_shard[self._slots.shard_of(self._requests[rid].slot)].append(rid)
-        width = bucket_rows or max(1, *map(len, by_shard))
-        for shard, rids in enumerate(by_shard):
-            if len(rids) > width:
-                raise ValueError(
-                    f"data shard {shard} has {len(rids)} of the step's requests {rids}; the bucket holds "
-                    f"{width} rows per shard"
-                )
-        return self._slots.shards * width, {
-            rid: shard * width + j for shard, rids in enumerate(by_shard) for j, rid in enumerate(rids)
-        }
+        return planning.table_rows(segments, real, bucket_rows, slots=self._slots, requests=self._requests)
 
     def plan(self, step: ResourceStep, ctx: StepContext | None = None) -> BoundedKVPlan:
         """The plan table for `step`'s requests, laid out by `plan_rows` (padding rows plan empty, on
@@ -404,34 +387,11 @@ class BoundedKVManager(Resource):
         ctx = ctx or StepContext.for_step(step)
         real = self._real_segments(step, ctx, "plan")
         rows, row_of = self.plan_rows(step, ctx)
-        table = layout.padding_rows(rows, self.padding_slot)
-        if real:
-            records = [self._requests[seg.request_id] for seg in real]
-            positions = [step.positions[seg.request_id] for seg in real]
-            ints = lambda values: np.fromiter(values, np.int32, len(real))  # noqa: E731
-            table[[row_of[seg.request_id] for seg in real]] = layout.plan_table(
-                slot=ints(self._slots.local(r.slot) for r in records),
-                source=ints(p.source for p in positions),
-                source_len=ints(p.source_len for p in positions),
-                written=ints(p.written for p in positions),
-                span=ints(seg.span for seg in real),
-                step_tokens=ints(step_tokens_of(step, seg) for seg in real),
-                sink=ints(r.policy.sink for r in records),
-                window=ints(r.policy.window for r in records),
-                window_includes_step=np.fromiter(
-                    (r.policy.window_includes_step for r in records), bool, len(real)
-                ),
-                sink_capacity=self.config.sink_capacity,
-                reverse=self.config.reverse_step_order,
-            )
-        table.setflags(write=False)
-        # A bucketed step's arrays are as wide as its bucket (a program captured for it says so too).
         bucket = None if ctx.slot_lease is None else ctx.slot_lease.bucket
-        if bucket is not None:
-            width = bucket.num_tokens
-        else:
-            width = max((step_tokens_of(step, seg) for seg in real), default=None)
-        return BoundedKVPlan(table, num_tokens=width)
+        return planning.plan(
+            step, real, rows, row_of, bucket, requests=self._requests, slots=self._slots,
+            padding_slot=self.padding_slot, config=self.config,
+        )  # fmt: skip
 
     def commit(self, step: ResourceStep, ctx: StepContext | None = None) -> None:
         """Record that the step ran: each request's `written` becomes its declared position plus span.
