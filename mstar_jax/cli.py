@@ -15,6 +15,9 @@ never a traceback.
                        [--global-window W | --dense] [--max-slots N] ...
                                 stream text from the real Gemma 3 270M on the bounded caches (the
                                 `gemma` extra)
+    mstar-jax serve [--config CONFIG] [--host H] [--port P] [--max-waiting N] ...
+                                serve the deployment's engine over HTTP and WebSocket, OpenAI-compatible
+                                (the `serve` extra)
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from mstar_jax.memory import (
 )
 from mstar_jax.models.gemma3 import command as gemma3_command
 from mstar_jax.resources.kv.bounded.config import SinkWindow
+from mstar_jax.server import command as serve_command
 
 __all__ = [
     "SUBCOMMANDS",
@@ -232,6 +236,15 @@ def _generate(args: argparse.Namespace) -> int:
     return run(args, CommandLineError)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    serve_command.settings_from_args(args, CommandLineError)  # a bad flag, before anything is built
+    _join(args)
+    deployment = load_deployment(DEFAULT_CONFIG if args.config is None else args.config)
+    _check_cache_dir(deployment)
+    deployment.check_devices()
+    return serve_command.run(args, deployment, CommandLineError)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "check": Subcommand(
         help="validate a deployment and print its resources and what they cost in device memory",
@@ -247,6 +260,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         help="stream text from the real Gemma 3 270M, its global layers on a bounded cache",
         add_arguments=gemma3_command.add_arguments,
         run=_generate,
+    ),
+    "serve": Subcommand(
+        help="serve the deployment's engine over HTTP and WebSocket to OpenAI-compatible clients",
+        add_arguments=serve_command.add_arguments,
+        run=_serve,
     ),
 }
 

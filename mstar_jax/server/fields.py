@@ -1,0 +1,138 @@
+"""A request body read within its limit and its fields checked, each refusal a `BadRequestError` that
+names the field, the value and what is allowed (the phrasing of `mstar_jax.checks`), before the engine
+sees anything.
+
+Fields the server does not know are ignored, as OpenAI's clients send some a server may not use.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Collection
+from typing import Any
+
+from mstar_jax.checks import check_choice, check_int, check_number
+from mstar_jax.server.errors import BadRequestError, PayloadTooLargeError
+
+__all__ = ["Body", "parse_json", "read_body"]
+
+_MISSING = object()
+
+
+async def read_body(request: Any, max_bytes: int) -> bytes:
+    """The body of a Starlette `request`, refused past `max_bytes` (a `Content-Length` over it is
+    refused before anything is read).
+
+    Raises:
+      PayloadTooLargeError: a body over `max_bytes`.
+    """
+    declared = request.headers.get("content-length")
+    too_large = f"the request body is over max_body_bytes={max_bytes}"
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLargeError(f"{too_large} (Content-Length: {declared})")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLargeError(too_large)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes | str) -> Body:
+    """A JSON object's fields.
+
+    Raises:
+      BadRequestError: for a body that is not JSON, or not a JSON object.
+    """
+    try:
+        value = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise BadRequestError(f"the body is not valid JSON: {error}", code="invalid_json") from None
+    if not isinstance(value, dict):
+        raise BadRequestError(
+            f"the body must be a JSON object of fields, got {type(value).__name__}", code="invalid_json"
+        )
+    return Body(value)
+
+
+def _refuse(name: str, error: ValueError) -> BadRequestError:
+    return BadRequestError(str(error), param=name, code="invalid_value")
+
+
+class Body:
+    """A JSON object's fields, read by type; JSON `null` is the same as absent."""
+
+    def __init__(self, fields: dict[str, Any]):
+        self.fields = fields
+
+    def _get(self, name: str, default: Any) -> Any:
+        value = self.fields.get(name)
+        if value is None:
+            if default is _MISSING:
+                raise BadRequestError(f"{name} is required", param=name, code="missing_field")
+            return default
+        return value
+
+    def string(self, name: str, *, default: Any = _MISSING, empty: bool = False) -> str:
+        value = self._get(name, default)
+        if value is default:
+            return value
+        if not isinstance(value, str):
+            raise _refuse(name, ValueError(f"{name}={_brief(value)} must be a string"))
+        if not value and not empty:
+            raise _refuse(name, ValueError(f"{name}='' must be a non-empty string"))
+        return value
+
+    def choice(self, name: str, choices: Collection[str], *, default: Any = _MISSING) -> str:
+        value = self._get(name, default)
+        try:
+            return check_choice(name, value, choices)
+        except ValueError as error:
+            raise _refuse(name, error) from None
+
+    def integer(self, name: str, *, minimum: int, maximum: int | None = None, default: Any = _MISSING) -> int:
+        value = self._get(name, default)
+        try:
+            return check_int(name, value, minimum=minimum, maximum=maximum)
+        except ValueError as error:
+            raise _refuse(name, error) from None
+
+    def number(self, name: str, *, minimum: float, maximum: float, default: Any = _MISSING) -> float:
+        value = self._get(name, default)
+        try:
+            number = check_number(name, value, minimum=minimum)
+        except ValueError as error:
+            raise _refuse(name, error) from None
+        if number > maximum or not math.isfinite(number):
+            raise _refuse(
+                name, ValueError(f"{name}={value!r} must be a finite number in [{minimum}, {maximum}]")
+            )
+        return number
+
+    def boolean(self, name: str, *, default: bool) -> bool:
+        value = self._get(name, default)
+        if not isinstance(value, bool):
+            raise _refuse(name, ValueError(f"{name}={_brief(value)} must be a bool"))
+        return value
+
+    def strings(self, name: str, *, most: int) -> tuple[str, ...]:
+        """A string or a list of at most `most` non-empty strings (OpenAI's `stop`); none when absent."""
+        value = self._get(name, ())
+        values = [value] if isinstance(value, str) else value
+        if (
+            not isinstance(values, list | tuple)
+            or len(values) > most
+            or not all(isinstance(v, str) and v for v in values)
+        ):
+            raise _refuse(
+                name,
+                ValueError(f"{name}={_brief(value)} must be a non-empty string or a list of at most {most}"),
+            )
+        return tuple(values)
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

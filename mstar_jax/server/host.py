@@ -1,0 +1,441 @@
+"""`EngineHost`: a `ServingEngine` on a thread of its own, and the thread-safe way in and out of it.
+
+The engine is not thread-safe: one thread, the host's, calls it. Everything else crosses through
+queues. Clients (coroutines on the server's event loop) post commands (submit, cancel, resume) on a
+thread-safe queue; the host thread runs them between engine steps, steps while any stream can run, and
+otherwise blocks on the queue (it never spins). Each request's outputs go to its `RequestHandle`, a
+small per-request buffer on the event loop (`loop.call_soon_threadsafe`), so the loop never waits on
+the device and the engine never waits on a client.
+
+Bounds, so nothing grows with a client's behaviour:
+
+- at most `max_waiting` requests wait (submitted, no step run yet); one more is refused with
+  `OverloadedError` (429 and `Retry-After`) before anything is queued;
+- a stream whose client has not read `stream_buffer` outputs is paused in the engine (it holds its
+  slots but runs no step, and the engine offloads it once idle when the deployment says
+  `offload_idle_after_s`); it resumes once the client has read half of them;
+- a client that goes away cancels its request (`RequestHandle.cancel`): the engine frees its slots at
+  its next command drain, before its next step.
+
+Shutdown (`begin_shutdown`, signal-safe: it only sets attributes): new requests are refused with
+`ServerShuttingDownError`, streams in flight have `grace_s` to finish, the rest are cancelled, each
+handle ending with that typed, retryable error; `close` then joins the thread.
+
+In a multi-process (lockstep) deployment every process runs a host over its own engine and serves its
+own clients; the host keeps stepping while `engine.busy_anywhere` says any process has work, so every
+process steps as often as the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any
+
+from mstar_jax.checks import check_int
+from mstar_jax.engine.engine import ServingEngine
+from mstar_jax.engine.tts import Engine
+from mstar_jax.server.errors import BadRequestError, OverloadedError, ServerShuttingDownError
+from mstar_jax.serving.stream import Phase, RequestError, StepFailedError
+
+__all__ = ["EngineHost", "HostObserver", "RequestHandle"]
+
+_IDLE_WAIT_S = 0.25  # how long an idle host blocks on its queue before it looks at its deadline again
+
+
+class HostObserver:
+    """What the host reports as it runs (the server's metrics); every method is called from the host
+    thread, and does nothing here."""
+
+    def first_output(self, seconds: float) -> None:
+        """A request's first output came, `seconds` after it was submitted."""
+
+    def ended(self, outcome: str) -> None:
+        """A request ended: `done`, `failed`, `cancelled`, `invalid` or `shutdown`."""
+
+    def stepped(self, host: EngineHost, latencies: list[float]) -> None:
+        """The engine ran steps of these latencies (seconds); `host` may be read for gauges."""
+
+
+class RequestHandle:
+    """One request's crossing from the host thread to the coroutine that serves its client.
+
+    Read it with `async for output in handle` (or `await handle.next()`); iteration ends when the
+    request is done, and raises its failure (a `RequestError`, or a `BadRequestError` the engine's own
+    checks raised at submit). `cancel()` is idempotent and thread-safe.
+
+    Attributes:
+      request: what was submitted.
+      paused: whether the engine holds the stream paused because this handle's buffer is full.
+      most_buffered: the most outputs this handle ever held unread.
+      pauses: times the stream was paused for its reader.
+    """
+
+    def __init__(self, host: EngineHost, request: Any, loop: asyncio.AbstractEventLoop):
+        self.request, self._host, self._loop = request, host, loop
+        self.request_id: str = request.request_id
+        self.submitted_at = time.perf_counter()
+        self._items: collections.deque[tuple[bool, Any]] = collections.deque()  # (is_end, value)
+        self._wake = asyncio.Event()
+        self._lock = threading.Lock()  # guards the counts below, shared by both threads
+        self._buffered = 0
+        self._resume_posted = False
+        self.paused = False
+        self.most_buffered = 0
+        self.pauses = 0
+        self.stream: Any = None  # the engine's stream, once submitted (host thread)
+        self.first_output_at: float | None = None
+        self.outcome: str | None = None
+        self._ended = False
+        self._cancelled = False
+
+    # -- the host thread ----------------------------------------------------------------------------
+
+    def _deliver(self, output: Any) -> None:
+        """The engine's `on_output`: buffer `output` for the client; pause the stream when it is full."""
+        if self.first_output_at is None:
+            self.first_output_at = time.perf_counter()
+            self._host._observer.first_output(self.first_output_at - self.submitted_at)
+        with self._lock:
+            self._buffered += 1
+            self.most_buffered = max(self.most_buffered, self._buffered)
+            pause = not self.paused and self._buffered >= self._host.stream_buffer
+            if pause:
+                self.paused, self._resume_posted = True, False
+                self.pauses += 1
+        if pause and self.request_id in self._host.engine.streams:
+            self._host.engine.pause(self.request_id)
+        self._post((False, output))
+
+    def _end(self, failure: BaseException | None, outcome: str) -> None:
+        if self._ended:
+            return
+        self._ended, self.outcome = True, outcome
+        self._host._observer.ended(outcome)
+        self._post((True, failure))
+
+    def _post(self, item: tuple[bool, Any]) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to read
+            self._loop.call_soon_threadsafe(self._receive, item)
+
+    # -- the event loop -----------------------------------------------------------------------------
+
+    def _receive(self, item: tuple[bool, Any]) -> None:
+        self._items.append(item)
+        self._wake.set()
+
+    async def next(self) -> Any:
+        """The next output; `StopAsyncIteration` at the end, or the request's failure."""
+        while not self._items:
+            self._wake.clear()
+            await self._wake.wait()
+        is_end, value = self._items[0]
+        if is_end:  # left in place: every later call answers the same
+            if value is None:
+                raise StopAsyncIteration
+            raise value
+        self._items.popleft()
+        with self._lock:
+            self._buffered -= 1
+            resume = (
+                self.paused and not self._resume_posted and self._buffered <= self._host.stream_buffer // 2
+            )
+            if resume:
+                self._resume_posted = True
+        if resume:
+            self._host._post(_Resume(self))
+        return value
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self.next()
+
+    @property
+    def buffered(self) -> int:
+        """Outputs delivered and not read yet."""
+        return self._buffered
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def cancel(self) -> None:
+        """Cancel the request (its client went away); its slots are freed before the engine's next step."""
+        if not self._cancelled and not self._ended:
+            self._cancelled = True
+            self._host._post(_Cancel(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Submit:
+    handle: RequestHandle
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cancel:
+    handle: RequestHandle
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resume:
+    handle: RequestHandle
+
+
+_STOP = object()
+
+
+class EngineHost:
+    """Runs `engine` on a thread of its own (module doc).
+
+    Args:
+      engine: a warmed-up `ServingEngine` (the TTS `Engine`, or Gemma's); from `start()` on only the
+        host's thread calls it.
+      max_waiting: requests that may wait at once (`ServerSettings.max_waiting`).
+      stream_buffer: outputs buffered per stream before it is paused (`ServerSettings.stream_buffer`).
+      retry_after_s: the `Retry-After` of an `OverloadedError`.
+      observer: told of first outputs, ends and steps (the metrics); default: nobody.
+    """
+
+    def __init__(
+        self,
+        engine: ServingEngine,
+        *,
+        max_waiting: int = 64,
+        stream_buffer: int = 16,
+        retry_after_s: int = 1,
+        observer: HostObserver | None = None,
+    ):
+        if not isinstance(engine, ServingEngine):
+            raise TypeError(f"engine={engine!r} must be a ServingEngine (mstar_jax.engine)")
+        check_int("max_waiting", max_waiting, minimum=0)
+        check_int("stream_buffer", stream_buffer, minimum=1)
+        check_int("retry_after_s", retry_after_s, minimum=1)
+        if observer is not None and not isinstance(observer, HostObserver):
+            raise TypeError(f"observer={observer!r} must be a HostObserver or None")
+        self.engine, self.max_waiting, self.stream_buffer = engine, max_waiting, stream_buffer
+        self.retry_after_s = retry_after_s
+        self._observer = observer or HostObserver()
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards `_waiting` and `accepting` against concurrent submits
+        self._waiting = 0
+        self.accepting = True
+        self._deadline: float | None = None
+        self._live: dict[str, RequestHandle] = {}  # host thread only
+        self._unstarted: set[RequestHandle] = set()  # submitted, no step run yet (host thread only)
+        self._thread: threading.Thread | None = None
+        self._seen_record: Any = None
+        self.failure: BaseException | None = None  # what stopped the thread, if anything did
+        self.free_slots = {m.spec.resource_key: m.free_slots for m in self.managers}
+
+    @property
+    def managers(self) -> list[Any]:
+        """Every cache manager of the engine's nodes."""
+        return [m for node in self.engine.nodes.values() for m in node.managers]
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self) -> EngineHost:
+        """Start the host thread (once)."""
+        if self._thread is not None:
+            raise RuntimeError("EngineHost.start() was called already")
+        self._thread = threading.Thread(target=self._run, name="mstar-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Refuse new requests; cancel those still running `grace_s` seconds from now. Safe to call from
+        a signal handler (it only sets attributes); a second call keeps the first deadline."""
+        self.accepting = False
+        if self._deadline is None:
+            self._deadline = time.monotonic() + grace_s
+
+    def close(self, grace_s: float = 0.0, *, timeout_s: float = 60.0) -> None:
+        """`begin_shutdown(grace_s)`, then wait for the thread to end (every request answered)."""
+        self.begin_shutdown(grace_s)
+        self._commands.put(_STOP)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise RuntimeError(f"the engine thread did not stop within {timeout_s} s")
+
+    # -- requests (any thread) ----------------------------------------------------------------------
+
+    def submit(self, request: Any, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        """Queue `request` for the engine; read its outputs from the handle returned.
+
+        Args:
+          request: the model's request (`TTSRequest`, `TextRequest`), already checked by the caller.
+          loop: the event loop that reads the handle (default: the running one).
+
+        Raises:
+          ServerShuttingDownError: the host no longer accepts requests.
+          OverloadedError: `max_waiting` requests wait already.
+          RuntimeError: the host thread is not running.
+        """
+        loop = loop or asyncio.get_running_loop()
+        if not self.alive:
+            raise ServerShuttingDownError("the engine is not running") from self.failure
+        with self._lock:
+            if not self.accepting:
+                raise ServerShuttingDownError("the server is shutting down; it accepts no new requests")
+            if self._waiting >= self.max_waiting:
+                raise OverloadedError(
+                    f"{self._waiting} requests are waiting for the engine already (max_waiting="
+                    f"{self.max_waiting}); retry after {self.retry_after_s} s",
+                    retry_after_s=self.retry_after_s,
+                )
+            self._waiting += 1
+        handle = RequestHandle(self, request, loop)
+        self._commands.put(_Submit(handle))
+        return handle
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted that have not run a step yet."""
+        return self._waiting
+
+    @property
+    def live(self) -> int:
+        """Requests the host holds (submitted and not ended): 0 once every client is answered."""
+        return len(self._live)
+
+    def _post(self, command: Any) -> None:
+        self._commands.put(command)
+
+    # -- the host thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            stopping = False
+            while True:
+                runnable = any(not s.paused for s in engine.streams.values())
+                wait = 0.0 if runnable else (engine.hold_backoff_s if engine.streams else _IDLE_WAIT_S)
+                stopping |= self._drain(wait)
+                self._check_deadline()
+                if stopping and not self._live and not self.accepting:
+                    return
+                busy = any(not s.paused for s in engine.streams.values())
+                if engine.lockstep:  # every process steps while any has work (lockstep.py)
+                    busy = engine.busy_anywhere(busy)
+                if busy or engine.streams:  # paused streams too: the engine offloads idle ones
+                    ran = self._step()
+                    self._settle()
+                    if busy and not ran:  # held for room: wait the backoff, on the queue
+                        stopping |= self._drain(engine.hold_backoff_s)
+        except BaseException as error:  # the thread must not die silently: every client is told
+            self.failure = error
+            self.accepting = False
+            for handle in list(self._live.values()):
+                self._finish(handle, StepFailedError(f"the engine thread stopped: {error!r}"), "failed")
+            raise
+
+    def _drain(self, wait: float) -> bool:
+        """Run queued commands, waiting up to `wait` seconds for the first; True once `close` asked."""
+        stop = False
+        try:
+            command = self._commands.get(timeout=wait) if wait > 0 else self._commands.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            if command is _STOP:
+                stop = True
+            else:
+                self._command(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return stop
+
+    def _command(self, command: Any) -> None:
+        handle = command.handle
+        if isinstance(command, _Submit):
+            self._submit(handle)
+        elif isinstance(command, _Cancel):
+            if handle.request_id in self._live:
+                self.engine.cancel(handle.request_id)
+                self._settle()
+        elif isinstance(command, _Resume):
+            with handle._lock:
+                handle.paused = False
+            if handle.request_id in self.engine.streams:
+                self.engine.resume(handle.request_id)
+
+    def _submit(self, handle: RequestHandle) -> None:
+        if handle._cancelled:  # its client left before the engine saw it
+            self._unwait()
+            handle._end(None, "cancelled")
+            return
+        if not self.accepting and self._deadline is not None and time.monotonic() >= self._deadline:
+            self._unwait()
+            handle._end(
+                ServerShuttingDownError("the server shut down before the request started"), "shutdown"
+            )
+            return
+        try:
+            callback = {"on_chunk" if isinstance(self.engine, Engine) else "on_output": handle._deliver}
+            handle.stream = self.engine.submit(handle.request, **callback)
+        except (TypeError, ValueError) as error:  # the model's own checks, past the server's
+            self._unwait()
+            handle._end(BadRequestError(str(error)), "invalid")
+            return
+        self._live[handle.request_id] = handle
+        self._unstarted.add(handle)
+
+    def _unwait(self) -> None:
+        with self._lock:
+            self._waiting -= 1
+
+    def _step(self) -> bool:
+        ran = self.engine.step()
+        records, latencies = self.engine.records, []
+        for record in reversed(records):
+            if record is self._seen_record:
+                break
+            latencies.append(record.latency)
+        if records:
+            self._seen_record = records[-1]
+        self._observer.stepped(self, latencies)
+        return ran
+
+    def _settle(self) -> None:
+        """Answer the handles whose streams ended; count those that ran their first step."""
+        for handle in [h for h in self._unstarted if h.stream.phase is not Phase.WAITING]:
+            self._unstarted.discard(handle)
+            self._unwait()
+        for handle in [h for h in self._live.values() if h.stream.phase.finished]:
+            stream = handle.stream
+            outcome = {Phase.DONE: "done", Phase.CANCELLED: "cancelled"}.get(stream.phase, "failed")
+            self._finish(handle, stream.failure, outcome)
+
+    def _finish(self, handle: RequestHandle, failure: RequestError | None, outcome: str) -> None:
+        self._live.pop(handle.request_id, None)
+        if handle in self._unstarted:
+            self._unstarted.discard(handle)
+            self._unwait()
+        handle._end(failure, outcome)
+
+    def _check_deadline(self) -> None:
+        if self._deadline is None or time.monotonic() < self._deadline or not self._live:
+            return
+        for handle in list(self._live.values()):
+            self.engine.cancel(handle.request_id)
+            self._finish(
+                handle,
+                ServerShuttingDownError(
+                    f"request {handle.request_id!r} cancelled: the server is shutting down and its "
+                    "grace period ended; retry it elsewhere"
+                ),
+                "shutdown",
+            )

@@ -1,0 +1,60 @@
+"""How the server admits, buffers and stops: `ServerSettings`, frozen and validated at construction
+(`mstar-jax serve` builds it from its flags, naming the flag of any refusal)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mstar_jax.checks import check_int, check_number
+
+__all__ = ["ServerSettings"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ServerSettings:
+    """The front door's limits.
+
+    Attributes:
+      max_waiting: requests that may wait for the engine (submitted, no step run yet) at once; one more
+        is refused with 429 and `Retry-After`, so a burst never grows memory without bound.
+      retry_after_s: the `Retry-After` a 429 says, in seconds.
+      max_body_bytes: the largest request body read; a larger one is refused with 413.
+      stream_buffer: outputs (audio chunks, tokens) buffered for one stream before the engine pauses it
+        until its client has read half of them (a slow reader); steps already dispatched may add one
+        or two more.
+      shutdown_grace_s: after `SIGTERM`, seconds in-flight streams have to finish before they are
+        cancelled, each with a typed, retryable error.
+      max_input_bytes: the longest speech input, in UTF-8 bytes (each is one text token).
+      frames_per_byte: codec frames spoken per input byte (12.5 frames are a second of audio).
+      max_frames: the most frames one request speaks (its frames are capped here).
+      max_tokens: the largest `max_tokens` a text request may ask for.
+      default_max_tokens: `max_tokens` when a text request gives none.
+      segment_bytes: a WebSocket's text is spoken in segments that end at a sentence's end, or once
+        this many bytes are buffered.
+    """
+
+    max_waiting: int = 64
+    retry_after_s: int = 1
+    max_body_bytes: int = 1 << 20
+    stream_buffer: int = 16
+    shutdown_grace_s: float = 10.0
+    max_input_bytes: int = 4096
+    frames_per_byte: float = 1.0
+    max_frames: int = 1500
+    max_tokens: int = 1024
+    default_max_tokens: int = 16
+    segment_bytes: int = 200
+
+    def __post_init__(self):
+        check_int("max_waiting", self.max_waiting, minimum=0)
+        for name in (
+            "retry_after_s", "max_body_bytes", "stream_buffer", "max_input_bytes", "max_frames",
+            "max_tokens", "default_max_tokens", "segment_bytes",
+        ):  # fmt: skip
+            check_int(name, getattr(self, name), minimum=1)
+        check_number("shutdown_grace_s", self.shutdown_grace_s, minimum=0.0)
+        check_number("frames_per_byte", self.frames_per_byte, minimum=0.0, exclusive=True)
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError(
+                f"default_max_tokens={self.default_max_tokens} must be <= max_tokens={self.max_tokens}"
+            )

@@ -1,0 +1,260 @@
+"""The speech endpoints of a streaming TTS deployment, OpenAI's where OpenAI defines one.
+
+- `POST /v1/audio/speech`: `model`, `input`, `voice`, `response_format` (`wav`, the default, or
+  `pcm`), `stream_format` (`audio`: the bytes as they come; `sse`: `speech.audio.delta` events of
+  base64 audio, then `speech.audio.done`), `speed` (0.25 to 4: fewer or more frames for the text) and
+  `seed` (an extension: the same request and seed give the same audio). Audio is sent chunk by chunk as
+  the flow decoder produces it.
+- `GET /v1/audio/voices`: the voices registered at start-up, `voice-0`, `voice-1`, ...
+- `WebSocket /v1/audio/speech/stream`: text in as it is written (a voice agent's LLM, token by
+  token), audio out as it is made. Client messages are JSON: `{"type": "start", "voice", "model",
+  "seed"}` (optional, first), `{"type": "text", "text"}`, `{"type": "flush"}` (speak what is buffered),
+  `{"type": "end"}` (speak the rest, then close). The text is spoken in segments, each ending at a
+  sentence's end (`.`, `!`, `?` or a newline, then a space), at a flush, or past
+  `ServerSettings.segment_bytes`; the server sends each segment's audio as binary frames of PCM, in
+  order, then `{"type": "segment.done", "index"}`, and `{"type": "done"}` before closing with 1000. A
+  refused message closes with 1007, a retryable failure (overload, a lost device state, shutdown) with
+  1013, any other failure with 1011, each after an `{"type": "error", "error": {...}}` message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import itertools
+import json
+import re
+from typing import Any
+
+from fastapi import APIRouter, Request, WebSocket
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.websockets import WebSocketDisconnect
+
+from mstar_jax.engine.request import AudioChunk, TTSRequest
+from mstar_jax.engine.voices import Voice
+from mstar_jax.server.admission import check_resources
+from mstar_jax.server.audio import SAMPLE_RATE, pcm16, wav_header
+from mstar_jax.server.errors import (
+    WS_CLOSE_BAD_INPUT,
+    WS_CLOSE_FAILED,
+    WS_CLOSE_RETRY,
+    BadRequestError,
+    ClientError,
+    wire_error,
+)
+from mstar_jax.server.fields import Body, parse_json, read_body
+from mstar_jax.server.host import EngineHost, RequestHandle
+from mstar_jax.server.metrics import ServerMetrics
+from mstar_jax.server.responses import ClientGoneError, error_response, first_output, sse, sse_error
+from mstar_jax.server.settings import ServerSettings
+from mstar_jax.server.tokenizer import ByteTokenizer
+
+__all__ = ["RESPONSE_FORMATS", "STREAM_FORMATS", "SpeechService", "speech_router"]
+
+RESPONSE_FORMATS = ("wav", "pcm")
+STREAM_FORMATS = ("audio", "sse")
+_MEDIA = {"wav": "audio/wav", "pcm": "audio/pcm"}
+_SENTENCE_END = re.compile(r"[.!?\n][\"')\]]*\s")
+_PENDING_SEGMENTS = 2  # a WebSocket stops reading its client past this many segments not yet spoken
+
+
+@dataclasses.dataclass
+class SpeechService:
+    """What the speech endpoints need: the host, the limits, the served name, the voices by name."""
+
+    host: EngineHost
+    settings: ServerSettings
+    model_name: str
+    voices: dict[str, Voice]
+    tokenizer: ByteTokenizer
+    metrics: ServerMetrics
+    _ids: Any = dataclasses.field(default_factory=itertools.count)
+
+    def request(self, body: Body, text: str, *, field: str = "input") -> TTSRequest:
+        """The `TTSRequest` of `text` with the body's voice, speed and seed, every field checked."""
+        body.choice("model", [self.model_name], default=self.model_name)
+        voice = self.voices[body.choice("voice", list(self.voices), default=next(iter(self.voices)))]
+        speed = body.number("speed", minimum=0.25, maximum=4.0, default=1.0)
+        seed = body.integer("seed", minimum=0, maximum=2**32 - 1, default=0)
+        tokens = self.tokenizer.encode(text)
+        limit = self.settings.max_input_bytes
+        if len(tokens) > limit:
+            raise BadRequestError(
+                f"{field} is {len(tokens)} UTF-8 bytes; it must be at most max_input_bytes={limit}",
+                param=field, code="input_too_long",
+            )  # fmt: skip
+        frames = self.tokenizer.frames_for(len(tokens), speed)
+        check_resources(self.host.managers, {"talker_decode": (field, frames)})
+        return TTSRequest(f"speech-{next(self._ids)}", tokens, voice, frames, seed)
+
+    def submit(self, request: TTSRequest) -> RequestHandle:
+        try:
+            return self.host.submit(request)
+        except ClientError as error:
+            self.metrics.refused("overloaded" if error.status == 429 else "refused")
+            raise
+
+
+def speech_router(service: SpeechService) -> APIRouter:
+    """The speech endpoints (module doc) over `service`."""
+    router = APIRouter()
+
+    @router.get("/v1/audio/voices")
+    async def voices() -> JSONResponse:
+        listed = [
+            {"voice_id": name, "name": name, "frames": v.frames, "index": v.index}
+            for name, v in service.voices.items()
+        ]
+        return JSONResponse({"object": "list", "voices": listed, "sample_rate": SAMPLE_RATE})
+
+    @router.post("/v1/audio/speech")
+    async def speech(request: Request) -> Response:
+        try:
+            body = parse_json(await read_body(request, service.settings.max_body_bytes))
+            text = body.string("input")
+            response_format = body.choice("response_format", RESPONSE_FORMATS, default="wav")
+            stream_format = body.choice("stream_format", STREAM_FORMATS, default="audio")
+            tts = service.request(body, text)
+            handle = service.submit(tts)
+            started, first = await first_output(request, handle)
+        except ClientGoneError:
+            return Response(status_code=499)
+        except Exception as error:
+            if isinstance(error, BadRequestError):
+                service.metrics.refused("invalid")
+            return error_response(error)
+        chunks = _audio(handle, first if started else None, response_format)
+        if stream_format == "sse":
+            return StreamingResponse(
+                _sse(chunks, tts), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        return StreamingResponse(chunks, media_type=_MEDIA[response_format])
+
+    @router.websocket("/v1/audio/speech/stream")
+    async def speech_stream(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await _Session(service, websocket).run()
+
+    return router
+
+
+async def _audio(handle: RequestHandle, first: AudioChunk | None, response_format: str):
+    """The request's audio bytes, chunk by chunk; cancels the request if its reader stops early."""
+    try:
+        if response_format == "wav":
+            yield wav_header()
+        if first is not None:
+            yield pcm16(first.samples)
+            async for chunk in handle:
+                yield pcm16(chunk.samples)
+    finally:
+        handle.cancel()  # nothing once it ended; else its client left: free its slots
+
+
+async def _sse(chunks, tts: TTSRequest):
+    """The audio as OpenAI's speech events; a failure after the first byte is an `error` event."""
+    try:
+        async for data in chunks:
+            yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+    except Exception as error:
+        yield sse_error(error)
+        return
+    usage = {"input_tokens": len(tts.text), "output_tokens": tts.frames}
+    yield sse({"type": "speech.audio.done", "usage": {**usage, "total_tokens": sum(usage.values())}})
+
+
+class _Session:
+    """One WebSocket's text in, audio out (module doc)."""
+
+    def __init__(self, service: SpeechService, websocket: WebSocket):
+        self.service, self.ws = service, websocket
+        self.segments: asyncio.Queue[RequestHandle | None] = asyncio.Queue(_PENDING_SEGMENTS)
+        self.handles: list[RequestHandle] = []
+        self.options = Body({})
+        self.buffer = ""
+
+    async def run(self) -> None:
+        reader = asyncio.ensure_future(self._read())
+        writer = asyncio.ensure_future(self._write())
+        try:
+            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            ended = reader in done and reader.exception() is None and reader.result() == "end"
+            if ended and writer not in done:  # every segment submitted: speak them ("gone": stop now)
+                await asyncio.wait({writer})
+            failed = next((t for t in (reader, writer) if t.done() and t.exception() is not None), None)
+            if failed is not None:
+                await self._fail(failed.exception())
+        finally:
+            for task in (reader, writer):
+                task.cancel()
+            for handle in self.handles:
+                handle.cancel()
+
+    async def _fail(self, error: BaseException) -> None:
+        if isinstance(error, WebSocketDisconnect):
+            return
+        wired = wire_error(error)
+        code = WS_CLOSE_BAD_INPUT if wired.status in (400, 413) else (
+            WS_CLOSE_RETRY if wired.retryable else WS_CLOSE_FAILED
+        )  # fmt: skip
+        try:
+            await self.ws.send_text(json.dumps({"type": "error", **wired.body()}))
+            await self.ws.close(code=code, reason=wired.kind)
+        except Exception:
+            pass
+
+    async def _read(self) -> str:
+        try:
+            while True:
+                raw = await self.ws.receive_text()
+                if len(raw.encode()) > self.service.settings.max_body_bytes:
+                    raise BadRequestError(
+                        f"a message is over max_body_bytes={self.service.settings.max_body_bytes}"
+                    )
+                message = parse_json(raw)
+                kind = message.choice("type", ("start", "text", "flush", "end"))
+                if kind == "start":
+                    if self.handles:
+                        raise BadRequestError("type='start' must be the first message", param="type")
+                    self.options = message
+                    self.service.request(message, " ")  # its fields checked now, not at the first segment
+                elif kind == "text":
+                    self.buffer += message.string("text", empty=True)
+                    await self._cut(final=False)
+                else:
+                    await self._cut(final=True)
+                    if kind == "end":
+                        await self.segments.put(None)
+                        return "end"
+        except WebSocketDisconnect:
+            return "gone"
+
+    async def _cut(self, *, final: bool) -> None:
+        """Submit the buffered text's complete segments (all of it when `final`)."""
+        limit = self.service.settings.segment_bytes
+        while self.buffer:
+            end = _SENTENCE_END.search(self.buffer)
+            if end is not None:
+                cut = end.end()
+            elif final:
+                cut = len(self.buffer)
+            elif len(self.buffer.encode()) >= limit:
+                cut = self.buffer.rfind(" ", 0, limit) + 1 or limit
+            else:
+                return
+            text, self.buffer = self.buffer[:cut], self.buffer[cut:]
+            if text.strip():
+                handle = self.service.submit(self.service.request(self.options, text, field="text"))
+                self.handles.append(handle)
+                await self.segments.put(handle)
+
+    async def _write(self) -> None:
+        index = 0
+        while (handle := await self.segments.get()) is not None:
+            async for chunk in handle:
+                await self.ws.send_bytes(pcm16(chunk.samples))
+            await self.ws.send_text(json.dumps({"type": "segment.done", "index": index}))
+            index += 1
+        await self.ws.send_text(json.dumps({"type": "done"}))
+        await self.ws.close(code=1000)

@@ -1,0 +1,288 @@
+"""The text endpoints of a Gemma 3 deployment, OpenAI's: completions, chat completions, models.
+
+- `POST /v1/completions`: `model`, `prompt` (a string, or a list of token ids, as OpenAI's API takes
+  it), `max_tokens`, `stop` (up to 4 strings), `temperature`, `seed`, `stream`.
+- `POST /v1/chat/completions`: `messages` (`system`, `user`, `assistant`; content a string or a list of
+  text parts) in Gemma's chat template (`tokenizer.TextTokenizer.chat`), the same options.
+- `GET /v1/models`: the model served (for every deployment).
+
+Streams are SSE: one chunk per token (its text and, as an extension, its id in `token_ids`), a last
+chunk with `finish_reason` (`stop`: a stop token or string; `length`: `max_tokens`), then `[DONE]`.
+Decoding is greedy (temperature 0, this server's default, not OpenAI's 1); a sampling engine's
+`TextRequest` has `temperature` and `seed` fields, and the server passes them when it does. Until then
+a temperature other than 0 is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from mstar_jax.models.gemma3.serving import TextRequest
+from mstar_jax.server.admission import check_resources
+from mstar_jax.server.errors import BadRequestError, ClientError
+from mstar_jax.server.fields import Body, parse_json, read_body
+from mstar_jax.server.host import EngineHost, RequestHandle
+from mstar_jax.server.metrics import ServerMetrics
+from mstar_jax.server.responses import ClientGoneError, error_response, first_output, sse, sse_error
+from mstar_jax.server.settings import ServerSettings
+from mstar_jax.server.tokenizer import IncrementalDecoder, TextTokenizer
+
+__all__ = ["StopMatcher", "TextService", "text_router"]
+
+_SAMPLING = {field.name for field in dataclasses.fields(TextRequest)} >= {"temperature", "seed"}
+_ROLES = ("system", "user", "assistant")
+
+
+class StopMatcher:
+    """Text out as it becomes final with respect to stop strings: `feed(text)` returns what may be sent
+    and whether a stop string was met (the text before it is sent, the rest never)."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops, self.held = tuple(stops), ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        self.held += text
+        found = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        if found:
+            out, self.held = self.held[: min(found)], ""
+            return out, True
+        keep = max((k for s in self.stops for k in range(1, len(s)) if self.held.endswith(s[:k])), default=0)
+        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+@dataclasses.dataclass
+class TextService:
+    """What the text endpoints need: the host, the limits, the served name and the tokenizer."""
+
+    host: EngineHost
+    settings: ServerSettings
+    model_name: str
+    tokenizer: TextTokenizer
+    metrics: ServerMetrics
+    _ids: Any = dataclasses.field(default_factory=itertools.count)
+
+    def request(self, body: Body, prompt: list[int], *, stop_tokens: tuple[int, ...]) -> TextRequest:
+        body.choice("model", [self.model_name], default=self.model_name)
+        settings = self.settings
+        max_tokens = body.integer(
+            "max_tokens", minimum=1, maximum=settings.max_tokens, default=settings.default_max_tokens
+        )
+        temperature = body.number("temperature", minimum=0.0, maximum=2.0, default=0.0)
+        seed = body.integer("seed", minimum=0, maximum=2**32 - 1, default=0)
+        body.integer("n", minimum=1, maximum=1, default=1)  # one choice a request
+        if temperature != 0.0 and not _SAMPLING:
+            raise BadRequestError(
+                f"temperature={temperature!r} must be 0: only greedy decoding is available",
+                param="temperature", code="unsupported_value",
+            )  # fmt: skip
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise BadRequestError(
+                f"prompt token ids {bad[:5]} must be in [0, {vocab})", param="prompt", code="invalid_value"
+            )
+        if not prompt:
+            raise BadRequestError("prompt is empty; it needs at least one token", param="prompt")
+        check_resources(self.host.managers, {"decode": ("max_tokens", max_tokens)})
+        rid = f"text-{next(self._ids)}"
+        extra = {"temperature": temperature, "seed": seed} if _SAMPLING else {}
+        return TextRequest(rid, tuple(prompt), max_tokens, stop_tokens, **extra)
+
+    def submit(self, request: TextRequest) -> RequestHandle:
+        try:
+            return self.host.submit(request)
+        except ClientError as error:
+            self.metrics.refused("overloaded" if error.status == 429 else "refused")
+            raise
+
+    def encode(self, text: str, field: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except ValueError as error:
+            raise BadRequestError(f"{field}: {error}", param=field) from None
+
+
+def _prompt(service: TextService, body: Body) -> list[int]:
+    value = body.fields.get("prompt")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]  # a batch of one prompt
+    if isinstance(value, str) and value:
+        return [service.tokenizer.bos_id, *service.encode(value, "prompt")]
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
+        return list(value)
+    raise BadRequestError(
+        f"prompt={str(value)[:60]!r} must be a non-empty string or a non-empty list of token ids (one "
+        "prompt: batches are not served)",
+        param="prompt", code="invalid_value",
+    )  # fmt: skip
+
+
+def _messages(service: TextService, body: Body) -> list[int]:
+    messages = body.fields.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequestError(f"messages={str(messages)[:60]!r} must be a non-empty list", param="messages")
+    turns = []
+    for i, message in enumerate(messages):
+        name = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise BadRequestError(f"{name} must be an object with role and content", param=name)
+        role = Body(message).choice("role", _ROLES)
+        content = message.get("content")
+        if isinstance(content, list):  # text parts
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):  # fmt: skip
+                raise BadRequestError(f"{name}.content parts must be text parts", param=f"{name}.content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadRequestError(
+                f"{name}.content={str(content)[:60]!r} must be a string or a list of text parts",
+                param=f"{name}.content",
+            )
+        turns.append((role, content))
+    try:
+        return service.tokenizer.chat([(r, c) for r, c in turns])
+    except ValueError as error:
+        raise BadRequestError(f"messages: {error}", param="messages") from None
+
+
+def text_router(service: TextService) -> APIRouter:
+    """The completion endpoints (module doc) over `service`."""
+    router = APIRouter()
+
+    async def serve(request: Request, chat: bool) -> Response:
+        try:
+            body = parse_json(await read_body(request, service.settings.max_body_bytes))
+            stream = body.boolean("stream", default=False)
+            stops = body.strings("stop", most=4)
+            prompt = _messages(service, body) if chat else _prompt(service, body)
+            stop_tokens = service.tokenizer.stop_tokens if chat else (service.tokenizer.eos_id,)
+            text_request = service.request(body, prompt, stop_tokens=stop_tokens)
+            handle = service.submit(text_request)
+            started, first = await first_output(request, handle)
+        except ClientGoneError:
+            return Response(status_code=499)
+        except Exception as error:
+            if isinstance(error, BadRequestError):
+                service.metrics.refused("invalid")
+            return error_response(error)
+        pieces = _pieces(service, handle, first if started else None, text_request, stops)
+        shape = _Shape(service.model_name, chat, text_request)
+        if stream:
+            return StreamingResponse(_sse(pieces, shape), media_type="text/event-stream")
+        try:
+            parts = [piece async for piece in pieces]
+        except Exception as error:
+            return error_response(error)
+        return JSONResponse(shape.whole(parts))
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, chat=False)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, chat=True)
+
+    return router
+
+
+async def _pieces(
+    service: TextService, handle: RequestHandle, first: int | None, request: TextRequest, stops: Sequence[str]
+) -> AsyncIterator[tuple[str, int | None, str | None]]:
+    """`(text, token id, finish_reason)` per token, the last with its finish reason (None before)."""
+    decoder, matcher, count = IncrementalDecoder(service.tokenizer), StopMatcher(stops), 0
+    try:
+        tokens = _tokens(handle, first)
+        async for token in tokens:
+            count += 1
+            text, stopped = matcher.feed(decoder.push(token))
+            if stopped:
+                yield text, token, "stop"
+                return
+            last = count == request.max_new_tokens or token in request.stop_tokens
+            if last:
+                reason = "stop" if token in request.stop_tokens else "length"
+                yield text + matcher.flush(), token, reason
+                return
+            yield text, token, None
+        yield matcher.flush(), None, "stop"  # pragma: no cover - the engine ends at one of the above
+    finally:
+        handle.cancel()
+
+
+async def _tokens(handle: RequestHandle, first: int | None) -> AsyncIterator[int]:
+    if first is None:
+        return
+    yield first
+    async for token in handle:
+        yield token
+
+
+class _Shape:
+    """OpenAI's response objects for completions and chat completions."""
+
+    def __init__(self, model: str, chat: bool, request: TextRequest):
+        self.model, self.chat, self.request = model, chat, request
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request.request_id}"
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _head(self, object_: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
+
+    def chunk(self, text: str, tokens: list[int], reason: str | None, *, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "token_ids": tokens}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "token_ids": tokens}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage(self, completion: int) -> dict[str, int]:
+        prompt = len(self.request.prompt)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def whole(self, parts: list[tuple[str, int | None, str | None]]) -> dict:
+        text = "".join(p[0] for p in parts)
+        tokens = [p[1] for p in parts if p[1] is not None]
+        reason = parts[-1][2] if parts else "stop"
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "finish_reason": reason, "token_ids": tokens}
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": reason,
+                "token_ids": tokens,
+            }
+        return {**self._head(self.object), "choices": [choice], "usage": self.usage(len(tokens))}
+
+
+async def _sse(pieces: AsyncIterator[tuple[str, int | None, str | None]], shape: _Shape):
+    first = True
+    try:
+        async for text, token, reason in pieces:
+            yield sse(shape.chunk(text, [] if token is None else [token], reason, first=first))
+            first = False
+    except Exception as error:
+        yield sse_error(error)
+        return
+    yield sse("[DONE]")

@@ -1,0 +1,105 @@
+"""What the server tests share: a tiny speech deployment, a live server on localhost, and waits."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import uvicorn
+
+TTS_YAML = """\
+model:
+  name: streaming_tts
+  config:
+    text_vocab_size: 256
+    codec_vocab_size: 16
+    d_model: 32
+    talker_layers: 1
+    talker_heads: 2
+    talker_kv_heads: 1
+    talker_head_dim: 8
+    talker_ffn_dim: 32
+    min_voice_frames: 3
+    max_voice_frames: 6
+    talker_sink_extra: 2
+    talker_window: 6
+    query_window: 7
+    flow_d_model: 16
+    flow_layers: 1
+    flow_heads: 2
+    flow_head_dim: 8
+    flow_chunk: 4
+    flow_window: 5
+    flow_steps: 1
+    mel_bins: 4
+    max_slots: 4
+compile:
+  batch_sizes: [4]
+  token_counts: [1, 4]
+  persistent_cache_dir: {cache}
+  persistent_cache_min_compile_secs: 0.0
+engine:
+  max_batch: 4
+  pipelined: true
+  offload_idle_after_s: 0.2
+workload:
+  voices: 2
+"""
+"""The smallest speech deployment served: UTF-8 bytes fit its text vocabulary of 256, one batch bucket."""
+
+TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def live(app) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free localhost port in a thread; yield its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", ws="websockets-sansio")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, "the server to start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT_S)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def assert_nothing_leaked(host) -> None:
+    """No live stream, no slot held, no source read, no record kept, no handle left: within a bounded wait."""
+    engine = host.engine
+
+    def clean() -> bool:
+        managers = host.managers
+        return (
+            not engine.streams
+            and host.live == 0
+            and host.waiting == 0
+            and all(m.free_slots == host.free_slots[m.spec.resource_key] for m in managers)
+            and all(not m.request_ids for m in managers)
+            and all(m.readers(i) == 0 for m in managers for i in range(m.bank.num_sources))
+        )
+
+    wait_for(clean, "every stream, slot, record and reader to be released", timeout_s=20.0)
