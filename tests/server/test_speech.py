@@ -51,7 +51,7 @@ def sdk(served):
 
 @pytest.mark.parametrize("voice", ["voice-0", "voice-1"])
 def test_the_openai_sdk_streams_the_engines_audio(served, sdk, voice):
-    url, host, references = served
+    _url, host, references = served
     with sdk.audio.speech.with_streaming_response.create(
         model="streaming_tts", voice=voice, input=TEXTS[0], response_format="pcm"
     ) as response:
@@ -62,7 +62,7 @@ def test_the_openai_sdk_streams_the_engines_audio(served, sdk, voice):
 
 
 def test_wav_is_a_streaming_header_then_the_same_pcm(served, sdk):
-    url, _, references = served
+    _url, _, references = served
     with sdk.audio.speech.with_streaming_response.create(
         model="streaming_tts", voice="voice-0", input=TEXTS[2], response_format="wav"
     ) as response:

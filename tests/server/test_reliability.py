@@ -1,0 +1,199 @@
+"""What users expect of a server, each behaviour through the network: a body over the limit is a 413,
+overload is a bounded 429 with Retry-After, a client that leaves frees its slots, a slow reader is
+paused (and offloaded) instead of buffered without bound, and a device fault fails only the requests it
+reached, with a typed, retryable error."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from mstar_jax.engine.faults import inject_faults
+from mstar_jax.server import ServerSettings, create_app
+from tests.server.support import assert_nothing_leaked, live, wait_for
+
+DISCONNECTING_CLIENTS = 1000
+
+
+@pytest.fixture
+def serve(tts):
+    """`serve(**settings)`: a live server over the package's engine; its programs restored after."""
+    engine, voices = tts
+    programs = engine.programs
+
+    def start(**settings):
+        app = create_app(engine, ServerSettings(**settings), model_name="streaming_tts", voices=voices)
+        return app, live(app)
+
+    yield start
+    engine.programs = programs
+
+
+def speech(text: str, **extra) -> dict:
+    return {"model": "streaming_tts", "voice": "voice-0", "input": text, "response_format": "pcm", **extra}
+
+
+def test_a_body_over_the_limit_is_a_413(serve):
+    app, server = serve(max_body_bytes=256)
+    with server as url:
+        response = httpx.post(f"{url}/v1/audio/speech", json=speech("x" * 300))
+        assert response.status_code == 413
+        assert "max_body_bytes=256" in response.json()["error"]["message"]
+        chunked = httpx.post(  # no Content-Length: counted as it is read
+            f"{url}/v1/audio/speech", content=iter([b"{" + b" " * 200, b" " * 200 + b"}"]),
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        assert chunked.status_code == 413
+        assert httpx.post(f"{url}/v1/audio/speech", json=speech("ok")).status_code == 200
+    assert not app.state.host.engine.streams
+
+
+def test_overload_is_a_429_with_retry_after_and_bounded(serve, tts):
+    engine, _ = tts
+    inject_faults(engine, "talker", lambda n: time.sleep(0.02))  # a slow device: requests pile up
+    app, server = serve(max_waiting=2, retry_after_s=3, max_frames=8)
+    host = app.state.host
+    most_waiting = []
+
+    async def crowd(url):
+        async with httpx.AsyncClient(timeout=60) as http:
+
+            async def one():
+                response = await http.post(f"{url}/v1/audio/speech", json=speech("hello"))
+                most_waiting.append(host.waiting)
+                return response
+
+            return await asyncio.gather(*(one() for _ in range(16)))
+
+    with server as url:
+        responses = asyncio.run(crowd(url))
+        refused = [r for r in responses if r.status_code == 429]
+        assert refused, "16 requests at once with max_waiting=2 must refuse some"
+        assert all(r.headers["retry-after"] == "3" for r in refused)
+        assert all(r.json()["error"]["type"] == "overloaded_error" for r in refused)
+        assert all(r.status_code in (200, 429) for r in responses)
+        assert all(len(r.content) == 5 * 1920 * 2 for r in responses if r.status_code == 200)
+        assert max(most_waiting) <= 2
+        assert 'mstar_requests_total{outcome="overloaded"}' in httpx.get(f"{url}/metrics").text
+        assert_nothing_leaked(host)
+
+
+def test_clients_that_disconnect_mid_stream_free_everything(serve):
+    app, server = serve(max_waiting=DISCONNECTING_CLIENTS, frames_per_byte=8.0)
+    host = app.state.host
+
+    async def leave(http, url, i):
+        body = speech(f"hi {i}")  # a short prompt, 40 frames or more: the first chunk is 4 frames
+        async with http.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
+            assert response.status_code == 200
+            async for _ in response.aiter_raw():
+                break  # the first chunk, then the client goes away
+
+    async def crowd(url):
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+            await asyncio.gather(*(leave(http, url, i) for i in range(DISCONNECTING_CLIENTS)))
+
+    with server as url:
+        asyncio.run(asyncio.wait_for(crowd(url), 300))
+        assert_nothing_leaked(host)
+        cancelled = host.engine.counters["cancelled"]
+        assert cancelled >= DISCONNECTING_CLIENTS * 0.9  # a few may have finished before they left
+
+
+def test_a_client_gone_before_its_first_chunk_is_cancelled(serve, tts):
+    engine, _ = tts
+    inject_faults(engine, "talker", lambda n: time.sleep(0.05))
+    app, server = serve()
+    host = app.state.host
+    with server as url:
+        before = engine.counters["cancelled"]
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/audio/speech", json=speech("never heard " * 4), timeout=0.05)
+        wait_for(lambda: engine.counters["cancelled"] > before, "the abandoned request to be cancelled", 10)
+        assert_nothing_leaked(host)
+
+
+def _raw_request(port: int, body: dict) -> socket.socket:
+    """An HTTP request sent from a socket with a tiny receive buffer, nothing read back."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    payload = json.dumps(body).encode()
+    sock.sendall(
+        b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    return sock
+
+
+def test_a_slow_reader_is_paused_and_offloaded_not_buffered(serve, tts):
+    engine, _ = tts
+    app, server = serve(stream_buffer=4, max_frames=1500, max_input_bytes=2000, frames_per_byte=1.0)
+    host = app.state.host
+    with server as url:
+        port = int(url.rsplit(":", 1)[1])
+        sock = _raw_request(port, speech("x" * 1500))  # 1,500 frames: 5.8 MB of PCM
+        try:
+            wait_for(lambda: any(s.paused for s in engine.streams.values()), "the stream to pause", 30)
+            (handle,) = list(host._live.values())
+            wait_for(lambda: engine.is_offloaded(handle.request_id), "the paused stream to be offloaded", 10)
+            assert handle.most_buffered <= 4 + 2  # the bound, and what steps in flight brought
+            received, sock_file = 0, sock.makefile("rb")
+            while sock_file.readline() != b"\r\n":  # the headers
+                pass
+            while (size := int(sock_file.readline().strip(), 16)) > 0:  # the chunks, read at last
+                received += len(sock_file.read(size))
+                sock_file.readline()
+            assert received == 1500 * 1920 * 2
+            assert handle.pauses >= 1
+            assert handle.most_buffered <= 4 + 2
+        finally:
+            sock.close()
+        assert_nothing_leaked(host)
+
+
+def _sse_events(response) -> list[tuple[str | None, dict]]:
+    events, kind = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: "):
+            events.append((kind, json.loads(line[6:])))
+            kind = None
+    return events
+
+
+def test_a_fault_fails_only_the_requests_it_reached_with_a_retryable_error(serve, tts):
+    engine, _ = tts
+    fail_at = {"step": 3}  # mid-prefill: state written, no audio yet (a fault at step 1 loses nothing)
+    calls = inject_faults(engine, "talker", lambda n: "after" if n == fail_at["step"] else None)
+    app, server = serve()
+    with server as url:
+        # Before the first byte: a 503 whose body says it is retryable.
+        response = httpx.post(f"{url}/v1/audio/speech", json=speech("a longer text to speak"), timeout=30)
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["retryable"], error["code"]) == ("state_lost", True, "StateLostError")
+        # While streaming: an SSE error event, typed and retryable, after the audio already sent.
+        calls[0], fail_at["step"] = 0, 14
+        body = speech("a longer text to speak", stream_format="sse")
+        with httpx.stream("POST", f"{url}/v1/audio/speech", json=body, timeout=30) as response:
+            assert response.status_code == 200
+            events = _sse_events(response)
+        kinds = [kind for kind, _ in events]
+        assert kinds[0] is None and kinds[-1] == "error", kinds
+        assert events[-1][1]["error"]["type"] == "state_lost" and events[-1][1]["error"]["retryable"]
+        assert base64.b64decode(events[0][1]["audio"])
+        # The engine kept serving: the same request again is whole.
+        again = httpx.post(f"{url}/v1/audio/speech", json=speech("a longer text to speak"), timeout=30)
+        assert again.status_code == 200 and len(again.content) == 22 * 1920 * 2
+        assert "mstar_faults 2.0" in httpx.get(f"{url}/metrics").text
+        assert_nothing_leaked(app.state.host)
