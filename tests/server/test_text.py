@@ -1,0 +1,179 @@
+"""Gemma 3 through the front door: a tiny random-weight model (`tests.models.gemma3.test_model`'s)
+whose GGUF file names its pieces (the chat template's control tokens, characters), served to the
+official `openai` SDK and `httpx`. Streamed tokens equal `Gemma3Streams.greedy`'s for the same prompt."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from mstar_jax.server import ServerSettings, create_app
+from mstar_jax.server.text import StopMatcher
+from tests.server.support import assert_nothing_leaked, live
+
+gguf = pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
+
+from mstar_jax.deployment import parse_deployment  # noqa: E402
+from mstar_jax.engine.text import build_text_engine  # noqa: E402
+from mstar_jax.models.gemma3 import load_gguf  # noqa: E402
+from mstar_jax.models.gemma3.model import Gemma3  # noqa: E402
+from mstar_jax.models.gemma3.stream import Gemma3Streams  # noqa: E402
+from mstar_jax.server.tokenizer import TextTokenizer  # noqa: E402
+from tests.models.gemma3.test_model import CONFIG, random_tensors  # noqa: E402
+
+PIECES = [
+    "<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "\n", " ",
+    *"abcdefghijklmnopqrstuvwxyz", *"0123456789", *".,!?'-:;", "user", "model", "the", "hello",
+]  # fmt: skip
+PIECES += [f"<unused{i}>" for i in range(CONFIG.vocab_size - len(PIECES))]
+MODEL = "tiny-gemma"
+
+
+def write_gguf(path) -> None:
+    """`random_tensors(CONFIG)` as a GGUF file whose vocabulary is `PIECES`."""
+    writer = gguf.GGUFWriter(path, "gemma3")
+    c = CONFIG
+    uints = {
+        "block_count": c.num_layers, "embedding_length": c.d_model, "feed_forward_length": c.ffn_dim,
+        "attention.head_count": c.num_heads, "attention.head_count_kv": c.num_kv_heads,
+        "attention.key_length": c.head_dim, "attention.value_length": c.head_dim,
+        "attention.sliding_window": c.sliding_window, "context_length": c.context_length,
+    }  # fmt: skip
+    for key, value in uints.items():
+        writer.add_uint32(f"gemma3.{key}", value)
+    writer.add_float32("gemma3.attention.layer_norm_rms_epsilon", c.rms_eps)
+    writer.add_float32("gemma3.rope.freq_base", c.rope_global_base)
+    writer.add_token_list(PIECES)
+    writer.add_bos_token_id(c.bos_id)
+    writer.add_eos_token_id(c.eos_id)
+    writer.add_add_bos_token(c.add_bos)
+    for name, tensor in random_tensors(c, 0).items():
+        writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma") / "tiny.gguf"
+    write_gguf(path)
+    mapping = {
+        "model": {"name": "gemma3", "config": {"gguf": str(path), "global_sink": 2, "global_window": 10,
+                                               "chunk": 8, "max_slots": 2}},
+        "engine": {"max_batch": 2, "pipelined": True},
+    }  # fmt: skip
+    deployment = parse_deployment(mapping, "gemma.yaml")
+    engine = build_text_engine(deployment, progress=False)
+    config, tensors = load_gguf(path)
+    alone = Gemma3Streams(
+        config,
+        Gemma3.from_tensors(config, tensors),
+        global_retention=deployment.model_config.retention,
+        chunk=8,
+    )
+    tokenizer = TextTokenizer.from_gguf(path)
+    app = create_app(engine, ServerSettings(max_tokens=32), model_name=MODEL, tokenizer=tokenizer)
+    with live(app) as url, openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30) as sdk:
+        yield url, sdk, app.state.host, alone, tokenizer
+
+
+def expected(alone, tokenizer, prompt, count, stops=(1,)):
+    """Greedy's tokens for `prompt`, ended after a stop token as the engine ends them."""
+    tokens = alone.greedy(prompt, count)
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[: i + 1]
+    return tokens
+
+
+def test_streamed_completion_tokens_equal_greedys(gemma):
+    url, sdk, host, alone, tokenizer = gemma
+    prompt = [2, 40, 7, 8, 9, 11, 12, 13, 14, 15, 16]
+    want = expected(alone, tokenizer, prompt, 20)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 20, "stream": True}
+    ids, text = [], ""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                ids += choice["token_ids"]
+                text += choice["text"]
+    assert ids == want
+    assert text == tokenizer.decode(want)
+    chunks = list(sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=20, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == tokenizer.decode(want)
+    assert chunks[-1].choices[0].finish_reason == ("stop" if want[-1] == 1 else "length")
+    assert_nothing_leaked(host)
+
+
+def test_a_text_prompt_and_a_whole_response(gemma):
+    _, sdk, _, alone, tokenizer = gemma
+    prompt = [tokenizer.bos_id, *tokenizer.encode("hello the model")]
+    want = expected(alone, tokenizer, prompt, 12)
+    response = sdk.completions.create(model=MODEL, prompt="hello the model", max_tokens=12)
+    assert response.choices[0].text == tokenizer.decode(want)
+    assert response.usage.completion_tokens == len(want)
+
+
+def test_chat_streams_greedys_reply_in_gemmas_template(gemma):
+    _, sdk, host, alone, tokenizer = gemma
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    prompt = tokenizer.chat([("system", "be brief"), ("user", "hello")])
+    assert prompt[:2] == [2, 3]  # <bos><start_of_turn>
+    assert tokenizer.decode(prompt) == "user\nbe brief\n\nhello\nmodel\n"
+    want = expected(alone, tokenizer, prompt, 16, stops=tokenizer.stop_tokens)
+    stream = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer.decode(want)
+    whole = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
+    assert whole.choices[0].message.content == tokenizer.decode(want)
+    assert_nothing_leaked(host)
+
+
+def test_a_stop_string_ends_the_text_before_it():
+    matcher = StopMatcher(["ab", "xyz"])
+    assert matcher.feed("hello a") == ("hello ", False)  # "a" may start "ab": held
+    assert matcher.feed("x") == ("a", False)
+    assert matcher.feed("yzzz") == ("", True)
+
+
+def test_models_lists_the_model(gemma):
+    _, sdk, _, _, _ = gemma
+    assert [m.id for m in sdk.models.list()] == [MODEL]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "says"),
+    [
+        ("completions", {"model": MODEL, "prompt": 3}, "prompt", "must be a non-empty string or"),
+        ("completions", {"model": MODEL, "prompt": []}, "prompt", "must be a non-empty string or"),
+        ("completions", {"model": MODEL, "prompt": [1, 999]}, "prompt", "token ids [999] must be in [0, 64)"),
+        ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens=0 must be an int in [1, 32]"),
+        ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 33}, "max_tokens", "in [1, 32]"),
+        ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2.5}, "max_tokens", "max_tokens=2.5 must be an int"),
+        ("completions", {"model": "gpt-4", "prompt": "hi"}, "model", "model='gpt-4' must be one of ['tiny-gemma']"),
+        ("completions", {"model": MODEL, "prompt": "hi", "temperature": 0.7}, "temperature", "only greedy decoding"),
+        ("completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature", "temperature=-1"),
+        ("completions", {"model": MODEL, "prompt": "hi", "stop": [1]}, "stop", "must be a non-empty string"),
+        ("completions", {"model": MODEL, "prompt": "hi", "seed": "x"}, "seed", "seed='x' must be an int"),
+        ("completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream", "stream='yes' must be a bool"),
+        ("completions", {"model": MODEL, "prompt": "HI"}, "prompt", "'H' at offset 0 is not in the model's vocabulary"),
+        ("chat/completions", {"model": MODEL, "messages": []}, "messages", "must be a non-empty list"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "bot", "content": "x"}]}, "role", "role='bot' must be one of"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content", "must be a string"),
+    ],
+)  # fmt: skip
+def test_a_bad_text_request_is_a_400_naming_the_field(gemma, path, body, param, says):
+    url, _, host, _, _ = gemma
+    response = httpx.post(f"{url}/v1/{path}", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert says in error["message"]
+    assert not host.engine.streams
