@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 COMMAND = ("-m", "sphinx", "-W", "--keep-going", "-b", "html", "docs")
 GUIDES = [
-    "cache", "kernels", "compilation", "engine", "serving", "devices", "gemma3", "benchmarks",
+    "cache", "kernels", "compilation", "engine", "serving", "server", "devices", "gemma3", "benchmarks",
     "accelerators", "reliability",
 ]  # fmt: skip
 

@@ -51,6 +51,7 @@ FORBIDDEN = {
     "kernels_pallas": ("mstar_jax",),
     "mstar_jax.resources": ("mstar_jax.models", "mstar_jax.engine"),
     "mstar_jax.serving": ("mstar_jax.models", "mstar_jax.engine"),
+    "mstar_jax.engine": ("mstar_jax.server",),  # the front door sits on the engine, never the reverse
 }
 
 
