@@ -319,8 +319,9 @@ CLI_CASES = [
         r"\(B, KiB, .*\), e\.g\. 16GiB",
     ),
     _case(
-        "unknown-command", ["serve"], True,
-        TOP + r"argument COMMAND: invalid choice: 'serve' \(choose from 'check', 'run', 'generate'\)",
+        "unknown-command", ["listen"], True,
+        TOP + r"argument COMMAND: invalid choice: 'listen' "
+        r"\(choose from 'check', 'run', 'generate', 'serve'\)",
     ),
     _case("unknown-option", ["check", "--bogus"], True, TOP + r"unrecognized arguments: --bogus"),
     _case(
