@@ -66,7 +66,8 @@ def create_app(
     metrics = ServerMetrics("audio" if speech else "token")
     host = EngineHost(
         engine, max_waiting=settings.max_waiting, stream_buffer=settings.stream_buffer,
-        retry_after_s=settings.retry_after_s, observer=metrics,
+        retry_after_s=settings.retry_after_s, offload_paused_after_s=settings.offload_paused_after_s,
+        observer=metrics,
     )  # fmt: skip
 
     @contextlib.asynccontextmanager

@@ -26,9 +26,20 @@ __all__ = ["add_arguments", "run", "settings_from_args"]
 # flag -> ServerSettings field, with its argparse type
 _SETTINGS = {
     "max_waiting": int, "retry_after_s": int, "max_body_bytes": int, "stream_buffer": int,
-    "shutdown_grace_s": float, "max_input_bytes": int, "frames_per_byte": float, "max_frames": int,
-    "max_tokens": int, "default_max_tokens": int, "segment_bytes": int,
+    "shutdown_grace_s": float, "offload_paused_after_s": "optional_float", "max_input_bytes": int,
+    "frames_per_byte": float, "max_frames": int, "max_tokens": int, "default_max_tokens": int,
+    "segment_bytes": int,
 }  # fmt: skip
+
+
+def _optional_float(text: str) -> float | None:
+    """A float, or None for `none` (a setting that can be off)."""
+    if text.lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number or 'none'") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group("limits (ServerSettings)")
     for name, kind in _SETTINGS.items():
         limits.add_argument(
-            f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults, name), metavar="N",
+            f"--{name.replace('_', '-')}", type=_optional_float if kind == "optional_float" else kind,
+            default=getattr(defaults, name), metavar="N",
             help=f"(default: {getattr(defaults, name)})",
         )  # fmt: skip
     group = parser.add_argument_group("multi-process (a TPU pod: one process per host, each on its own port)")

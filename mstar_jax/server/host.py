@@ -11,9 +11,9 @@ Bounds, so nothing grows with a client's behaviour:
 
 - at most `max_waiting` requests wait (submitted, no step run yet); one more is refused with
   `OverloadedError` (429 and `Retry-After`) before anything is queued;
-- a stream whose client has not read `stream_buffer` outputs is paused in the engine (it holds its
-  slots but runs no step, and the engine offloads it once idle when the deployment says
-  `offload_idle_after_s`); it resumes once the client has read half of them;
+- a stream whose client has not read `stream_buffer` outputs is paused in the engine (it runs no
+  step, and after `offload_paused_after_s` its slots move to host memory); it resumes (reloaded by
+  the engine's admission) once the client has read half of them;
 - a client that goes away cancels its request (`RequestHandle.cancel`): the engine frees its slots at
   its next command drain, before its next step.
 
@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any
 
-from mstar_jax.checks import check_int
+from mstar_jax.checks import check_int, check_number
 from mstar_jax.engine.engine import ServingEngine
 from mstar_jax.engine.tts import Engine
 from mstar_jax.server.errors import BadRequestError, OverloadedError, ServerShuttingDownError
@@ -200,6 +200,8 @@ class EngineHost:
       max_waiting: requests that may wait at once (`ServerSettings.max_waiting`).
       stream_buffer: outputs buffered per stream before it is paused (`ServerSettings.stream_buffer`).
       retry_after_s: the `Retry-After` of an `OverloadedError`.
+      offload_paused_after_s: seconds a paused stream keeps its device slots before the host offloads
+        it (None: never; never in a multi-process engine).
       observer: told of first outputs, ends and steps (the metrics); default: nobody.
     """
 
@@ -210,6 +212,7 @@ class EngineHost:
         max_waiting: int = 64,
         stream_buffer: int = 16,
         retry_after_s: int = 1,
+        offload_paused_after_s: float | None = None,
         observer: HostObserver | None = None,
     ):
         if not isinstance(engine, ServingEngine):
@@ -217,10 +220,11 @@ class EngineHost:
         check_int("max_waiting", max_waiting, minimum=0)
         check_int("stream_buffer", stream_buffer, minimum=1)
         check_int("retry_after_s", retry_after_s, minimum=1)
+        check_number("offload_paused_after_s", offload_paused_after_s, minimum=0.0, allow_none=True)
         if observer is not None and not isinstance(observer, HostObserver):
             raise TypeError(f"observer={observer!r} must be a HostObserver or None")
         self.engine, self.max_waiting, self.stream_buffer = engine, max_waiting, stream_buffer
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.offload_paused_after_s = retry_after_s, offload_paused_after_s
         self._observer = observer or HostObserver()
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards `_waiting` and `accepting` against concurrent submits
@@ -332,6 +336,7 @@ class EngineHost:
                 if busy or engine.streams:  # paused streams too: the engine offloads idle ones
                     ran = self._step()
                     self._settle()
+                    self._offload_paused()
                     if busy and not ran:  # held for room: wait the backoff, on the queue
                         stopping |= self._drain(engine.hold_backoff_s)
         except BaseException as error:  # the thread must not die silently: every client is told
@@ -425,6 +430,16 @@ class EngineHost:
             self._unstarted.discard(handle)
             self._unwait()
         handle._end(failure, outcome)
+
+    def _offload_paused(self) -> None:
+        """Offload the streams paused for their readers for `offload_paused_after_s` (module doc)."""
+        after, engine = self.offload_paused_after_s, self.engine
+        if after is None or engine.lockstep:
+            return
+        now = engine.clock()
+        for rid, stream in engine.streams.items():
+            if stream.paused and now - stream.last_step_at >= after and not engine.is_offloaded(rid):
+                engine.offload(rid)
 
     def _check_deadline(self) -> None:
         if self._deadline is None or time.monotonic() < self._deadline or not self._live:

@@ -22,6 +22,9 @@ class ServerSettings:
       stream_buffer: outputs (audio chunks, tokens) buffered for one stream before the engine pauses it
         until its client has read half of them (a slow reader); steps already dispatched may add one
         or two more.
+      offload_paused_after_s: seconds a stream paused for its reader keeps its device slots before the
+        host offloads them to host memory (None: never; a multi-process engine keeps every stream on
+        its devices), so a client that stops reading holds no device memory for long.
       shutdown_grace_s: after `SIGTERM`, seconds in-flight streams have to finish before they are
         cancelled, each with a typed, retryable error.
       max_input_bytes: the longest speech input, in UTF-8 bytes (each is one text token).
@@ -37,6 +40,7 @@ class ServerSettings:
     retry_after_s: int = 1
     max_body_bytes: int = 1 << 20
     stream_buffer: int = 16
+    offload_paused_after_s: float | None = 1.0
     shutdown_grace_s: float = 10.0
     max_input_bytes: int = 4096
     frames_per_byte: float = 1.0
@@ -53,6 +57,7 @@ class ServerSettings:
         ):  # fmt: skip
             check_int(name, getattr(self, name), minimum=1)
         check_number("shutdown_grace_s", self.shutdown_grace_s, minimum=0.0)
+        check_number("offload_paused_after_s", self.offload_paused_after_s, minimum=0.0, allow_none=True)
         check_number("frames_per_byte", self.frames_per_byte, minimum=0.0, exclusive=True)
         if self.default_max_tokens > self.max_tokens:
             raise ValueError(

@@ -142,7 +142,10 @@ def _messages(service: TextService, body: Body) -> list[int]:
         name = f"messages[{i}]"
         if not isinstance(message, dict):
             raise BadRequestError(f"{name} must be an object with role and content", param=name)
-        role = Body(message).choice("role", _ROLES)
+        try:
+            role = Body(message).choice("role", _ROLES)
+        except BadRequestError as error:
+            raise BadRequestError(f"{name}.{error.message}", param=f"{name}.role") from None
         content = message.get("content")
         if isinstance(content, list):  # text parts
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)

@@ -44,7 +44,6 @@ compile:
 engine:
   max_batch: 4
   pipelined: true
-  offload_idle_after_s: 0.2
 workload:
   voices: 2
 """

@@ -30,6 +30,7 @@ PIECES = [
 ]  # fmt: skip
 PIECES += [f"<unused{i}>" for i in range(CONFIG.vocab_size - len(PIECES))]
 MODEL = "tiny-gemma"
+HI = {"model": MODEL, "prompt": "hi"}
 
 
 def write_gguf(path) -> None:
@@ -154,21 +155,41 @@ def test_models_lists_the_model(gemma):
         ("completions", {"model": MODEL, "prompt": 3}, "prompt", "must be a non-empty string or"),
         ("completions", {"model": MODEL, "prompt": []}, "prompt", "must be a non-empty string or"),
         ("completions", {"model": MODEL, "prompt": [1, 999]}, "prompt", "token ids [999] must be in [0, 64)"),
-        ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens=0 must be an int in [1, 32]"),
-        ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 33}, "max_tokens", "in [1, 32]"),
-        ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2.5}, "max_tokens", "max_tokens=2.5 must be an int"),
-        ("completions", {"model": "gpt-4", "prompt": "hi"}, "model", "model='gpt-4' must be one of ['tiny-gemma']"),
-        ("completions", {"model": MODEL, "prompt": "hi", "temperature": 0.7}, "temperature", "only greedy decoding"),
-        ("completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature", "temperature=-1"),
-        ("completions", {"model": MODEL, "prompt": "hi", "stop": [1]}, "stop", "must be a non-empty string"),
-        ("completions", {"model": MODEL, "prompt": "hi", "seed": "x"}, "seed", "seed='x' must be an int"),
-        ("completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream", "stream='yes' must be a bool"),
-        ("completions", {"model": MODEL, "prompt": "HI"}, "prompt", "'H' at offset 0 is not in the model's vocabulary"),
+        ("completions", {**HI, "max_tokens": 0}, "max_tokens", "max_tokens=0 must be an int in [1, 32]"),
+        ("completions", {**HI, "max_tokens": 33}, "max_tokens", "in [1, 32]"),
+        ("completions", {**HI, "max_tokens": 2.5}, "max_tokens", "max_tokens=2.5 must be an int"),
+        (
+            "completions",
+            {"model": "gpt-4", "prompt": "hi"},
+            "model",
+            "model='gpt-4' must be one of ['tiny-gemma']",
+        ),
+        ("completions", {**HI, "temperature": 0.7}, "temperature", "only greedy decoding"),
+        ("completions", {**HI, "temperature": -1}, "temperature", "temperature=-1"),
+        ("completions", {**HI, "stop": [1]}, "stop", "must be a non-empty string"),
+        ("completions", {**HI, "seed": "x"}, "seed", "seed='x' must be an int"),
+        ("completions", {**HI, "stream": "yes"}, "stream", "stream='yes' must be a bool"),
+        (
+            "completions",
+            {"model": MODEL, "prompt": "HI"},
+            "prompt",
+            "'H' at offset 0 is not in the model's vocabulary",
+        ),
         ("chat/completions", {"model": MODEL, "messages": []}, "messages", "must be a non-empty list"),
-        ("chat/completions", {"model": MODEL, "messages": [{"role": "bot", "content": "x"}]}, "role", "role='bot' must be one of"),
-        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content", "must be a string"),
+        (
+            "chat/completions",
+            {"model": MODEL, "messages": [{"role": "bot", "content": "x"}]},
+            "messages[0].role",
+            "messages[0].role='bot' must be one of",
+        ),
+        (
+            "chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+            "messages[0].content",
+            "must be a string",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_text_request_is_a_400_naming_the_field(gemma, path, body, param, says):
     url, _, host, _, _ = gemma
     response = httpx.post(f"{url}/v1/{path}", json=body)
