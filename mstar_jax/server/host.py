@@ -59,7 +59,8 @@ class HostObserver:
         """A request ended: `done`, `failed`, `cancelled`, `invalid` or `shutdown`."""
 
     def stepped(self, host: EngineHost, latencies: list[float]) -> None:
-        """The engine ran steps of these latencies (seconds); `host` may be read for gauges."""
+        """Once a loop of the host thread: the engine ran steps of these latencies (seconds, none when
+        it was idle); `host` may be read for gauges."""
 
 
 class RequestHandle:
@@ -333,12 +334,14 @@ class EngineHost:
                 busy = any(not s.paused for s in engine.streams.values())
                 if engine.lockstep:  # every process steps while any has work (lockstep.py)
                     busy = engine.busy_anywhere(busy)
+                latencies: list[float] = []
                 if busy or engine.streams:  # paused streams too: the engine offloads idle ones
-                    ran = self._step()
+                    ran = self._step(latencies)
                     self._settle()
                     self._offload_paused()
                     if busy and not ran:  # held for room: wait the backoff, on the queue
                         stopping |= self._drain(engine.hold_backoff_s)
+                self._observer.stepped(self, latencies)  # also when idle: gauges follow cancellations
         except BaseException as error:  # the thread must not die silently: every client is told
             self.failure = error
             self.accepting = False
@@ -402,16 +405,16 @@ class EngineHost:
         with self._lock:
             self._waiting -= 1
 
-    def _step(self) -> bool:
+    def _step(self, latencies: list[float]) -> bool:
+        """One engine step; the latencies of the steps it recorded are appended to `latencies`."""
         ran = self.engine.step()
-        records, latencies = self.engine.records, []
+        records = self.engine.records
         for record in reversed(records):
             if record is self._seen_record:
                 break
             latencies.append(record.latency)
         if records:
             self._seen_record = records[-1]
-        self._observer.stepped(self, latencies)
         return ran
 
     def _settle(self) -> None:

@@ -6,6 +6,8 @@ apps, as the tests do), scraped at `GET /metrics`.
     mstar_requests_total{outcome}               done, failed, cancelled, invalid, shutdown, overloaded
     mstar_slots_in_use{cache}                   slots held, per cache
     mstar_queue_depth{cache}                    live requests holding no slot of the cache yet
+    mstar_source_readers{cache}                 live requests reading a voice of the cache's source bank
+    mstar_live_requests                         requests the host holds (submitted, not yet answered)
     mstar_waiting_requests                      requests waiting for their first step (max_waiting bounds it)
     mstar_paused_streams                        streams paused for a slow reader
     mstar_offloaded_streams                     streams whose caches are in host memory
@@ -51,6 +53,10 @@ class ServerMetrics(HostObserver):
         self.queue = Gauge(
             "mstar_queue_depth", "Live requests without a slot, per cache", ["cache"], registry=r
         )
+        self.readers = Gauge(
+            "mstar_source_readers", "Live requests reading the source bank, per cache", ["cache"], registry=r
+        )
+        self.live = Gauge("mstar_live_requests", "Requests the host holds", registry=r)
         self.waiting = Gauge("mstar_waiting_requests", "Requests waiting for their first step", registry=r)
         self.paused = Gauge("mstar_paused_streams", "Streams paused for a slow reader", registry=r)
         self.offloaded = Gauge("mstar_offloaded_streams", "Streams offloaded to host memory", registry=r)
@@ -78,6 +84,8 @@ class ServerMetrics(HostObserver):
             key = manager.spec.resource_key
             self.slots.labels(key).set(host.free_slots[key] - manager.free_slots)
             self.queue.labels(key).set(sum(manager.slot_of(rid) is None for rid in streams))
+            self.readers.labels(key).set(sum(manager.readers(i) for i in range(manager.bank.num_sources)))
+        self.live.set(host.live)
         self.waiting.set(host.waiting)
         self.paused.set(sum(s.paused for s in engine.streams.values()))
         self.offloaded.set(sum(engine.is_offloaded(rid) for rid in streams) if not engine.lockstep else 0)
