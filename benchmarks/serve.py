@@ -310,6 +310,7 @@ def run_levels(engine, voice, url, server, levels, repeats, frames, speed, sprea
             return run
 
         interleaved_times({name: case(name) for name in runs}, repeats, self_timed=True, warmup=warmup)
+        runs = {name: served[-repeats:] for name, served in runs.items()}  # the warm-up runs left out
         for name, served in runs.items():
             p50 = describe([p(s.first_audio, 50) for s in served], ".1f", scale=1e3, repeats=False)
             p99 = describe([p(s.first_audio, 99) for s in served], ".1f", scale=1e3, repeats=False)

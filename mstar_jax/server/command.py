@@ -133,7 +133,7 @@ def run(args: argparse.Namespace, deployment: Any, error: Callable[[str], Except
         voices = register_voices(engine, count, seed=deployment.workload.seed)
         app = create_app(engine, settings, model_name=name, voices={f"voice-{v.index}": v for v in voices})
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+        app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on", ws="websockets-sansio",
         timeout_graceful_shutdown=settings.shutdown_grace_s + 5.0,
     )  # fmt: skip
     server = _server(config, app.state.host, settings.shutdown_grace_s)

@@ -9,8 +9,9 @@ the device and the engine never waits on a client.
 
 Bounds, so nothing grows with a client's behaviour:
 
-- at most `max_waiting` requests wait (submitted, no step run yet); one more is refused with
-  `OverloadedError` (429 and `Retry-After`) before anything is queued;
+- at most `max_waiting` requests wait: submitted with no step run yet, or paused for a client that
+  stopped reading; one more is refused with `OverloadedError` (429 and `Retry-After`) before anything
+  is queued, so neither a burst nor a crowd of readers that never read grows memory without bound;
 - a stream whose client has not read `stream_buffer` outputs is paused in the engine (it runs no
   step, and after `offload_paused_after_s` its slots move to host memory); it resumes (reloaded by
   the engine's admission) once the client has read half of them;
@@ -91,6 +92,7 @@ class RequestHandle:
         self.pauses = 0
         self.stream: Any = None  # the engine's stream, once submitted (host thread)
         self.first_output_at: float | None = None
+        self._parked = False  # counted among the waiting while paused (host thread)
         self.outcome: str | None = None
         self._ended = False
         self._cancelled = False
@@ -111,6 +113,7 @@ class RequestHandle:
                 self.pauses += 1
         if pause and self.request_id in self._host.engine.streams:
             self._host.engine.pause(self.request_id)
+            self._host._park(self, True)
         self._post((False, output))
 
     def _end(self, failure: BaseException | None, outcome: str) -> None:
@@ -307,7 +310,7 @@ class EngineHost:
 
     @property
     def waiting(self) -> int:
-        """Requests submitted that have not run a step yet."""
+        """Requests submitted that have not run a step yet, and streams paused for their readers."""
         return self._waiting
 
     @property
@@ -326,7 +329,9 @@ class EngineHost:
             stopping = False
             while True:
                 runnable = any(not s.paused for s in engine.streams.values())
-                wait = 0.0 if runnable else (engine.hold_backoff_s if engine.streams else _IDLE_WAIT_S)
+                # Idle, block on the queue; in lockstep only briefly: the others wait on our next step.
+                idle = engine.hold_backoff_s if engine.streams or engine.lockstep else _IDLE_WAIT_S
+                wait = 0.0 if runnable else idle
                 stopping |= self._drain(wait)
                 self._check_deadline()
                 if stopping and not self._live and not self.accepting:
@@ -377,6 +382,7 @@ class EngineHost:
         elif isinstance(command, _Resume):
             with handle._lock:
                 handle.paused = False
+            self._park(handle, False)
             if handle.request_id in self.engine.streams:
                 self.engine.resume(handle.request_id)
 
@@ -405,6 +411,13 @@ class EngineHost:
         with self._lock:
             self._waiting -= 1
 
+    def _park(self, handle: RequestHandle, paused: bool) -> None:
+        """Count a stream paused for its reader among the waiting (or no longer)."""
+        if paused != handle._parked:
+            handle._parked = paused
+            with self._lock:
+                self._waiting += 1 if paused else -1
+
     def _step(self, latencies: list[float]) -> bool:
         """One engine step; the latencies of the steps it recorded are appended to `latencies`."""
         ran = self.engine.step()
@@ -429,6 +442,7 @@ class EngineHost:
 
     def _finish(self, handle: RequestHandle, failure: RequestError | None, outcome: str) -> None:
         self._live.pop(handle.request_id, None)
+        self._park(handle, False)
         if handle in self._unstarted:
             self._unstarted.discard(handle)
             self._unwait()

@@ -15,8 +15,9 @@ class ServerSettings:
     """The front door's limits.
 
     Attributes:
-      max_waiting: requests that may wait for the engine (submitted, no step run yet) at once; one more
-        is refused with 429 and `Retry-After`, so a burst never grows memory without bound.
+      max_waiting: requests that may wait at once (submitted with no step run yet, or paused for a
+        client that stopped reading); one more is refused with 429 and `Retry-After`, so neither a burst
+        nor readers that never read grow memory without bound.
       retry_after_s: the `Retry-After` a 429 says, in seconds.
       max_body_bytes: the largest request body read; a larger one is refused with 413.
       stream_buffer: outputs (audio chunks, tokens) buffered for one stream before the engine pauses it

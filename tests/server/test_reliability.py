@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+import websockets
 
 from mstar_jax.engine.faults import inject_faults
 from mstar_jax.server import ServerSettings, create_app
@@ -152,6 +153,7 @@ def test_a_slow_reader_is_paused_and_offloaded_not_buffered(serve, tts):
             (handle,) = list(host._live.values())
             wait_for(lambda: engine.is_offloaded(handle.request_id), "the paused stream to be offloaded", 10)
             assert handle.most_buffered <= 4 + 2  # the bound, and what steps in flight brought
+            assert host.waiting == 1  # a paused stream counts against max_waiting
             received, sock_file = 0, sock.makefile("rb")
             while sock_file.readline() != b"\r\n":  # the headers
                 pass
@@ -206,4 +208,26 @@ def test_a_fault_fails_only_the_requests_it_reached_with_a_retryable_error(serve
         assert again.status_code == 200
         assert len(again.content) == 22 * 1920 * 2
         assert f"mstar_faults {faults + 2:.1f}" in httpx.get(f"{url}/metrics").text
+        assert_nothing_leaked(app.state.host)
+
+
+def test_a_fault_closes_a_websocket_with_the_retryable_code(serve, tts):
+    engine, _ = tts
+    inject_faults(engine, "talker", lambda n: "after" if n == 3 else None)
+    app, server = serve()
+
+    async def talk(url):
+        async with websockets.connect(url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+            await ws.send(json.dumps({"type": "text", "text": "a text the fault will reach. "}))
+            messages = []
+            with pytest.raises(websockets.ConnectionClosedError):  # closed with an error code
+                while True:
+                    messages.append(await ws.recv())
+            return messages, ws.close_code
+
+    with server as url:
+        messages, code = asyncio.run(asyncio.wait_for(talk(url), 30))
+        assert code == 1013  # try again later
+        error = json.loads(messages[-1])["error"]
+        assert (error["type"], error["retryable"]) == ("state_lost", True)
         assert_nothing_leaked(app.state.host)
