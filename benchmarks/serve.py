@@ -247,6 +247,11 @@ def main(argv=None) -> None:
     parser.add_argument("--frames", type=int, default=None, help="frames a request speaks (default 90)")
     parser.add_argument("--spread-s", type=float, default=1.0, help="arrivals spread over (default 1 s)")
     parser.add_argument("--disconnects", type=int, default=None, help="clients leaving (default 1000)")
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="keep the compiled programs here for the next run (default: a temp dir)",
+    )
     args = parser.parse_args(argv)
     slots = 4 if args.quick else SLOTS
     levels = [int(n) for n in (args.concurrency or ("1,4" if args.quick else "1,16,64,256")).split(",")]
@@ -261,9 +266,10 @@ def main(argv=None) -> None:
           f"Poisson over ~{args.spread_s:g} s; timing: {ORDER_NOTE}; median (min–max)")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "serve.log", "wb") as log:
         config = Path(tmp) / "deployment.yaml"
-        (Path(tmp) / "cache").mkdir()
+        cache = Path(args.cache_dir or Path(tmp) / "cache")
+        cache.mkdir(parents=True, exist_ok=True)
         template = QUICK_DEPLOYMENT if args.quick else DEPLOYMENT
-        config.write_text(template.format(slots=slots, cache=Path(tmp) / "cache"))
+        config.write_text(template.format(slots=slots, cache=cache.resolve()))
         started = time.perf_counter()
         engine = Engine.from_deployment(load_deployment(config), progress=False, max_workers=2)
         voice = register_voices(engine, 2, seed=0)[0]

@@ -67,7 +67,7 @@ def create_app(
     host = EngineHost(
         engine, max_waiting=settings.max_waiting, stream_buffer=settings.stream_buffer,
         retry_after_s=settings.retry_after_s, offload_paused_after_s=settings.offload_paused_after_s,
-        observer=metrics,
+        history=settings.history, observer=metrics,
     )  # fmt: skip
 
     @contextlib.asynccontextmanager

@@ -28,7 +28,7 @@ _SETTINGS = {
     "max_waiting": int, "retry_after_s": int, "max_body_bytes": int, "stream_buffer": int,
     "shutdown_grace_s": float, "offload_paused_after_s": "optional_float", "max_input_bytes": int,
     "frames_per_byte": float, "max_frames": int, "max_tokens": int, "default_max_tokens": int,
-    "segment_bytes": int,
+    "segment_bytes": int, "history": int,
 }  # fmt: skip
 
 
@@ -128,8 +128,9 @@ def run(args: argparse.Namespace, deployment: Any, error: Callable[[str], Except
 
         count = args.voices or deployment.workload.voices
         engine = Engine.from_deployment(
-            deployment, progress=progress, num_voices=max(count, num_sources(deployment))
-        )
+            deployment, progress=progress, num_voices=max(count, num_sources(deployment)),
+            history=settings.history,
+        )  # fmt: skip
         voices = register_voices(engine, count, seed=deployment.workload.seed)
         app = create_app(engine, settings, model_name=name, voices={f"voice-{v.index}": v for v in voices})
     config = uvicorn.Config(

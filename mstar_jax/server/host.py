@@ -124,8 +124,7 @@ class RequestHandle:
         self._post((True, failure))
 
     def _post(self, item: tuple[bool, Any]) -> None:
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to read
-            self._loop.call_soon_threadsafe(self._receive, item)
+        self._host._outbox.append((self, item))  # handed to the loop once per host loop (`_flush`)
 
     # -- the event loop -----------------------------------------------------------------------------
 
@@ -177,6 +176,12 @@ class RequestHandle:
             self._host._post(_Cancel(self))
 
 
+def _receive_all(items: list[tuple[RequestHandle, tuple[bool, Any]]]) -> None:
+    """On the event loop: hand each handle its items, in order."""
+    for handle, item in items:
+        handle._receive(item)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Submit:
     handle: RequestHandle
@@ -206,6 +211,8 @@ class EngineHost:
       retry_after_s: the `Retry-After` of an `OverloadedError`.
       offload_paused_after_s: seconds a paused stream keeps its device slots before the host offloads
         it (None: never; never in a multi-process engine).
+      history: finished streams and step records the engine keeps, the most recent (a server runs
+        for days: an engine built with `history=None` would keep every stream's audio).
       observer: told of first outputs, ends and steps (the metrics); default: nobody.
     """
 
@@ -217,6 +224,7 @@ class EngineHost:
         stream_buffer: int = 16,
         retry_after_s: int = 1,
         offload_paused_after_s: float | None = None,
+        history: int = 1024,
         observer: HostObserver | None = None,
     ):
         if not isinstance(engine, ServingEngine):
@@ -225,6 +233,7 @@ class EngineHost:
         check_int("stream_buffer", stream_buffer, minimum=1)
         check_int("retry_after_s", retry_after_s, minimum=1)
         check_number("offload_paused_after_s", offload_paused_after_s, minimum=0.0, allow_none=True)
+        self.history = check_int("history", history, minimum=1)
         if observer is not None and not isinstance(observer, HostObserver):
             raise TypeError(f"observer={observer!r} must be a HostObserver or None")
         self.engine, self.max_waiting, self.stream_buffer = engine, max_waiting, stream_buffer
@@ -236,11 +245,16 @@ class EngineHost:
         self.accepting = True
         self._deadline: float | None = None
         self._live: dict[str, RequestHandle] = {}  # host thread only
+        # Outputs and ends not yet handed to their loops: one wake-up of each loop per host loop, not
+        # one per output, so the two threads contend for the interpreter less (host thread only).
+        self._outbox: list[tuple[RequestHandle, tuple[bool, Any]]] = []
         self._unstarted: set[RequestHandle] = set()  # submitted, no step run yet (host thread only)
         self._thread: threading.Thread | None = None
         self._seen_record: Any = None
         self.failure: BaseException | None = None  # what stopped the thread, if anything did
         self.free_slots = {m.spec.resource_key: m.free_slots for m in self.managers}
+        if engine.history is None or engine.history > history:  # the engine trims `finished` to it
+            engine.history = history
 
     @property
     def managers(self) -> list[Any]:
@@ -335,7 +349,7 @@ class EngineHost:
                 stopping |= self._drain(wait)
                 self._check_deadline()
                 if stopping and not self._live and not self.accepting:
-                    return
+                    return  # (`finally` flushes the last answers)
                 busy = any(not s.paused for s in engine.streams.values())
                 if engine.lockstep:  # every process steps while any has work (lockstep.py)
                     busy = engine.busy_anywhere(busy)
@@ -344,15 +358,32 @@ class EngineHost:
                     ran = self._step(latencies)
                     self._settle()
                     self._offload_paused()
+                    self._flush()
                     if busy and not ran:  # held for room: wait the backoff, on the queue
                         stopping |= self._drain(engine.hold_backoff_s)
+                self._flush()
                 self._observer.stepped(self, latencies)  # also when idle: gauges follow cancellations
         except BaseException as error:  # the thread must not die silently: every client is told
             self.failure = error
             self.accepting = False
             for handle in list(self._live.values()):
                 self._finish(handle, StepFailedError(f"the engine thread stopped: {error!r}"), "failed")
+            self._flush()
             raise
+        finally:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Hand the outbox to the event loops: one callback per loop, the items in order."""
+        if not self._outbox:
+            return
+        items, self._outbox = self._outbox, []
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for handle, item in items:
+            by_loop.setdefault(handle._loop, []).append((handle, item))
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to read
+                loop.call_soon_threadsafe(_receive_all, batch)
 
     def _drain(self, wait: float) -> bool:
         """Run queued commands, waiting up to `wait` seconds for the first; True once `close` asked."""
@@ -428,6 +459,8 @@ class EngineHost:
             latencies.append(record.latency)
         if records:
             self._seen_record = records[-1]
+        while len(records) > self.history:  # in place: the engine's parts append to this deque
+            records.popleft()
         return ran
 
     def _settle(self) -> None:

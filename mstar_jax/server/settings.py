@@ -33,6 +33,8 @@ class ServerSettings:
       max_frames: the most frames one request speaks (its frames are capped here).
       max_tokens: the largest `max_tokens` a text request may ask for.
       default_max_tokens: `max_tokens` when a text request gives none.
+      history: finished streams and step records the engine keeps for reports (the most recent), so
+        memory stays flat however long the server runs.
       segment_bytes: a WebSocket's text is spoken in segments that end at a sentence's end, or once
         this many bytes are buffered.
     """
@@ -49,12 +51,13 @@ class ServerSettings:
     max_tokens: int = 1024
     default_max_tokens: int = 16
     segment_bytes: int = 200
+    history: int = 1024
 
     def __post_init__(self):
         check_int("max_waiting", self.max_waiting, minimum=0)
         for name in (
             "retry_after_s", "max_body_bytes", "stream_buffer", "max_input_bytes", "max_frames",
-            "max_tokens", "default_max_tokens", "segment_bytes",
+            "max_tokens", "default_max_tokens", "segment_bytes", "history",
         ):  # fmt: skip
             check_int(name, getattr(self, name), minimum=1)
         check_number("shutdown_grace_s", self.shutdown_grace_s, minimum=0.0)

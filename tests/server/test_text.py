@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from mstar_jax.server import ServerSettings, create_app
+from mstar_jax.server import text as text_module
 from mstar_jax.server.text import StopMatcher
 from tests.server.support import assert_nothing_leaked, live
 
@@ -164,7 +165,6 @@ def test_models_lists_the_model(gemma):
             "model",
             "model='gpt-4' must be one of ['tiny-gemma']",
         ),
-        ("completions", {**HI, "temperature": 0.7}, "temperature", "only greedy decoding"),
         ("completions", {**HI, "temperature": -1}, "temperature", "temperature=-1"),
         ("completions", {**HI, "stop": [1]}, "stop", "must be a non-empty string"),
         ("completions", {**HI, "seed": "x"}, "seed", "seed='x' must be an int"),
@@ -198,3 +198,16 @@ def test_a_bad_text_request_is_a_400_naming_the_field(gemma, path, body, param, 
     assert error["param"] == param
     assert says in error["message"]
     assert not host.engine.streams
+
+
+def test_a_temperature_is_refused_until_the_engine_samples(gemma):
+    url, _, host, _, _ = gemma
+    response = httpx.post(f"{url}/v1/completions", json={**HI, "temperature": 0.7, "seed": 3})
+    if text_module._SAMPLING:  # TextRequest has temperature and seed: they are passed on
+        assert response.status_code == 200, response.text
+    else:
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == "temperature"
+        assert "temperature=0.7 must be 0: only greedy decoding is available" in error["message"]
+    assert_nothing_leaked(host)
