@@ -212,7 +212,8 @@ class EngineHost:
       offload_paused_after_s: seconds a paused stream keeps its device slots before the host offloads
         it (None: never; never in a multi-process engine).
       history: finished streams and step records the engine keeps, the most recent (a server runs
-        for days: an engine built with `history=None` would keep every stream's audio).
+        for days: an engine built with `history=None` would keep every stream); a finished stream's
+        audio is dropped from its record once every chunk was handed to its client.
       observer: told of first outputs, ends and steps (the metrics); default: nobody.
     """
 
@@ -224,7 +225,7 @@ class EngineHost:
         stream_buffer: int = 16,
         retry_after_s: int = 1,
         offload_paused_after_s: float | None = None,
-        history: int = 1024,
+        history: int = 64,
         observer: HostObserver | None = None,
     ):
         if not isinstance(engine, ServingEngine):
@@ -476,6 +477,9 @@ class EngineHost:
     def _finish(self, handle: RequestHandle, failure: RequestError | None, outcome: str) -> None:
         self._live.pop(handle.request_id, None)
         self._park(handle, False)
+        outputs = getattr(handle.stream, "chunks", None)
+        if outputs is not None:  # every chunk went to the client: the engine's record keeps no audio
+            outputs.clear()
         if handle in self._unstarted:
             self._unstarted.discard(handle)
             self._unwait()

@@ -51,7 +51,7 @@ class ServerSettings:
     max_tokens: int = 1024
     default_max_tokens: int = 16
     segment_bytes: int = 200
-    history: int = 1024
+    history: int = 64
 
     def __post_init__(self):
         check_int("max_waiting", self.max_waiting, minimum=0)

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--shutdown-grace-s", "nan"], "--shutdown-grace-s=nan must be a finite number"),
         (["--frames-per-byte", "0"], "--frames-per-byte: frames_per_byte=0.0 must be a finite number > 0.0"),
         (["--voices", "0"], "--voices=0 must be None or an int >= 1"),
+        (["--history", "0"], "--history: history=0 must be an int >= 1"),
         (["--offload-paused-after-s", "-1"], "offload_paused_after_s=-1.0 must be None or a finite number"),
         (["--host", ""], "--host='' must be a non-empty address"),
         (["--config", "/nonexistent/x.yaml"], "/nonexistent/x.yaml: no such file"),
@@ -85,6 +86,12 @@ def test_the_host_and_the_app_refuse_bad_arguments(tts):
         EngineHost(engine, stream_buffer=0)
     with pytest.raises(ValueError, match="max_waiting=-2 must be an int >= 0"):
         EngineHost(engine, max_waiting=-2)
+    with pytest.raises(ValueError, match="history=0 must be an int >= 1"):
+        EngineHost(engine, history=0)
+    with pytest.raises(ValueError, match="offload_paused_after_s=-1 must be None or a finite number"):
+        EngineHost(engine, offload_paused_after_s=-1)
+    with pytest.raises(TypeError, match="observer=1 must be a HostObserver or None"):
+        EngineHost(engine, observer=1)
     with pytest.raises(TypeError, match=r"settings=.* must be a ServerSettings"):
         create_app(engine, {"max_waiting": 1}, model_name="x", voices=voices)
     with pytest.raises(ValueError, match="model_name='' must be a non-empty str"):
