@@ -247,11 +247,6 @@ def main(argv=None) -> None:
     parser.add_argument("--frames", type=int, default=None, help="frames a request speaks (default 90)")
     parser.add_argument("--spread-s", type=float, default=1.0, help="arrivals spread over (default 1 s)")
     parser.add_argument("--disconnects", type=int, default=None, help="clients leaving (default 1000)")
-    parser.add_argument(
-        "--cache-dir",
-        default=None,
-        help="keep the compiled programs here for the next run (default: a temp dir)",
-    )
     args = parser.parse_args(argv)
     slots = 4 if args.quick else SLOTS
     levels = [int(n) for n in (args.concurrency or ("1,4" if args.quick else "1,16,64,256")).split(",")]
@@ -266,8 +261,9 @@ def main(argv=None) -> None:
           f"Poisson over ~{args.spread_s:g} s; timing: {ORDER_NOTE}; median (min–max)")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "serve.log", "wb") as log:
         config = Path(tmp) / "deployment.yaml"
-        cache = Path(args.cache_dir or Path(tmp) / "cache")
-        cache.mkdir(parents=True, exist_ok=True)
+        # A fresh store each run: the engine here compiles into it, the server loads from it.
+        cache = Path(tmp) / "cache"
+        cache.mkdir()
         template = QUICK_DEPLOYMENT if args.quick else DEPLOYMENT
         config.write_text(template.format(slots=slots, cache=cache.resolve()))
         started = time.perf_counter()
