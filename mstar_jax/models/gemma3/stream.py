@@ -9,8 +9,8 @@ logits, or the log-probability of given target tokens (computed on the device, s
 vocabulary never crosses to the host).
 
 On top: `score` streams a text through in chunks and returns every token's log-probability at flat
-memory, `logits` every position's logits (short texts), `greedy` continues a prompt. Several streams at
-once are `serve.generate`'s.
+memory, `logits` every position's logits (short texts), `greedy` continues a prompt, one stream at a
+time. Many streams at once are the engine's (`Gemma3Serving`).
 """
 
 from __future__ import annotations
