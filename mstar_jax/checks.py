@@ -92,13 +92,15 @@ def check_number(
     value: Any,
     *,
     minimum: float,
+    maximum: float | None = None,
     exclusive: bool = False,
     finite: bool = True,
     allow_none: bool = False,
     note: str | None = None,
 ) -> float | None:
     """`value` as a float, refused unless it is an int or a float (not a bool) `>= minimum`
-    (`> minimum` when `exclusive`), and finite (neither NaN nor infinite) unless `finite` is False.
+    (`> minimum` when `exclusive`) and `<= maximum` if one is given, and finite (neither NaN nor
+    infinite) unless `finite` is False.
 
     A string that parses as a number (`'1e-3'`: YAML 1.1 reads an exponent without a dot or a sign as
     a string) is refused with a hint on writing it as a number. `note`, when given, follows the bound
@@ -113,7 +115,10 @@ def check_number(
     if value is None and allow_none:
         return None
     either = "None or " if allow_none else ""
-    bound = f"{'>' if exclusive else '>='} {minimum}{f' ({note})' if note else ''}"
+    bound = f"{'>' if exclusive else '>='} {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+    if exclusive and maximum is not None:
+        bound = f"in ({minimum}, {maximum}]"
+    bound += f" ({note})" if note else ""
     if isinstance(value, bool) or not isinstance(value, int | float):
         hint = ""
         if isinstance(value, str) and _parses_as_float(value):
@@ -126,6 +131,7 @@ def check_number(
         or math.isnan(value)
         or value < minimum
         or (exclusive and value == minimum)
+        or (maximum is not None and value > maximum)
     ):
         raise ValueError(f"{name}={value!r} must be {either}a {'finite ' if finite else ''}number {bound}")
     return float(value)

@@ -210,6 +210,13 @@ def local_data_shards(mesh: Any, process_index: int | None = None) -> tuple[int,
     return tuple(local)
 
 
+def manager_shards(mesh: Any) -> dict[str, Any]:
+    """The shard arguments of a `BoundedKVManager` on `mesh`: its data and model shards and, on a mesh
+    of many processes, this process's own data shards (the only ones it admits into)."""
+    local = local_data_shards(mesh) if spans_processes(mesh) else None
+    return {"data_shards": mesh.shape[DATA], "model_shards": mesh.shape[MODEL], "local_data_shards": local}
+
+
 def spans_processes(mesh: Any) -> bool:
     """True when some of `mesh`'s devices belong to another process (a multi-process deployment)."""
     this = jax.process_index()

@@ -18,7 +18,6 @@ from mstar_jax.compile.capture import (
     disable_persistent_cache,
     enable_persistent_cache,
 )
-from mstar_jax.compile.padding import PadAxes, bucket_sizes, measure, pad, unpad
 from mstar_jax.compile.recompile import (
     CompilationCounter,
     RecompileError,
@@ -42,12 +41,10 @@ __all__ = [
     "CompilationCounter",
     "ExecutableStore",
     "NoBucketError",
-    "PadAxes",
     "RecompileError",
     "RecompileWarning",
     "ReplayError",
     "assert_no_compilations",
-    "bucket_sizes",
     "cap_batch_sizes",
     "capture",
     "configure_persistent_cache",
@@ -55,8 +52,5 @@ __all__ = [
     "describe",
     "disable_persistent_cache",
     "enable_persistent_cache",
-    "measure",
-    "pad",
-    "unpad",
     "warn_on_compilations",
 ]

@@ -4,8 +4,8 @@
 (`jax.ShapeDtypeStruct` pytrees: nothing is allocated on the device), the state argument donated, and
 returns a `CapturedStep` holding `{BucketKey: jax.stages.Compiled}` plus a `CaptureReport` of compile
 time and compiled memory per bucket (`report`). `CapturedStep.replay(bucket, *args)` calls the bucket's
-program; a call with the wrong shapes raises `ReplayError` and never compiles. `replay_padded` pads host
-arrays up to the bucket, replays, and slices the padding off the outputs (see `padding`).
+program; a call with the wrong shapes raises `ReplayError` and never compiles (a step is padded to its
+bucket before, by `pad_step`).
 
 A second start can skip work two ways. JAX's persistent compilation cache (`enable_persistent_cache`,
 or `configure_persistent_cache` from a deployment's `CompileSettings`) skips the XLA compile but still
@@ -29,7 +29,6 @@ from tqdm.auto import tqdm
 
 from mstar_jax.checks import check_int, check_number
 from mstar_jax.compile.buckets import NoBucketError
-from mstar_jax.compile.padding import bucket_sizes, measure, pad, unpad
 from mstar_jax.compile.recompile import count_compilations
 from mstar_jax.compile.report import BucketReport, CaptureReport, memory
 from mstar_jax.compile.store import ExecutableStore
@@ -225,25 +224,9 @@ class CapturedStep:
         except TypeError as err:
             raise ReplayError(
                 f"{self.name} bucket {bucket} was called with arguments it was not compiled for (a captured "
-                f"program never recompiles): {err}\nPad the batch to the bucket first (pad(..., "
-                "bucket_sizes(bucket)) or replay_padded)."
+                f"program never recompiles): {err}\nPad the batch to the bucket first (a bounded cache's "
+                "step: pad_step, or mstar_jax.serving.declare)."
             ) from None
-
-    def replay_padded(self, bucket: BucketKey, args: tuple, *, in_axes: Any, out_axes: Any) -> Any:
-        """Pad a batch's host arrays to the bucket, replay, and slice the padding off the outputs.
-
-        Args:
-          bucket: the bucket (e.g. `Buckets.bucket_for(walk, rows, tokens)`).
-          args: the step's positional arguments at their real sizes.
-          in_axes: a prefix of `args` of `PadAxes` (None: passed as is, e.g. the cache).
-          out_axes: a prefix of the outputs of `PadAxes` (None: returned as is, e.g. the new cache).
-
-        Returns:
-          The outputs, per-row leaves as numpy arrays of the real sizes.
-        """
-        sizes = measure(args, in_axes)
-        padded = pad(args, in_axes, bucket_sizes(bucket))
-        return unpad(self.replay(bucket, *padded), out_axes, sizes)
 
 
 # -- persistent compilation cache -------------------------------------------------------------------

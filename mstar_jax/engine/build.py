@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from mstar_jax.compile import ExecutableStore, cap_batch_sizes, configure_persistent_cache
-from mstar_jax.distributed import local_data_shards, spans_processes
+from mstar_jax.distributed import manager_shards
 from mstar_jax.engine.programs import TTSPrograms, tts_buckets
 from mstar_jax.memory import num_sources
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
@@ -15,10 +15,18 @@ from mstar_jax.models.streaming_tts.resource_keys import FLOW_KV, TALKER_KV
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.kv.bounded.sharding import make_mesh, place_on_mesh
 
-__all__ = ["EXECUTABLES", "build_from_deployment"]
+__all__ = ["EXECUTABLES", "build_from_deployment", "deployment_mesh"]
 
 EXECUTABLES = "executables"
 """The executable store's folder inside a deployment's `persistent_cache_dir`."""
+
+
+def deployment_mesh(deployment: Any) -> Any:
+    """The deployment's mesh (docs/design.md §10), its devices checked; None for one device."""
+    if deployment.mesh.devices == 1:
+        return None
+    deployment.check_devices()
+    return make_mesh(deployment.mesh.data, deployment.mesh.model)
 
 
 def build_from_deployment(
@@ -36,14 +44,9 @@ def build_from_deployment(
     """`Engine.from_deployment` (its arguments are documented there); `cls` is the engine class."""
     config = deployment.model_config
     sources = num_voices or num_sources(deployment)
-    mesh, local = None, None
-    if deployment.mesh.devices > 1:  # docs/design.md §10
-        deployment.check_devices()
-        mesh = make_mesh(deployment.mesh.data, deployment.mesh.model)
-        local = local_data_shards(mesh) if spans_processes(mesh) else None  # lockstep.py
-    shards = {
-        "data_shards": deployment.mesh.data, "model_shards": deployment.mesh.model, "local_data_shards": local
-    }  # fmt: skip
+    mesh = deployment_mesh(deployment)
+    shards = {} if mesh is None else manager_shards(mesh)  # a process's own data shards: lockstep.py
+    local = shards.get("local_data_shards")
     talker = BoundedKVManager(deployment.spec(TALKER_KV), num_sources=sources, **shards)
     flow = BoundedKVManager(deployment.spec(FLOW_KV), num_sources=sources, **shards)
     if mesh is not None:

@@ -15,12 +15,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from mstar_jax.compile import ExecutableStore, cap_batch_sizes, configure_persistent_cache
 from mstar_jax.engine import report as tts_report
-from mstar_jax.engine.build import EXECUTABLES
+from mstar_jax.engine.build import EXECUTABLES, deployment_mesh
 from mstar_jax.engine.engine import ServingEngine
 from mstar_jax.engine.workload import arrival_times
 from mstar_jax.models.gemma3.serving import Gemma3Programs, Gemma3Serving, TextRequest, TextStream
@@ -56,6 +57,7 @@ def build_text_engine(
     slots = {spec.resource_key: spec.config.max_slots for spec in deployment.specs}
     if len(set(slots.values())) != 1:
         raise ValueError(f"resources: {slots} must give both Gemma 3 caches the same max_slots")
+    mesh = deployment_mesh(deployment)  # before the weights load: a mesh's devices are checked first
     geometry, tensors = load_gguf(open_gguf(config.path))
     model = Gemma3.from_tensors(geometry, tensors, dtype=jnp.dtype(config.dtype))
     configure_persistent_cache(deployment.compile)
@@ -65,6 +67,7 @@ def build_text_engine(
         chunk=config.chunk, batch_sizes=cap_batch_sizes(deployment.batch_sizes, deployment.engine.max_batch),
         implementation=implementation, interpret=interpret,
         store=None if cache_dir is None else ExecutableStore(os.path.join(cache_dir, EXECUTABLES)),
+        mesh=mesh,
     )  # fmt: skip
     return text_engine(streams, deployment.engine, progress=progress)
 
@@ -101,7 +104,8 @@ def text_workload(settings: Any, *, vocab_size: int) -> list[TextArrival]:
 
 
 def drive_text(engine: ServingEngine, arrivals: Sequence[TextArrival], *, progress: bool = True) -> float:
-    """Serve `arrivals` in real time: submit each when its time comes, step until every stream is done.
+    """Serve `arrivals` in real time: submit each when its time comes, step until every stream is done
+    (in a multi-process deployment, until every process's are: each calls `step` as often).
 
     Returns:
       Serving wall time in seconds.
@@ -110,7 +114,7 @@ def drive_text(engine: ServingEngine, arrivals: Sequence[TextArrival], *, progre
     start = time.perf_counter()
     total = sum(a.request.max_new_tokens for a in arrivals)
     with tqdm(total=total, desc="serving", unit="token", disable=not progress) as bar:
-        while pending or engine.streams:
+        while engine.busy_anywhere(bool(pending or engine.streams)):
             now = time.perf_counter() - start
             while pending and pending[0].at <= now:
                 engine.submit(pending.popleft().request, on_output=lambda _: bar.update())
@@ -203,11 +207,15 @@ def run_text_deployment(
     capture_secs = time.perf_counter() - start
     vocab = engine.served.streams.config.vocab_size
     arrivals = text_workload(deployment.workload, vocab_size=vocab)
+    output = pathlib.Path(output)
+    if engine.lockstep:  # one workload over the processes: each serves its share (run.py)
+        arrivals = arrivals[jax.process_index() :: jax.process_count()]
+        output = output / f"process-{jax.process_index()}"
     wall = drive_text(engine, arrivals, progress=progress)
     report = summarize_text(
         engine, wall_secs=wall, capture_secs=capture_secs, warmup_compilations=engine.warmup_compilations
     )
-    json_path, png_path = tts_report.write_report(report, engine, pathlib.Path(output))
+    json_path, png_path = tts_report.write_report(report, engine, output)
     print_fn(format_text_summary(report))
     print_fn(f"wrote {json_path} and {png_path}")
     return report

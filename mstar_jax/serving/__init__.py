@@ -1,8 +1,8 @@
 """The serving layer models plug into: the protocol a model implements to be served by the engine
 (`ServedModel`, its `Node`s, the `Stream` every request has), the step transaction every model's steps
 run through, the attention its layers call on a bounded cache, a decoder step that feeds on the device,
-the abstract arguments it is captured from, and the bookkeeping every one-node decoder shares
-(`GreedyDecoder`)."""
+the abstract arguments it is captured from, reproducible sampling, and the bookkeeping every one-node
+decoder shares (`GreedyDecoder`)."""
 
 from mstar_jax.serving.abstract import abstract, shaped
 from mstar_jax.serving.attention import LayerAttention, layer_attention
@@ -16,6 +16,7 @@ from mstar_jax.serving.decoder import (
 )
 from mstar_jax.serving.feed import fed
 from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps
+from mstar_jax.serving.sampling import gumbel_noise, sample
 from mstar_jax.serving.stream import (
     Phase,
     ReplayMismatchError,
@@ -53,7 +54,9 @@ __all__ = [
     "declare",
     "fed",
     "fed_width",
+    "gumbel_noise",
     "layer_attention",
     "run_admitted",
+    "sample",
     "shaped",
 ]

@@ -19,12 +19,16 @@ import dataclasses
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mstar_jax.compile import Buckets, CapturedStep, capture
 from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan
 from mstar_jax.resources.kv.bounded.config import StreamPosition
+from mstar_jax.resources.kv.bounded.sharding import DATA
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import BucketKey
 from mstar_jax.serving.abstract import abstract, shaped
@@ -85,9 +89,10 @@ class DecodeRow:
         return len(self.tokens)
 
 
-def fed_width(buckets: Buckets) -> int:
-    """`C`, the width every program of a feeding node pads its outputs to: the most rows any bucket has."""
-    return max(buckets.max_batch(walk) for walk in buckets.walks)
+def fed_width(buckets: Buckets, shards: int = 1) -> int:
+    """`C`, the width every program of a feeding node pads its outputs to: the most rows any bucket has
+    (every data shard's, on a mesh of `shards`)."""
+    return shards * max(buckets.max_batch(walk) for walk in buckets.walks)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -97,17 +102,19 @@ class DecoderPrograms:
     Attributes:
       buckets: its buckets, of one walk or more.
       steps: walk -> `CapturedStep`; each takes `(params, caches, banks, plans, prev_tokens i32[C],
-        feed i32[B], tokens i32[B, T], lengths i32[B], *extra i32[B, T])` and returns the caches and
-        every row's next token, padded to `C`.
+        feed i32[B], tokens i32[B, T], lengths i32[B], *extra)` and returns the caches and every row's
+        next token, padded to `C`.
+      shards: data shards of the mesh they were captured for (1: one device).
     """
 
     buckets: Buckets
     steps: dict[str, CapturedStep]
+    shards: int = 1
 
     @property
     def width(self) -> int:
         """`C` (`fed_width`)."""
-        return fed_width(self.buckets)
+        return fed_width(self.buckets, self.shards)
 
 
 def capture_decoder(
@@ -118,7 +125,8 @@ def capture_decoder(
     banks: Any,
     *,
     name: str,
-    extra: int = 0,
+    extra: Callable[[int, int], tuple] | None = None,
+    mesh: Any = None,
     fingerprint: Any = None,
     progress: bool = False,
     **options: Any,
@@ -132,7 +140,10 @@ def capture_decoder(
       params, caches, banks: the node's weights, caches and source banks (a cache and its bank, or
         tuples of them: the plans are then a tuple too, one a cache).
       name: the programs' name (each walk's adds the walk).
-      extra: inputs i32[B, T] the step takes after `lengths`.
+      extra: `extra(B, T)`, the abstract inputs the step takes after `lengths` (`shaped`, unplaced; on a
+        mesh they are split on `data` like the rows); None: none.
+      mesh: the `(data, model)` mesh the arrays live on (None: one device); a bucket's `B` then counts
+        one data shard's rows, and its arrays hold every shard's.
       fingerprint: what `step` closes over (`capture`); the padding width is added to it.
       progress: show a progress bar per walk.
       options: the rest of `capture`'s keywords (`static_kwargs`, `store`).
@@ -140,18 +151,26 @@ def capture_decoder(
     Returns:
       walk -> `CapturedStep` (`DecoderPrograms.steps`).
     """
-    width = fed_width(buckets)
+    shards = 1 if mesh is None else mesh.shape[DATA]
+    width = fed_width(buckets, shards)
     several = isinstance(caches, tuple)
+    split = None if mesh is None else NamedSharding(mesh, P(DATA))
+    whole = None if mesh is None else NamedSharding(mesh, P())
 
     def arguments(bucket: BucketKey) -> tuple:
-        rows = shaped((bucket.bs,), jnp.int32)
-        ids = shaped((bucket.bs, bucket.num_tokens), jnp.int32)
-        plan = BoundedKVPlan.abstract(bucket.bs, bucket.num_tokens)
+        size, span = shards * bucket.bs, bucket.num_tokens
+        rows, ids = shaped((size,), jnp.int32, split), shaped((size, span), jnp.int32, split)
+        plan = BoundedKVPlan.abstract(size, span, split)
         plans = (plan,) * len(caches) if several else plan
-        head = (abstract(params), abstract(caches), abstract(banks), plans)
-        return (*head, shaped((width,), jnp.int32), rows, ids, rows, *(ids,) * extra)
+        sharded = mesh is not None
+        head = tuple(abstract(x, sharded=sharded) for x in (params, caches, banks))
+        extras = () if extra is None else extra(size, span)
+        extras = tuple(shaped(x.shape, x.dtype, split) for x in extras)
+        return (*head, plans, shaped((width,), jnp.int32, whole), rows, ids, rows, *extras)
 
-    fed_step, steps = fed(step, width=width), {}
+    # A mesh's engine never feeds (it is synchronous): its outputs stay sharded like its rows, so each
+    # process reads its own rows back (padded to `C`, a row could land on another process's devices).
+    fed_step, steps = fed(step, width=None if mesh is not None else width), {}
     fingerprint = ("fed", width, *(() if fingerprint is None else fingerprint))
     for walk in buckets.walks:
         steps[walk] = capture(
@@ -170,6 +189,8 @@ class GreedyDecoder(ServedModel):
       keys: its caches' keys, in the order its programs take them.
       params: its weights.
       programs: its programs (`DecoderPrograms`, or any with `buckets`, `steps` and `width`).
+      mesh: the `(data, model)` mesh its arrays live on, as its programs were captured for (None: one
+        device).
 
     Class attributes a subclass sets:
       request_type: the requests it serves (others are refused with a `TypeError`).
@@ -185,9 +206,15 @@ class GreedyDecoder(ServedModel):
     prefill_walk: str
     chunk: int
 
-    def __init__(self, name: str, runner: ResourceRunner, keys: tuple[str, ...], params: Any, programs: Any):
-        self.programs = programs
-        no_feed = jnp.zeros((programs.width,), jnp.int32)  # nothing in flight: a program reads no token
+    def __init__(
+        self, name: str, runner: ResourceRunner, keys: tuple[str, ...], params: Any, programs: Any,
+        mesh: Any = None,
+    ):  # fmt: skip
+        self.programs, self.mesh = programs, mesh
+        # Nothing in flight: a program reads no token.
+        no_feed = jnp.zeros((programs.width,), jnp.int32)
+        if mesh is not None:
+            no_feed = jax.device_put(no_feed, NamedSharding(mesh, P()))
         walks = programs.buckets.walks
         self.nodes = (Node(name, runner, keys, params, walks, feeds=True, no_feed=no_feed),)
 
@@ -208,8 +235,9 @@ class GreedyDecoder(ServedModel):
         """The walk of a program of `rows` (default: rows of one token run the decode walk)."""
         return self.decode_walk if max(row.span for row in rows) == 1 else self.prefill_walk
 
-    def extra_inputs(self, bucket: BucketKey) -> tuple:
-        """Host inputs the programs take after `lengths` (default none)."""
+    def extra_inputs(self, rows: Sequence[DecodeRow], places: Sequence[int], size: int, span: int) -> tuple:
+        """Host inputs the programs take after `lengths`: `size` rows of `span` tokens, `rows[i]` at row
+        `places[i]` (default none)."""
         return ()
 
     # -- requests -----------------------------------------------------------------------------------
@@ -237,8 +265,9 @@ class GreedyDecoder(ServedModel):
         """A decode row for each stream generating (its token fed from the step in flight, or its last
         token from the host), a prompt chunk for each other, in programs of at most `max_batch` rows.
         Every decode row is in the round's first program: a later one's previous outputs are the first's,
-        not the step's that was in flight. (A round's programs vary in number: the decoder is served by one
-        process, never in lockstep.)"""
+        not the step's that was in flight. On a mesh a round is always one decode program and one prefill
+        program (either may have no rows), so every process of a multi-process mesh enters the same
+        programs in the same order (`engine/lockstep.py`)."""
         decode, prefill = [], []
         for s in streams:
             if s.phase.finished or s.phase is Phase.FLUSH or s.paused or s.hold_until > now:
@@ -251,9 +280,14 @@ class GreedyDecoder(ServedModel):
             else:
                 decode.append(DecodeRow(s, (s.tokens[s.generated - 1],), decode=True))
         decode = decode[:max_batch]  # the rest wait for the next round
+        fixed = self.mesh is not None
         if self.decode_walk == self.prefill_walk:
             rows, walk = decode + prefill, self.decode_walk
+            if fixed:
+                return [(rows[:max_batch], walk)]
             return [(rows[i : i + max_batch], walk) for i in range(0, len(rows), max_batch)]
+        if fixed:
+            return [(decode, self.decode_walk), (prefill[:max_batch], self.prefill_walk)]
         chunks = [(prefill[i : i + max_batch], self.prefill_walk) for i in range(0, len(prefill), max_batch)]
         return [(decode, self.decode_walk), *chunks]
 
@@ -265,12 +299,15 @@ class GreedyDecoder(ServedModel):
         return StreamPosition(0, stream.written)
 
     def inputs(self, node: Node, bucket: BucketKey, rows: Sequence[DecodeRow], layout: Any) -> tuple:
-        """`feed i32[B]`, `tokens i32[B, T]`, `lengths i32[B]`, then `extra_inputs`."""
-        feed, lengths = np.full(bucket.bs, -1, np.int32), np.zeros(bucket.bs, np.int32)
-        tokens = np.zeros((bucket.bs, bucket.num_tokens), np.int32)
-        for i, row in enumerate(rows):
+        """`feed i32[B]`, `tokens i32[B, T]`, `lengths i32[B]`, then `extra_inputs`; with a `layout` (a
+        mesh), `B` is its row count and each request's row is where it says."""
+        size, span = (bucket.bs if layout is None else layout[0]), bucket.num_tokens
+        places = range(len(rows)) if layout is None else [layout[1][row.stream.request_id] for row in rows]
+        feed, lengths = np.full(size, -1, np.int32), np.zeros(size, np.int32)
+        tokens = np.zeros((size, span), np.int32)
+        for i, row in zip(places, rows, strict=True):
             feed[i], lengths[i], tokens[i, : row.span] = row.feed, row.span, row.tokens
-        return feed, tokens, lengths, *self.extra_inputs(bucket)
+        return feed, tokens, lengths, *self.extra_inputs(rows, places, size, span)
 
     # -- outputs ------------------------------------------------------------------------------------
 

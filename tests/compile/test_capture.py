@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.compile import pad_batch
 from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.compile import (
     BucketSet,
     NoBucketError,
-    PadAxes,
     ReplayError,
     assert_no_compilations,
     capture,
@@ -39,14 +39,6 @@ SOURCES = 2
 R = CONFIG.rows_per_request
 # Few buckets: each XLA:CPU compile of the attention step takes about a second.
 BUCKETS = BucketSet(graph_walk="attend", batch_sizes=(1, 3), token_counts=(1, 4))
-PADDING_ROW = layout.padding_rows(1, CONFIG.max_slots)[0]
-IN_AXES = (
-    None,  # the cache: donated state, never padded
-    None,  # the source bank
-    PadAxes(rows=0, fill=PADDING_ROW),  # padding rows read nothing and write nothing
-    *[PadAxes(rows=0, tokens=1, rows_per_request=R, fill=np.nan)] * 3,  # q, k, v: NaN must never be read
-)
-OUT_AXES = (None, PadAxes(rows=0, tokens=1, rows_per_request=R))
 
 
 def step(cache, bank, table, q, k, v, *, config):
@@ -143,9 +135,10 @@ def test_padded_replay_equals_unpadded_jit_row_by_row(captured, bs, tokens):
     bucket = BUCKETS.bucket_for(bs, tokens)
 
     padded_cache = jax.device_put(cache)
-    new_cache, out = captured.replay_padded(
-        bucket, (padded_cache, bank, table, q, k, v), in_axes=IN_AXES, out_axes=OUT_AXES
-    )
+    # Padding rows read and write nothing, and q, k, v's padding is NaN: it must never be read.
+    padded = pad_batch(bucket, CONFIG, table, q, k, v, fill=np.nan)
+    new_cache, out = captured.replay(bucket, padded_cache, bank, *padded)
+    out = np.asarray(out)[: bs * R, :tokens]
     assert padded_cache.k[0].is_deleted()  # donated, not copied
 
     want_cache, want = uncaptured()(jax.device_put(cache), bank, table, q, k, v, config=CONFIG)
@@ -169,11 +162,9 @@ def test_serving_compiles_nothing_whatever_the_batch(captured):
             bs, tokens = int(rng.integers(1, 4)), int(rng.integers(1, 5))
             table, q, k, v = random_batch(rng, bs, tokens)
             bucket = BUCKETS.bucket_for(bs, tokens)
-            cache, out = captured.replay_padded(
-                bucket, (cache, bank, table, q, k, v), in_axes=IN_AXES, out_axes=OUT_AXES
-            )
-            assert out.shape[:2] == (bs * R, tokens)
-            assert np.isfinite(out).all()
+            cache, out = captured.replay(bucket, cache, bank, *pad_batch(bucket, CONFIG, table, q, k, v))
+            assert out.shape[:2] == (bucket.bs * R, bucket.num_tokens)
+            assert np.isfinite(np.asarray(out)[: bs * R, :tokens]).all()
     assert counter.count == 0
 
 

@@ -54,8 +54,8 @@ class TwoWalks(OneWalk):
     def __init__(self):
         super().__init__(("decode", "prefill"))
 
-    def extra_inputs(self, bucket: BucketKey) -> tuple:
-        return (np.ones((bucket.bs, bucket.num_tokens), np.int32),)
+    def extra_inputs(self, rows, places, size: int, span: int) -> tuple:
+        return (np.ones((size, span), np.int32),)
 
 
 class Ops:

@@ -13,12 +13,13 @@ stream gets `Gemma3Streams.greedy`'s tokens exactly, alone or in a crowd, synchr
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
-from mstar_jax.checks import check_int
-from mstar_jax.models.gemma3.stream import DECODE, GLOBAL_KV, LOCAL_KV, PREFILL, Gemma3Streams
-from mstar_jax.resources.step import BucketKey
+from mstar_jax import distributed
+from mstar_jax.checks import check_int, check_number
+from mstar_jax.models.gemma3.stream import DECODE, GLOBAL_KV, LOCAL_KV, PREFILL, Gemma3Streams, step_extras
 from mstar_jax.serving.decoder import (
     DecodeRow,
     DecoderPrograms,
@@ -32,22 +33,32 @@ __all__ = ["GEMMA3", "Gemma3Programs", "Gemma3Serving", "TextRequest", "TextRow"
 GEMMA3 = "gemma3"
 """The one node's name."""
 
+MAX_TEMPERATURE = 100.0
+"""The highest sampling temperature a request may ask for (beyond, the draw is uniform to float
+precision)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class TextRequest:
-    """Continue `prompt` greedily for at most `max_new_tokens` tokens.
+    """Continue `prompt` for at most `max_new_tokens` tokens: greedily, or sampled at `temperature`.
 
     Attributes:
       request_id: unique among live requests.
       prompt: i32[tokens] token ids (at least one).
       max_new_tokens: tokens to generate, at most.
       stop_tokens: generation ends after any of these (it is kept, as the last token).
+      temperature: 0 takes the most likely token; above, tokens are drawn from the softmax of the
+        logits divided by it (`mstar_jax.serving.sample`).
+      seed: the draw's seed; the same request with the same seed gives the same tokens, alone or in a
+        crowd, whatever the batch.
     """
 
     request_id: str
     prompt: tuple[int, ...]
     max_new_tokens: int
     stop_tokens: tuple[int, ...] = ()
+    temperature: float = 0.0
+    seed: int = 0
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -62,7 +73,11 @@ class TextRequest:
             object.__setattr__(self, name, tuple(int(t) for t in values))
         if not self.prompt:
             raise ValueError(f"request {self.request_id!r}: prompt is empty; it needs at least one token")
-        check_int(f"request {self.request_id!r}: max_new_tokens", self.max_new_tokens, minimum=1)
+        where = f"request {self.request_id!r}: "
+        check_int(where + "max_new_tokens", self.max_new_tokens, minimum=1)
+        check_number(where + "temperature", self.temperature, minimum=0.0, maximum=MAX_TEMPERATURE)
+        check_int(where + "seed", self.seed, minimum=0, maximum=2**32 - 1)
+        object.__setattr__(self, "temperature", float(self.temperature))
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,21 +96,26 @@ class Gemma3Programs(DecoderPrograms):
     Attributes:
       buckets: `Gemma3Streams.buckets` (prefill and decode walks).
       steps: walk -> `CapturedStep`; each takes `(params, caches, banks, plans, prev_tokens i32[C],
-        feed i32[B], tokens i32[B, T], lengths i32[B], targets i32[B, T])` and returns the caches and
-        every row's next token, padded to `C` (`width`, the most rows any program runs).
+        feed i32[B], tokens i32[B, T], lengths i32[B], targets i32[B, T], temperatures f32[B],
+        seeds u32[B])` and returns the caches and every row's next token, padded to `C` (`width`, the
+        most rows any program runs).
+      shards: the data shards of `streams`' mesh (1: one device).
     """
 
     @classmethod
     def capture(cls, streams: Gemma3Streams, *, progress: bool = False) -> Gemma3Programs:
-        """Compile every bucket ahead of time (or load it from `streams`' executable store)."""
-        local, global_ = streams.local, streams.global_
+        """Compile every bucket ahead of time (or load it from `streams`' executable store; never on a
+        mesh of many processes, whose programs pair with other processes' devices)."""
+        local, global_, mesh = streams.local, streams.global_, streams.mesh
         fingerprint = (streams.config, local.config, global_.config)
+        store = None if mesh is not None and distributed.spans_processes(mesh) else streams.store
         steps = capture_decoder(
             streams.step_fn, streams.buckets, streams.params, (local.cache, global_.cache),
-            (local.bank, global_.bank), name="gemma3 fed", extra=1, static_kwargs={"head": "next"},
-            progress=progress, store=streams.store, fingerprint=fingerprint,
+            (local.bank, global_.bank), name="gemma3 fed", extra=step_extras, mesh=mesh,
+            static_kwargs={"head": "next"}, progress=progress, store=store, fingerprint=fingerprint,
         )  # fmt: skip
-        return cls(buckets=streams.buckets, steps=steps)
+        shards = 1 if mesh is None else mesh.shape["data"]
+        return cls(buckets=streams.buckets, steps=steps, shards=shards)
 
 
 class Gemma3Serving(GreedyDecoder):
@@ -116,7 +136,8 @@ class Gemma3Serving(GreedyDecoder):
             raise TypeError(f"programs={programs!r} must be a Gemma3Programs (Gemma3Programs.capture)")
         self.streams = streams
         programs = programs or Gemma3Programs.capture(streams)
-        super().__init__(GEMMA3, streams.runner, (LOCAL_KV, GLOBAL_KV), streams.params, programs)
+        keys = (LOCAL_KV, GLOBAL_KV)
+        super().__init__(GEMMA3, streams.runner, keys, streams.params, programs, mesh=streams.mesh)
 
     @property
     def chunk(self) -> int:
@@ -132,5 +153,9 @@ class Gemma3Serving(GreedyDecoder):
                     f"[0, vocab_size={vocab})"
                 )
 
-    def extra_inputs(self, bucket: BucketKey) -> tuple:
-        return (np.zeros((bucket.bs, bucket.num_tokens), np.int32),)  # the targets `next` does not read
+    def extra_inputs(self, rows: Sequence[DecodeRow], places: Sequence[int], size: int, span: int) -> tuple:
+        """The targets `next` does not read, then each row's temperature and seed."""
+        temperatures, seeds = np.zeros(size, np.float32), np.zeros(size, np.uint32)
+        for i, row in zip(places, rows, strict=True):
+            temperatures[i], seeds[i] = row.stream.request.temperature, row.stream.request.seed
+        return np.zeros((size, span), np.int32), temperatures, seeds

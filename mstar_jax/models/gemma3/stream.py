@@ -9,8 +9,8 @@ logits, or the log-probability of given target tokens (computed on the device, s
 vocabulary never crosses to the host).
 
 On top: `score` streams a text through in chunks and returns every token's log-probability at flat
-memory, `logits` every position's logits (short texts), `greedy` continues a prompt. Several streams at
-once are `serve.generate`'s.
+memory, `logits` every position's logits (short texts), `greedy` continues a prompt, one stream at a
+time. Many streams at once are the engine's (`Gemma3Serving`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.checks import check_int
@@ -34,6 +36,7 @@ from mstar_jax.compile import (
     cap_batch_sizes,
     capture,
 )
+from mstar_jax.distributed import manager_shards
 from mstar_jax.models.gemma3.gguf import Gemma3Config
 from mstar_jax.models.gemma3.model import Gemma3
 from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan
@@ -45,6 +48,7 @@ from mstar_jax.resources.kv.bounded.config import (
     StreamPosition,
 )
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+from mstar_jax.resources.kv.bounded.sharding import place_on_mesh
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import BucketKey, FullAdmitOutcome, Segment
 from mstar_jax.serving import (
@@ -55,16 +59,32 @@ from mstar_jax.serving import (
     declare,
     layer_attention,
     run_admitted,
+    sample,
     shaped,
 )
 
-__all__ = ["DECODE", "GLOBAL_KV", "HEADS", "LOCAL_KV", "PREFILL", "Gemma3Streams", "cache_configs"]
+__all__ = [
+    "DECODE",
+    "GLOBAL_KV",
+    "HEADS",
+    "LOCAL_KV",
+    "PREFILL",
+    "Gemma3Streams",
+    "cache_configs",
+    "step_extras",
+]
 
 LOCAL_KV, GLOBAL_KV = "gemma3_local_kv", "gemma3_global_kv"
 PREFILL, DECODE = "gemma3_prefill", "gemma3_decode"
 HEADS = ("next", "logits", "log_probs")
 """What a step returns per row: `next` i32 (the argmax after its last real token), `logits`
 f32[T, V], `log_probs` f32[T] (of the step's `targets`)."""
+
+
+def step_extras(rows: int, tokens: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The abstract inputs a step of `rows` rows of `tokens` tokens takes after `lengths`: targets
+    i32[B, T], temperatures f32[B], seeds u32[B] (`Gemma3Streams.step`)."""
+    return shaped((rows, tokens), jnp.int32), shaped((rows,), jnp.float32), shaped((rows,), jnp.uint32)
 
 
 def cache_configs(
@@ -119,6 +139,10 @@ class Gemma3Streams:
       implementation, interpret: the attention implementation (`sink_window_attention`).
       store: load captured programs from here where a previous start stored them, and store the ones
         compiled (None: compile every time).
+      mesh: a `(data, model)` mesh (`sharding.make_mesh`) to serve on: `data` slot pools split
+        `max_slots`, `model` shards split the KV heads, the weights are replicated; a multi-process
+        mesh's process admits into its own data shards. None: one device. The engine serves a meshed
+        `Gemma3Streams` (`Gemma3Serving`); its own `run` needs one device.
 
     Attributes:
       runner: both caches' `ResourceRunner`; `local`, `global_` the managers.
@@ -139,21 +163,31 @@ class Gemma3Streams:
         implementation: str = "auto",
         interpret=False,
         store: ExecutableStore | None = None,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         check_int("chunk", chunk, minimum=1)
-        self.config, self.chunk = config, chunk
+        self.config, self.chunk, self.mesh = config, chunk, mesh
         local, global_ = cache_configs(
             config, global_retention=global_retention, max_slots=max_slots, dtype=model.embed[...].dtype
         )
-        self.local = BoundedKVManager(BoundedKVSpec(LOCAL_KV, {"gemma3"}, local), num_sources=1)
-        self.global_ = BoundedKVManager(BoundedKVSpec(GLOBAL_KV, {"gemma3"}, global_), num_sources=1)
+        shards = {} if mesh is None else manager_shards(mesh)
+        self.local, self.global_ = (
+            BoundedKVManager(BoundedKVSpec(key, {"gemma3"}, cfg), num_sources=1, **shards)
+            for key, cfg in ((LOCAL_KV, local), (GLOBAL_KV, global_))
+        )
         self.runner = ResourceRunner({LOCAL_KV: self.local, GLOBAL_KV: self.global_})
-        sizes = cap_batch_sizes([b for b in batch_sizes if b < max_slots] or [max_slots], max_slots)
+        # On a mesh a bucket's batch size counts one data shard's rows.
+        per_shard = max_slots // shards.get("data_shards", 1)
+        sizes = cap_batch_sizes([b for b in batch_sizes if b < per_shard] or [per_shard], per_shard)
         self.buckets = Buckets((
             BucketSet(graph_walk=PREFILL, batch_sizes=sizes, token_counts=(chunk,)),
             BucketSet(graph_walk=DECODE, batch_sizes=sizes, token_counts=(1,)),
         ))  # fmt: skip
         self._graphdef, self.params = nnx.split(model)
+        if mesh is not None:
+            for manager in self.managers:
+                place_on_mesh(manager, mesh)
+            self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
         self._fn = functools.partial(self.step, implementation=implementation, interpret=interpret)
         self._programs: dict[tuple[str, BucketKey], CapturedStep] = {}
         self._store = store
@@ -181,8 +215,9 @@ class Gemma3Streams:
         return sum(m.cache.nbytes // m.cache.k[0].shape[0] for m in self.managers)
 
     def step(
-        self, params, caches, banks, tables, tokens: jax.Array, lengths: jax.Array, targets: jax.Array, *,
-        head: str, implementation: str = "auto", interpret=False,
+        self, params, caches, banks, tables, tokens: jax.Array, lengths: jax.Array, targets: jax.Array,
+        temperatures: jax.Array, seeds: jax.Array, *, head: str, implementation: str = "auto",
+        interpret=False,
     ):  # fmt: skip
         """One step of every row: prefill chunks or one-token decode, the same code.
 
@@ -193,6 +228,9 @@ class Gemma3Streams:
           tokens: i32[B, T]; row b's first `lengths[b]` are real.
           lengths: i32[B].
           targets: i32[B, T], the token each position is scored on (head `log_probs`; ignored otherwise).
+          temperatures, seeds: f32[B], u32[B]: head `next` samples row b's token at temperature
+            `temperatures[b]` (0: the argmax) from a key of its seed and position (`sample`); ignored
+            otherwise.
           head: static, one of `HEADS`.
 
         Returns:
@@ -204,7 +242,9 @@ class Gemma3Streams:
         positions = plans[0].positions(tokens.shape[1])
 
         layers = [
-            layer_attention(config, bank, table, implementation=implementation, interpret=interpret)
+            layer_attention(
+                config, bank, table, implementation=implementation, interpret=interpret, mesh=self.mesh
+            )
             for config, bank, table in zip(configs, banks, plans, strict=True)
         ]
 
@@ -217,7 +257,8 @@ class Gemma3Streams:
         if head == "next":
             last = jnp.maximum(lengths - 1, 0)
             hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-            return caches, jnp.argmax(model.logits(hidden), axis=-1).astype(jnp.int32)
+            at = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0]
+            return caches, sample(model.logits(hidden), temperatures, seeds, at)
         logits = model.logits(hidden)
         if head == "logits":
             return caches, logits
@@ -233,7 +274,7 @@ class Gemma3Streams:
         return (
             abstract(self.params), abstract((self.local.cache, self.global_.cache)),
             abstract((self.local.bank, self.global_.bank)), (table, table), ids,
-            shaped((rows,), jnp.int32), ids,
+            shaped((rows,), jnp.int32), *step_extras(rows, width),
         )  # fmt: skip
 
     def capture(self, heads: Iterable[str] = ("next",), *, progress: bool = False) -> list[CaptureReport]:
@@ -290,6 +331,11 @@ class Gemma3Streams:
         """
         if head not in HEADS:
             raise ValueError(f"head={head!r} must be one of {HEADS}")
+        if self.mesh is not None:
+            raise RuntimeError(
+                "Gemma3Streams.run runs on one device; serve a meshed Gemma3Streams with the engine "
+                "(ServingEngine(Gemma3Serving(streams)))"
+            )
         declared = self.declare(rows)
         outcome = admit(self.runner, declared)
         if not (outcome.ok and outcome.ready):
@@ -301,6 +347,7 @@ class Gemma3Streams:
         )  # fmt: skip
         lengths = np.zeros(padded.num_rows, np.int32)
         lengths[list(padded.rows.values())] = spans
+        greedy = np.zeros(padded.num_rows, np.float32), np.zeros(padded.num_rows, np.uint32)
         key = (head, declared.bucket)
 
         def replay(resources: Resources):
@@ -317,6 +364,7 @@ class Gemma3Streams:
                 tokens,
                 lengths,
                 goals,
+                *greedy,
             )
 
         out = np.asarray(run_admitted(self.runner, declared, replay))

@@ -19,6 +19,7 @@ from flax import nnx
 
 from mstar_jax.models.norm import RMSNorm
 from mstar_jax.models.rope import apply_rope
+from mstar_jax.serving.sampling import gumbel_noise
 
 __all__ = ["AttendFn", "Talker", "TalkerBlock", "sample_codes"]
 
@@ -170,9 +171,5 @@ def sample_codes(
     """
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def gumbel(seed, position):
-        return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), position), logits.shape[-1:])
-
-    noise = jax.vmap(gumbel)(seeds, positions)
+    noise = gumbel_noise(seeds, positions, logits.shape[-1])
     return jnp.argmax(logits / temperature + noise, axis=-1).astype(jnp.int32)

@@ -9,6 +9,7 @@ A device fault with snapshots is replayed to the same tokens, each delivered onc
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -18,6 +19,7 @@ from mstar_jax.models.gemma3.model import Gemma3
 from mstar_jax.models.gemma3.serving import GEMMA3, Gemma3Programs, Gemma3Serving, TextRequest
 from mstar_jax.models.gemma3.stream import Gemma3Streams
 from mstar_jax.resources.kv.bounded.config import SinkWindow
+from mstar_jax.serving import gumbel_noise
 from mstar_jax.serving.stream import Phase, StateLostError
 from mstar_jax.settings import EngineSettings
 from tests.models.gemma3.test_model import CONFIG, random_tensors
@@ -147,6 +149,70 @@ def test_without_snapshots_a_lost_cache_fails_its_streams_retryably(model, progr
     again = engine.submit(TextRequest("again", prompts[0], 4))  # serving goes on, on fresh caches
     engine.run_until_idle()
     assert again.phase is Phase.DONE
+
+
+def sampled_oracle(model, prompt, count: int, temperature: float, seed: int) -> list[int]:
+    """The `count` tokens drawn after `prompt` at `temperature` with `seed`, each from the logits of the
+    whole text so far recomputed at once (`Gemma3Streams.logits`, not incrementally) and the Gumbel
+    noise of its seed at the last token's position."""
+    streams = Gemma3Streams(CONFIG, model, global_retention=RETENTION, chunk=64)
+    text = list(prompt)
+    for _ in range(count):
+        logits = streams.logits(text)[-1].astype(np.float64)
+        noise = np.asarray(
+            gumbel_noise(jnp.array([seed], jnp.uint32), jnp.array([len(text) - 1]), logits.size)
+        )
+        text.append(int(np.argmax(logits / temperature + noise[0].astype(np.float64))))
+    return text[len(prompt) :]
+
+
+SAMPLED = 8  # tokens the sampling oracle recomputes from scratch, one whole text each
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["synchronous", "pipelined"])
+def test_sampled_tokens_follow_the_seed_and_position_alone_or_in_a_crowd(model, programs, prompts, pipelined):
+    engine = engine_for(model, programs, pipelined=pipelined)
+    sampled = [
+        engine.submit(TextRequest(f"s{i}", prompt, SAMPLED, temperature=0.9, seed=11 + i))
+        for i, prompt in enumerate(prompts[:2])
+    ]
+    greedy = engine.submit(TextRequest("g", prompts[2], SAMPLED))  # shares every step with them
+    same_seed = engine.submit(TextRequest("again", prompts[0], SAMPLED, temperature=0.9, seed=11))
+    engine.run_until_idle()
+    for i, stream in enumerate(sampled):
+        assert stream.tokens == sampled_oracle(model, prompts[i], SAMPLED, 0.9, 11 + i)
+    assert same_seed.tokens == sampled[0].tokens
+    assert greedy.tokens == new_streams(model).greedy(prompts[2], SAMPLED)
+    assert engine.compilations == 0
+
+
+def test_another_seed_draws_other_tokens_and_a_tiny_temperature_is_greedy(model, programs, prompts, alone):
+    engine = engine_for(model, programs)
+    seeds = [
+        engine.submit(TextRequest(f"s{seed}", prompts[1], SAMPLED, temperature=2.0, seed=seed))
+        for seed in range(3)
+    ]
+    cold = engine.submit(TextRequest("cold", prompts[1], SAMPLED, temperature=1e-6, seed=5))
+    engine.run_until_idle()
+    assert len({tuple(s.tokens) for s in seeds}) == 3
+    assert cold.tokens == alone[1][:SAMPLED]
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"temperature": float("nan")}, r"temperature=nan must be a finite number in \[0\.0, 100\.0\]"),
+        ({"temperature": -0.5}, r"temperature=-0\.5 must be a finite number in \[0\.0, 100\.0\]"),
+        ({"temperature": 101}, r"temperature=101 must be a finite number in"),
+        ({"temperature": "hot"}, r"temperature='hot' must be a number in"),
+        ({"seed": -1}, r"seed=-1 must be an int in \[0, 4294967295\]"),
+        ({"seed": 2**32}, r"seed=4294967296 must be an int in"),
+        ({"seed": 1.5}, r"seed=1\.5 must be an int"),
+    ],
+)
+def test_bad_sampling_fields_name_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        TextRequest("r", (1, 2), 4, **fields)
 
 
 @pytest.mark.parametrize(
