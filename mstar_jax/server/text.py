@@ -8,9 +8,9 @@
 
 Streams are SSE: one chunk per token (its text and, as an extension, its id in `token_ids`), a last
 chunk with `finish_reason` (`stop`: a stop token or string; `length`: `max_tokens`), then `[DONE]`.
-Decoding is greedy (temperature 0, this server's default, not OpenAI's 1); a sampling engine's
-`TextRequest` has `temperature` and `seed` fields, and the server passes them when it does. Until then
-a temperature other than 0 is refused.
+The default temperature is 0, greedy (this server's default, not OpenAI's 1); `temperature` and
+`seed` go to the `TextRequest` (sampled on the device, keyed by the seed). An engine whose
+`TextRequest` has no such fields refuses a temperature other than 0.
 """
 
 from __future__ import annotations

@@ -211,3 +211,20 @@ def test_a_temperature_is_refused_until_the_engine_samples(gemma):
         assert error["param"] == "temperature"
         assert "temperature=0.7 must be 0: only greedy decoding is available" in error["message"]
     assert_nothing_leaked(host)
+
+
+def test_a_sampled_completion_is_the_same_for_the_same_seed(gemma):
+    if not text_module._SAMPLING:
+        pytest.skip("this engine's TextRequest has no temperature: greedy only")
+    url, _, host, _, _ = gemma
+    body = {"model": MODEL, "prompt": [2, 40, 7, 8], "max_tokens": 12, "temperature": 1.5}
+
+    def tokens(seed: int) -> list[int]:
+        response = httpx.post(f"{url}/v1/completions", json={**body, "seed": seed}, timeout=30)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["token_ids"]
+
+    first = tokens(7)
+    assert tokens(7) == first
+    assert any(tokens(seed) != first for seed in (8, 9, 10))
+    assert_nothing_leaked(host)
