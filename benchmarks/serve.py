@@ -163,7 +163,8 @@ def server_state(url: str) -> dict[str, float]:
     for line in text.splitlines():
         names = (
             "mstar_slots_in_use", "mstar_source_readers", "mstar_live_requests", "mstar_waiting_requests",
-            "mstar_paused_streams",
+            "mstar_paused_streams", "mstar_time_to_first_output_seconds_sum",
+            "mstar_time_to_first_output_seconds_count",
         )  # fmt: skip
         if line.startswith(names):
             state[line.split("{")[0].split()[0]] += float(line.split()[-1])
@@ -311,7 +312,9 @@ def run_levels(engine, voice, url, server, levels, repeats, frames, speed, sprea
 
             return run
 
+        before = server_state(url)
         interleaved_times({name: case(name) for name in runs}, repeats, self_timed=True, warmup=warmup)
+        after = server_state(url)
         runs = {name: served[-repeats:] for name, served in runs.items()}  # the warm-up runs left out
         for name, served in runs.items():
             p50 = describe([p(s.first_audio, 50) for s in served], ".1f", scale=1e3, repeats=False)
@@ -324,6 +327,12 @@ def run_levels(engine, voice, url, server, levels, repeats, frames, speed, sprea
         http = [p(s.first_audio, 50) for s in runs["http"]]
         local = [p(s.first_audio, 50) for s in runs["in process"]]
         print(f"   N={n:<4} first audio p50, http ÷ in process: {describe(ratios(http, local), '.2f')}")
+        key = "mstar_time_to_first_output_seconds"
+        count = after[f"{key}_count"] - before[f"{key}_count"]
+        inside = (after[f"{key}_sum"] - before[f"{key}_sum"]) / count if count else float("nan")
+        outside = statistics.mean(t for s in runs["http"] for t in s.first_audio)
+        print(f"   N={n:<4} http first audio, mean: {outside * 1e3:.1f} ms at the client, "
+              f"{inside * 1e3:.1f} ms in the server (submit to first chunk, the engine thread)")  # fmt: skip
         state = server_state(url)
         memory.append((n, rss_mib(server.pid), state))
     print(f"\n2. the server after each N{label}")
