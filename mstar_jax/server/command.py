@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import signal
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -111,37 +112,67 @@ def run(args: argparse.Namespace, deployment: Any, error: Callable[[str], Except
 
     from mstar_jax.server.app import create_app
 
-    progress = not args.no_progress
-    name = args.model_name or deployment.model
-    if deployment.model == "gemma3":
-        from mstar_jax.engine.text import build_text_engine
-        from mstar_jax.server.tokenizer import TextTokenizer
+    sock = _bind(args.host, args.port, error)  # before the engine is built: a port in use fails fast
+    try:
+        progress = not args.no_progress
+        name = args.model_name or deployment.model
+        if deployment.model == "gemma3":
+            from mstar_jax.engine.text import build_text_engine
+            from mstar_jax.server.tokenizer import TextTokenizer
 
-        engine = build_text_engine(deployment, progress=progress)
-        app = create_app(
-            engine, settings, model_name=name, tokenizer=TextTokenizer.from_gguf(deployment.model_config.path)
-        )
-    else:
-        from mstar_jax.engine.tts import Engine
-        from mstar_jax.engine.workload import register_voices
-        from mstar_jax.memory import num_sources
+            engine = build_text_engine(deployment, progress=progress)
+            app = create_app(
+                engine,
+                settings,
+                model_name=name,
+                tokenizer=TextTokenizer.from_gguf(deployment.model_config.path),
+            )
+        else:
+            from mstar_jax.engine.tts import Engine
+            from mstar_jax.engine.workload import register_voices
+            from mstar_jax.memory import num_sources
 
-        count = args.voices or deployment.workload.voices
-        engine = Engine.from_deployment(
-            deployment, progress=progress, num_voices=max(count, num_sources(deployment)),
-            history=settings.history,
+            vocab = deployment.model_config.text_vocab_size
+            if vocab < 256:  # before anything is built
+                raise error(
+                    f"{deployment.source}: model.config.text_vocab_size={vocab} must be >= 256: the server "
+                    "speaks UTF-8 bytes, one text token each"
+                )
+            count = args.voices or deployment.workload.voices
+            engine = Engine.from_deployment(
+                deployment, progress=progress, num_voices=max(count, num_sources(deployment)),
+                history=settings.history,
+            )  # fmt: skip
+            voices = register_voices(engine, count, seed=deployment.workload.seed)
+            app = create_app(
+                engine, settings, model_name=name, voices={f"voice-{v.index}": v for v in voices}
+            )
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+            ws="websockets-sansio", timeout_graceful_shutdown=settings.shutdown_grace_s + 5.0,
         )  # fmt: skip
-        voices = register_voices(engine, count, seed=deployment.workload.seed)
-        app = create_app(engine, settings, model_name=name, voices={f"voice-{v.index}": v for v in voices})
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on", ws="websockets-sansio",
-        timeout_graceful_shutdown=settings.shutdown_grace_s + 5.0,
-    )  # fmt: skip
-    server = _server(config, app.state.host, settings.shutdown_grace_s)
-    server.run()
-    if app.state.host.failure is not None:
-        raise error(f"the engine thread failed: {app.state.host.failure!r}")
-    return 0
+        server = _server(config, app.state.host, settings.shutdown_grace_s)
+        server.run(sockets=[sock])
+        if app.state.host.failure is not None:
+            raise error(f"the engine thread failed: {app.state.host.failure!r}")
+        return 0
+    finally:
+        sock.close()
+
+
+def _bind(host: str, port: int, error: Callable[[str], Exception]) -> socket.socket:
+    """A socket bound to `host:port` (uvicorn listens on it), or `error` naming the address."""
+    sock = None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as err:
+        if sock is not None:
+            sock.close()
+        raise error(f"--host={host!r} --port={port}: cannot bind it ({err})") from None
+    return sock
 
 
 def _server(config: Any, host: Any, grace_s: float) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -44,6 +45,25 @@ def test_a_bad_flag_exits_2_with_one_line(flags, says, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("mstar-jax serve: error: ")
     assert says in err
+    assert len(err.splitlines()) == 1
+
+
+def test_a_text_vocabulary_under_256_bytes_exits_2(tts_config, tmp_path, capsys):
+    config = tmp_path / "small.yaml"
+    config.write_text(tts_config.read_text().replace("text_vocab_size: 256", "text_vocab_size: 16"))
+    assert main(["serve", "--config", str(config), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model.config.text_vocab_size=16 must be >= 256: the server speaks UTF-8 bytes" in err
+
+
+def test_a_port_in_use_exits_2_before_the_engine_is_built(tts_config, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--config", str(tts_config), "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--host='127.0.0.1' --port={port}: cannot bind it" in err
     assert len(err.splitlines()) == 1
 
 
