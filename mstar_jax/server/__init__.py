@@ -14,7 +14,7 @@ __all__ = ["EngineHost", "RequestHandle", "ServerSettings", "create_app"]
 
 _HOMES = {
     "EngineHost": "mstar_jax.server.host",
-    "RequestHandle": "mstar_jax.server.host",
+    "RequestHandle": "mstar_jax.server.handle",
     "ServerSettings": "mstar_jax.server.settings",
     "create_app": "mstar_jax.server.app",
 }

@@ -4,8 +4,8 @@ The engine is not thread-safe: one thread, the host's, calls it. Everything else
 queues. Clients (coroutines on the server's event loop) post commands (submit, cancel, resume) on a
 thread-safe queue; the host thread runs them between engine steps, steps while any stream can run, and
 otherwise blocks on the queue (it never spins). Each request's outputs go to its `RequestHandle`, a
-small per-request buffer on the event loop (`loop.call_soon_threadsafe`), so the loop never waits on
-the device and the engine never waits on a client.
+small per-request buffer on the event loop (`handle.py`; one `loop.call_soon_threadsafe` per host
+loop), so the loop never waits on the device and the engine never waits on a client.
 
 Bounds, so nothing grows with a client's behaviour:
 
@@ -30,9 +30,7 @@ process steps as often as the others.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import dataclasses
 import queue
 import threading
 import time
@@ -42,9 +40,10 @@ from mstar_jax.checks import check_int, check_number
 from mstar_jax.engine.engine import ServingEngine
 from mstar_jax.engine.tts import Engine
 from mstar_jax.server.errors import BadRequestError, OverloadedError, ServerShuttingDownError
+from mstar_jax.server.handle import Cancel, RequestHandle, Resume, Submit, receive_all
 from mstar_jax.serving.stream import Phase, RequestError, StepFailedError
 
-__all__ = ["EngineHost", "HostObserver", "RequestHandle"]
+__all__ = ["EngineHost", "HostObserver"]
 
 _IDLE_WAIT_S = 0.25  # how long an idle host blocks on its queue before it looks at its deadline again
 
@@ -62,139 +61,6 @@ class HostObserver:
     def stepped(self, host: EngineHost, latencies: list[float]) -> None:
         """Once a loop of the host thread: the engine ran steps of these latencies (seconds, none when
         it was idle); `host` may be read for gauges."""
-
-
-class RequestHandle:
-    """One request's crossing from the host thread to the coroutine that serves its client.
-
-    Read it with `async for output in handle` (or `await handle.next()`); iteration ends when the
-    request is done, and raises its failure (a `RequestError`, or a `BadRequestError` the engine's own
-    checks raised at submit). `cancel()` is idempotent and thread-safe.
-
-    Attributes:
-      request: what was submitted.
-      paused: whether the engine holds the stream paused because this handle's buffer is full.
-      most_buffered: the most outputs this handle ever held unread.
-      pauses: times the stream was paused for its reader.
-    """
-
-    def __init__(self, host: EngineHost, request: Any, loop: asyncio.AbstractEventLoop):
-        self.request, self._host, self._loop = request, host, loop
-        self.request_id: str = request.request_id
-        self.submitted_at = time.perf_counter()
-        self._items: collections.deque[tuple[bool, Any]] = collections.deque()  # (is_end, value)
-        self._wake = asyncio.Event()
-        self._lock = threading.Lock()  # guards the counts below, shared by both threads
-        self._buffered = 0
-        self._resume_posted = False
-        self.paused = False
-        self.most_buffered = 0
-        self.pauses = 0
-        self.stream: Any = None  # the engine's stream, once submitted (host thread)
-        self.first_output_at: float | None = None
-        self._parked = False  # counted among the waiting while paused (host thread)
-        self.outcome: str | None = None
-        self._ended = False
-        self._cancelled = False
-
-    # -- the host thread ----------------------------------------------------------------------------
-
-    def _deliver(self, output: Any) -> None:
-        """The engine's `on_output`: buffer `output` for the client; pause the stream when it is full."""
-        if self.first_output_at is None:
-            self.first_output_at = time.perf_counter()
-            self._host._observer.first_output(self.first_output_at - self.submitted_at)
-        with self._lock:
-            self._buffered += 1
-            self.most_buffered = max(self.most_buffered, self._buffered)
-            pause = not self.paused and self._buffered >= self._host.stream_buffer
-            if pause:
-                self.paused, self._resume_posted = True, False
-                self.pauses += 1
-        if pause and self.request_id in self._host.engine.streams:
-            self._host.engine.pause(self.request_id)
-            self._host._park(self, True)
-        self._post((False, output))
-
-    def _end(self, failure: BaseException | None, outcome: str) -> None:
-        if self._ended:
-            return
-        self._ended, self.outcome = True, outcome
-        self._host._observer.ended(outcome)
-        self._post((True, failure))
-
-    def _post(self, item: tuple[bool, Any]) -> None:
-        self._host._outbox.append((self, item))  # handed to the loop once per host loop (`_flush`)
-
-    # -- the event loop -----------------------------------------------------------------------------
-
-    def _receive(self, item: tuple[bool, Any]) -> None:
-        self._items.append(item)
-        self._wake.set()
-
-    async def next(self) -> Any:
-        """The next output; `StopAsyncIteration` at the end, or the request's failure."""
-        while not self._items:
-            self._wake.clear()
-            await self._wake.wait()
-        is_end, value = self._items[0]
-        if is_end:  # left in place: every later call answers the same
-            if value is None:
-                raise StopAsyncIteration
-            raise value
-        self._items.popleft()
-        with self._lock:
-            self._buffered -= 1
-            resume = (
-                self.paused and not self._resume_posted and self._buffered <= self._host.stream_buffer // 2
-            )
-            if resume:
-                self._resume_posted = True
-        if resume:
-            self._host._post(_Resume(self))
-        return value
-
-    def __aiter__(self) -> RequestHandle:
-        return self
-
-    async def __anext__(self) -> Any:
-        return await self.next()
-
-    @property
-    def buffered(self) -> int:
-        """Outputs delivered and not read yet."""
-        return self._buffered
-
-    @property
-    def ended(self) -> bool:
-        return self._ended
-
-    def cancel(self) -> None:
-        """Cancel the request (its client went away); its slots are freed before the engine's next step."""
-        if not self._cancelled and not self._ended:
-            self._cancelled = True
-            self._host._post(_Cancel(self))
-
-
-def _receive_all(items: list[tuple[RequestHandle, tuple[bool, Any]]]) -> None:
-    """On the event loop: hand each handle its items, in order."""
-    for handle, item in items:
-        handle._receive(item)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Submit:
-    handle: RequestHandle
-
-
-@dataclasses.dataclass(frozen=True)
-class _Cancel:
-    handle: RequestHandle
-
-
-@dataclasses.dataclass(frozen=True)
-class _Resume:
-    handle: RequestHandle
 
 
 _STOP = object()
@@ -320,7 +186,7 @@ class EngineHost:
                 )
             self._waiting += 1
         handle = RequestHandle(self, request, loop)
-        self._commands.put(_Submit(handle))
+        self._commands.put(Submit(handle))
         return handle
 
     @property
@@ -384,7 +250,7 @@ class EngineHost:
             by_loop.setdefault(handle._loop, []).append((handle, item))
         for loop, batch in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to read
-                loop.call_soon_threadsafe(_receive_all, batch)
+                loop.call_soon_threadsafe(receive_all, batch)
 
     def _drain(self, wait: float) -> bool:
         """Run queued commands, waiting up to `wait` seconds for the first; True once `close` asked."""
@@ -405,13 +271,13 @@ class EngineHost:
 
     def _command(self, command: Any) -> None:
         handle = command.handle
-        if isinstance(command, _Submit):
+        if isinstance(command, Submit):
             self._submit(handle)
-        elif isinstance(command, _Cancel):
+        elif isinstance(command, Cancel):
             if handle.request_id in self._live:
                 self.engine.cancel(handle.request_id)
                 self._settle()
-        elif isinstance(command, _Resume):
+        elif isinstance(command, Resume):
             with handle._lock:
                 handle.paused = False
             self._park(handle, False)

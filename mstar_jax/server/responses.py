@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from mstar_jax.server.errors import wire_error
-from mstar_jax.server.host import RequestHandle
+from mstar_jax.server.handle import RequestHandle
 
 __all__ = ["ClientGoneError", "error_response", "first_output", "sse", "sse_error"]
 

@@ -44,7 +44,8 @@ from mstar_jax.server.errors import (
     wire_error,
 )
 from mstar_jax.server.fields import Body, parse_json, read_body
-from mstar_jax.server.host import EngineHost, RequestHandle
+from mstar_jax.server.handle import RequestHandle
+from mstar_jax.server.host import EngineHost
 from mstar_jax.server.metrics import ServerMetrics
 from mstar_jax.server.responses import ClientGoneError, error_response, first_output, sse, sse_error
 from mstar_jax.server.settings import ServerSettings
