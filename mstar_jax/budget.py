@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -21,7 +21,16 @@ from mstar_jax.checks import check_int
 from mstar_jax.devices import DeviceMemory, DeviceMemoryError, format_bytes
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, store_capacity
 
-__all__ = ["BudgetPart", "MemoryBudget", "serving_budget", "source_bytes", "tree_bytes"]
+__all__ = [
+    "BudgetPart",
+    "MemoryBudget",
+    "cache_parts",
+    "fitted",
+    "heads_per_device",
+    "serving_budget",
+    "source_bytes",
+    "tree_bytes",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,15 +134,17 @@ def serving_budget(
     *,
     num_sources: int = 1,
     source: str = "the model",
+    data: int = 1,
+    model: int = 1,
 ) -> MemoryBudget:
     """What serving a model on bounded caches allocates on one device, against `device`.
 
-    The parts: the weights (`tree_bytes(params)`), then per cache its `max_slots` slots and the padding
-    slot (`BoundedKVCache`), and its source bank of `num_sources` entries (`SourceBank`), each counted
-    from the cache's config. Where it does not fit, `max_fitting_slots` is the largest `max_slots` (for
-    every cache) that does, and `blocker` the largest part where not even one slot fits. Activations are
-    not counted. `require_fit` words its fix as a deployment's (`resources.<key>.max_slots`); a command
-    names its own option from `max_fitting_slots` (`mstar-jax generate` names `--max-slots`).
+    The parts: the weights (`tree_bytes(params)`, replicated on every device of a mesh), then per cache
+    its slots and the padding slot (`cache_parts`) and its source bank of `num_sources` entries. Where it
+    does not fit, `max_fitting_slots` is the largest `max_slots` (for every cache) that does, and
+    `blocker` the largest part where not even one slot fits. Activations are not counted. `require_fit`
+    words its fix as a deployment's (`resources.<key>.max_slots`); a command names its own option from
+    `max_fitting_slots` (`mstar-jax generate` names `--max-slots`).
 
     Args:
       params: the model's parameters, any pytree of arrays or `jax.ShapeDtypeStruct`s.
@@ -141,6 +152,7 @@ def serving_budget(
       device: the memory to fit (`device_memory()`, or a size the user gave).
       num_sources: source-bank entries each cache allocates.
       source: what is served (a file, a model), for messages.
+      data, model: the mesh's data and model shards (one device: 1 and 1).
 
     Raises:
       TypeError: for a cache config that is not a `BoundedKVConfig`, or a params leaf without a shape.
@@ -161,32 +173,75 @@ def serving_budget(
     )
 
     def parts_at(max_slots: int | None) -> list[BudgetPart]:
-        """The parts with every cache's `max_slots` lowered to `max_slots` (None: as given)."""
-        parts = [weights]
-        for key, kv in caches.items():
-            slots = kv.max_slots if max_slots is None else min(kv.max_slots, max_slots)
-            parts.append(
-                BudgetPart(
-                    label=f"{key} slots ({slots:,} + 1 padding)",
-                    nbytes=(slots + 1) * kv.slot_bytes,
-                    remedy=f"one slot is {format_bytes(kv.slot_bytes)}: retain fewer tokens",
-                )
-            )
-        for key, kv in caches.items():
-            parts.append(
-                BudgetPart(
-                    label=f"{key} source bank ({num_sources} sources)",
-                    nbytes=num_sources * source_bytes(kv),
-                    remedy=f"each source holds max_source_len={kv.max_source_len:,} entries",
-                )
-            )
-        return parts
+        return [weights, *cache_parts(caches, max_slots, num_sources=num_sources, data=data, model=model)]
 
+    return fitted(parts_at, caches, device, source=source, max_batch=1)  # no engine batch to lower
+
+
+def cache_parts(
+    caches: Mapping[str, BoundedKVConfig],
+    max_slots: int | None,
+    *,
+    num_sources: int,
+    data: int = 1,
+    model: int = 1,
+    slot_remedy: str = "retain fewer tokens",
+    source_remedy: str = "",
+) -> list[BudgetPart]:
+    """One device's slots of every cache (its data shard's, and its padding slot; its share of the KV
+    heads), then every cache's source bank, with `max_slots` lowered to `max_slots` (None: as given).
+
+    Args:
+      slot_remedy, source_remedy: what a user changes to shrink a slot, a source (after the sizes);
+        `{key}` names the cache.
+    """
+    parts = []
+    for key, kv in caches.items():
+        slots = kv.max_slots if max_slots is None else min(kv.max_slots, max_slots)
+        local = -(-slots // data)  # this device's data shard: its slots and its padding slot
+        heads = heads_per_device(kv, model)
+        label = f"{key} slots ({slots:,} + 1 padding)"
+        if data * model > 1:
+            label = (
+                f"{key} slots per device ({local:,} + 1 padding of {data} pools, {heads} of "
+                f"{kv.num_heads} KV heads)"
+            )
+        remedy = (
+            f"one slot is {format_bytes(kv.slot_bytes)} ({kv.slot_tokens:,} tokens): "
+            + slot_remedy.format(key=key)
+        )
+        parts.append(
+            BudgetPart(label=label, nbytes=(local + 1) * kv.slot_bytes * heads // kv.num_heads, remedy=remedy)
+        )
+    for key, kv in caches.items():
+        heads = heads_per_device(kv, model)
+        per_device = f", {heads} of {kv.num_heads} KV heads per device" if model > 1 else ""
+        remedy = f"each source holds max_source_len={kv.max_source_len:,} entries"
+        parts.append(
+            BudgetPart(
+                label=f"{key} source bank ({num_sources} sources{per_device})",
+                nbytes=num_sources * source_bytes(kv) * heads // kv.num_heads,
+                remedy=remedy + (f": {source_remedy}" if source_remedy else ""),
+            )
+        )
+    return parts
+
+
+def fitted(
+    parts_at: Callable[[int | None], list[BudgetPart]],
+    caches: Mapping[str, BoundedKVConfig],
+    device: DeviceMemory,
+    *,
+    source: str,
+    max_batch: int,
+) -> MemoryBudget:
+    """The budget of `parts_at(None)` against `device`; where it does not fit, the most `max_slots` that
+    do (the total grows with them: bisected over `parts_at(n)`) or, if not even one, the largest part."""
     parts = parts_at(None)
     fitting = blocker = None
     if sum(part.nbytes for part in parts) > device.nbytes:
         low, high = 0, max(kv.max_slots for kv in caches.values())
-        while low < high:  # the total grows with max_slots: bisect for the most that fit
+        while low < high:
             mid = (low + high + 1) // 2
             if sum(part.nbytes for part in parts_at(mid)) <= device.nbytes:
                 low = mid
@@ -201,9 +256,14 @@ def serving_budget(
         device=device,
         max_fitting_slots=fitting,
         blocker=blocker,
-        max_batch=1,  # no engine batch to lower with the slots
+        max_batch=max_batch,
         slot_keys=tuple(key for key, kv in caches.items() if fitting is not None and kv.max_slots > fitting),
     )
+
+
+def heads_per_device(config: BoundedKVConfig, model: int) -> int:
+    """KV heads one device stores: its share of the heads, or one copy where heads are replicated."""
+    return max(config.num_heads, model) // model
 
 
 def source_bytes(config: BoundedKVConfig) -> int:

@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from mstar_jax.budget import BudgetPart, MemoryBudget, serving_budget, source_bytes, tree_bytes
+from mstar_jax.budget import (
+    BudgetPart,
+    MemoryBudget,
+    cache_parts,
+    fitted,
+    serving_budget,
+    source_bytes,
+    tree_bytes,
+)
 from mstar_jax.devices import (
     DeviceMemory,
     DeviceMemoryError,
@@ -162,11 +170,13 @@ def memory_budget(deployment: Deployment, device: DeviceMemory) -> MemoryBudget:
             spec.resource_key: spec.config for spec in deployment.specs if isinstance(spec, BoundedKVSpec)
         }
         budget = serving_budget(
-            deployment.model_config.abstract_params(), caches, device, source=deployment.source
-        )
+            deployment.model_config.abstract_params(), caches, device, source=deployment.source,
+            data=deployment.mesh.data, model=deployment.mesh.model,
+        )  # fmt: skip
         return dataclasses.replace(budget, max_batch=deployment.engine.max_batch)
     config = _streaming_tts(deployment)
     caches = [spec for spec in deployment.specs if isinstance(spec, BoundedKVSpec)]
+    configs = {spec.resource_key: spec.config for spec in caches}
     sources = num_sources(deployment)
     dtype = config.storage_dtype
     data, model = deployment.mesh.data, deployment.mesh.model
@@ -176,89 +186,27 @@ def memory_budget(deployment: Deployment, device: DeviceMemory) -> MemoryBudget:
         batch = deployment.engine.max_batch
         if max_slots is not None:
             batch = min(batch, max_slots)
-        parts = [
-            BudgetPart(
-                label=f"model weights ({weight_count(config):,} x {dtype.name})",
-                nbytes=weight_bytes(config),
-                remedy="a smaller model (model.config) or a device with more memory",
-            )
-        ]
-        for spec in caches:
-            kv = spec.config
-            slots = kv.max_slots if max_slots is None else min(kv.max_slots, max_slots)
-            local = -(-slots // data)  # this device's data shard: its slots and its padding slot
-            heads = _heads_per_device(kv, model)
-            label = f"{spec.resource_key} slots ({slots:,} + 1 padding)"
-            if data * model > 1:
-                label = (
-                    f"{spec.resource_key} slots per device ({local:,} + 1 padding of {data} pools, "
-                    f"{heads} of {kv.num_heads} KV heads)"
-                )
-            parts.append(
-                BudgetPart(
-                    label=label,
-                    nbytes=(local + 1) * kv.slot_bytes * heads // kv.num_heads,
-                    remedy=(
-                        f"one slot is {format_bytes(kv.slot_bytes)} ({kv.slot_tokens:,} tokens): shorten the "
-                        f"retention of {spec.resource_key} in model.config"
-                    ),
-                )
-            )
-        for spec in caches:
-            heads = _heads_per_device(spec.config, model)
-            parts.append(
-                BudgetPart(
-                    label=f"{spec.resource_key} source bank ({sources} sources"
-                    + (f", {heads} of {spec.config.num_heads} KV heads per device)" if model > 1 else ")"),
-                    nbytes=sources * source_bytes(spec.config) * heads // spec.config.num_heads,
-                    remedy=(
-                        f"each source holds max_source_len={spec.config.max_source_len:,} entries: lower "
-                        "model.config.max_voice_frames"
-                    ),
-                )
-            )
-        tokens, flow_tokens = max(deployment.token_counts), _flow_tokens(deployment)
-        parts.append(
-            BudgetPart(
-                label=f"workspace (largest bucket: {batch} x {tokens} tokens)",
-                nbytes=workspace_bytes(
-                    config, _kv(caches, TALKER_KV), _kv(caches, FLOW_KV), batch, tokens, flow_tokens
-                ),
-                remedy="fewer tokens per bucket (compile.token_counts) or a smaller engine.max_batch",
-            )
+        weights = BudgetPart(
+            label=f"model weights ({weight_count(config):,} x {dtype.name})",
+            nbytes=weight_bytes(config),
+            remedy="a smaller model (model.config) or a device with more memory",
         )
-        return parts
+        tokens, flow_tokens = max(deployment.token_counts), _flow_tokens(deployment)
+        workspace = BudgetPart(
+            label=f"workspace (largest bucket: {batch} x {tokens} tokens)",
+            nbytes=workspace_bytes(
+                config, _kv(caches, TALKER_KV), _kv(caches, FLOW_KV), batch, tokens, flow_tokens
+            ),
+            remedy="fewer tokens per bucket (compile.token_counts) or a smaller engine.max_batch",
+        )
+        kv = cache_parts(
+            configs, max_slots, num_sources=sources, data=data, model=model,
+            slot_remedy="shorten the retention of {key} in model.config",
+            source_remedy="lower model.config.max_voice_frames",
+        )  # fmt: skip
+        return [weights, *kv, workspace]
 
-    parts = parts_at(None)
-    fitting = blocker = None
-    if sum(part.nbytes for part in parts) > device.nbytes:
-        # The total grows with max_slots (slots, and the largest batch with it): bisect for the most that fit.
-        low, high = 0, max(spec.config.max_slots for spec in caches)
-        while low < high:
-            mid = (low + high + 1) // 2
-            if sum(part.nbytes for part in parts_at(mid)) <= device.nbytes:
-                low = mid
-            else:
-                high = mid - 1
-        fitting = low or None
-        if fitting is None:
-            blocker = max(parts_at(1), key=lambda part: part.nbytes)
-    return MemoryBudget(
-        source=deployment.source,
-        parts=tuple(parts),
-        device=device,
-        max_fitting_slots=fitting,
-        blocker=blocker,
-        max_batch=deployment.engine.max_batch,
-        slot_keys=tuple(
-            spec.resource_key for spec in caches if fitting is not None and spec.config.max_slots > fitting
-        ),
-    )
-
-
-def _heads_per_device(config: BoundedKVConfig, model: int) -> int:
-    """KV heads one device stores: its share of the heads, or one copy where heads are replicated."""
-    return max(config.num_heads, model) // model
+    return fitted(parts_at, configs, device, source=deployment.source, max_batch=deployment.engine.max_batch)
 
 
 def num_sources(deployment: Deployment) -> int:
@@ -269,10 +217,20 @@ def num_sources(deployment: Deployment) -> int:
 @functools.cache  # a config is frozen; counting traces the model's modules
 def weight_count(config: StreamingTTSConfig) -> int:
     """Parameters of the talker and the flow decoder, counted from the model's own parameters
-    (`nnx.eval_shape`: no weight is drawn)."""
+    (`nnx.eval_shape`: no weight is drawn).
+
+    The modules are traced with one and two layers of each stack, not all of them: every layer of a
+    stack has the same parameters, so the count is linear in its layers, and tracing grows faster than
+    that (400 layers took minutes)."""
     from mstar_jax.models.streaming_tts.model import abstract_params  # the model's modules, when asked
 
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params(config)))
+    def count(talker_layers: int, flow_layers: int) -> int:
+        layers = dataclasses.replace(config, talker_layers=talker_layers, flow_layers=flow_layers)
+        return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params(layers)))
+
+    one = count(1, 1)
+    talker_layer, flow_layer = count(2, 1) - one, count(1, 2) - one
+    return one + (config.talker_layers - 1) * talker_layer + (config.flow_layers - 1) * flow_layer
 
 
 def weight_bytes(config: StreamingTTSConfig) -> int:

@@ -94,6 +94,23 @@ def test_the_deployment_declares_both_caches_from_the_file(model_file):
     assert budget.parts[1].nbytes == 3 * local.slot_bytes  # two slots and the padding slot
 
 
+def test_on_a_mesh_the_budget_counts_one_devices_share_of_the_slots_and_heads(model_file):
+    settings = mapping(model_file, max_slots=4)
+    settings.update(mesh={"data": 2, "model": 2}, engine={"max_batch": 4, "pipelined": False})
+    deployment = parse_deployment(settings, "gemma.yaml")
+    budget = memory_budget(deployment, DeviceMemory(nbytes=2**30, source="test"))
+    local, global_ = (spec.config for spec in deployment.specs)
+    weights = sum(t.nbytes for t in random_tensors(CONFIG).values())
+    assert budget.parts[0].nbytes == weights  # replicated on every device
+    # Two of the four slots and the data shard's padding slot, one of the two KV heads.
+    assert budget.parts[1].nbytes == 3 * local.slot_bytes // 2
+    assert budget.parts[2].nbytes == 3 * global_.slot_bytes // 2
+    assert (
+        budget.parts[1].label
+        == "gemma3_local_kv slots per device (2 + 1 padding of 2 pools, 1 of 2 KV heads)"
+    )
+
+
 def test_mstar_jax_run_serves_the_workload_with_greedys_tokens(model_file, tmp_path, capsys):
     from mstar_jax.engine.text import build_text_engine, drive_text, text_workload
     from mstar_jax.models.gemma3 import load_gguf

@@ -1,0 +1,165 @@
+"""The host's own work per row-token: the engine loop with the device's work taken away.
+
+The TTS engine serves a closed workload at batch B with every captured program replaced by one that
+returns at once (outputs of the bucket's shapes made once, the caches passed through), so a step's wall
+time is the host's alone: forming the rows, admission, planning, the program's inputs, the step's
+bookkeeping at dispatch and when its outputs are read. Each phase is timed by wrapping the engine's
+parts; "rest" is the step's wall time outside them (the step transaction, the replay call, records,
+reading outputs back, the loop). A row-token is one codec frame of one stream, the talker's token:
+all host work, the flow decoder's included, is charged to the frames.
+
+Prints, per batch (1, 64 and 256 unless `--batch`), synchronous and pipelined: microseconds per
+row-token in all and per phase, median (min–max) over the repeats, the cases run in a fresh random
+order each repeat (`benchmarks.timing`). One decode step per dispatch (K = 1) is today's engine:
+these figures are the baseline K steps per dispatch (issue 23) are to be measured against.
+
+Run: python -m benchmarks.host [--quick] [--repeats N] [--batch B ...] [--frames F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.engine import VOICES, config_for
+from benchmarks.timing import ORDER_NOTE, describe, interleaved_times, quick_label
+from mstar_jax.compile import cap_batch_sizes
+from mstar_jax.engine import Engine, TTSPrograms, TTSRequest, tts_buckets
+from mstar_jax.engine.programs import codes_width
+from mstar_jax.models.streaming_tts.model import FLOW_CHUNK, SAMPLES_PER_FRAME, StreamingTTSModel
+from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+from mstar_jax.settings import EngineSettings
+
+PHASES = ("rows", "admit", "plan", "inputs", "commit", "dispatched", "read")
+TOKEN_COUNTS = (1, 8, 16)
+
+
+class InstantStep:
+    """A captured step's stand-in whose replay returns at once: the caches as given, and outputs of
+    the bucket's shapes made beforehand (zeros: codec frame 0, silent audio)."""
+
+    def __init__(self, walk: str, keys, width: int, mel_bins: int):
+        def outputs(bucket):
+            if walk != FLOW_CHUNK:
+                return jnp.zeros((width,), jnp.int32)
+            mel = jnp.zeros((bucket.bs, bucket.num_tokens, mel_bins), jnp.float32)
+            return mel, jnp.zeros((bucket.bs, bucket.num_tokens * SAMPLES_PER_FRAME), jnp.float32)
+
+        self.outputs = {bucket: jax.block_until_ready(outputs(bucket)) for bucket in keys}
+
+    def replay(self, bucket, params, caches, banks, plans, *inputs):
+        return caches, self.outputs[bucket]
+
+
+def instant_programs(model: StreamingTTSModel, batch: int) -> TTSPrograms:
+    """Every walk's buckets up to `batch` rows, each program an `InstantStep`."""
+    buckets = tts_buckets(
+        batch_sizes=cap_batch_sizes((1, 2, 4, 8, 16, 32, 64, 128, 256), batch),
+        token_counts=TOKEN_COUNTS,
+        flow_chunk=model.config.flow_chunk,
+    )
+    width, bins = codes_width(buckets), model.config.mel_bins
+    steps = {walk: InstantStep(walk, buckets[walk].keys(), width, bins) for walk in buckets.walks}
+    return TTSPrograms(buckets=buckets, steps=steps, codes_width=width, settings=model.settings)
+
+
+def timed(phases: collections.Counter, name: str, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            phases[name] += time.perf_counter() - start
+
+    return wrapper
+
+
+def serve(model, config, *, batch: int, frames: int, pipelined: bool) -> tuple[float, dict[str, float]]:
+    """A fresh engine on instant programs serving `2 * batch` streams of `frames` frames, all at once;
+    returns (microseconds per row-token, per phase)."""
+    specs = {s.resource_key: s for s in config.resource_specs()}
+    talker, flow = (BoundedKVManager(specs[k], num_sources=VOICES) for k in ("talker_kv", "flow_kv"))
+    settings = EngineSettings(max_batch=batch, pipelined=pipelined)
+    programs = instant_programs(model, batch)
+    engine = Engine(model, talker=talker, flow=flow, programs=programs, settings=settings)
+    voices = [engine.add_voice(i, frames=8 + 4 * i, seed=i) for i in range(VOICES)]
+    rng = np.random.default_rng(0)
+    phases: collections.Counter = collections.Counter()
+    served = engine.served
+    for name in ("rows", "inputs", "dispatched", "read"):
+        setattr(served, name, timed(phases, name, getattr(served, name)))
+    admission = engine._admission
+    admission.admit = timed(phases, "admit", admission.admit)
+    for node in engine.nodes.values():
+        node.runner.plan = timed(phases, "plan", node.runner.plan)
+        node.runner.commit = timed(phases, "commit", node.runner.commit)
+    streams = [
+        engine.submit(
+            TTSRequest(f"r{i}", rng.integers(0, 256, 12).tolist(), voices[i % VOICES], frames, seed=i)
+        )
+        for i in range(2 * batch)
+    ]
+    start = time.perf_counter()
+    engine.run_until_idle()
+    wall = time.perf_counter() - start
+    if engine.compilations:
+        raise RuntimeError(f"{engine.compilations} programs compiled while serving")
+    if any(s.failure for s in streams):
+        raise RuntimeError(f"a stream failed: {next(s.failure for s in streams if s.failure)!r}")
+    tokens = sum(len(s.codes) for s in streams)
+    per_phase = {name: phases[name] / tokens * 1e6 for name in PHASES}
+    per_phase["rest"] = (wall - sum(phases.values())) / tokens * 1e6
+    return wall / tokens * 1e6, per_phase
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="batches 1 and 8, 16 frames, 2 repeats (labelled)"
+    )
+    parser.add_argument("--repeats", type=int, default=None, help="runs of each case (default 5, quick 2)")
+    parser.add_argument("--batch", type=int, nargs="+", default=None, help="batches (default 1 64 256)")
+    parser.add_argument("--frames", type=int, default=None, help="frames per stream (default 64, quick 16)")
+    args = parser.parse_args(argv)
+    batches = args.batch or ([1, 8] if args.quick else [1, 64, 256])
+    frames = args.frames or (16 if args.quick else 64)
+    repeats = args.repeats or (2 if args.quick else 5)
+    label = quick_label(args.quick, f"batches {batches}, {frames} frames, {repeats} repeats")
+    print(f"benchmarks/host.py{label}")
+    print(f"backend: {jax.default_backend()}; every program replaced by one that returns at once; K = 1")
+    print(f"timing: {ORDER_NOTE}; {repeats} repeats; median (min–max); 2 x batch streams of {frames} frames")
+    config = config_for(max(batches) * 2)
+    model = StreamingTTSModel(config)
+    results: dict[tuple[int, bool], list[dict[str, float]]] = collections.defaultdict(list)
+
+    def case(batch: int, pipelined: bool):
+        def run() -> float:
+            total, phases = serve(model, config, batch=batch, frames=frames, pipelined=pipelined)
+            results[batch, pipelined].append({"total": total, **phases})
+            return total
+
+        return run
+
+    cases = {(b, p): case(b, p) for b in batches for p in (False, True)}
+    interleaved_times(cases, repeats, self_timed=True)
+    print(f"\nmicroseconds of host work per row-token{label}")
+    print(f"   phases (medians): {', '.join(PHASES)}, and the rest of the step")
+    for (batch, pipelined), runs in results.items():
+        runs = runs[-repeats:]
+        total = describe([r["total"] for r in runs], ".2f", repeats=False)
+        phases = ", ".join(
+            f"{name} {statistics.median(r[name] for r in runs):.2f}" for name in (*PHASES, "rest")
+        )
+        print(f"   batch {batch:>3} {'pipelined' if pipelined else 'synchronous':<11} {total}: {phases}")
+
+
+if __name__ == "__main__":
+    main()
