@@ -52,6 +52,8 @@ autodoc_default_options = {
     "member-order": "bysource",
     "show-inheritance": True,
 }
+# The server's web stack (the `serve` extra) is mocked: the docs extra alone builds the site.
+autodoc_mock_imports = ["fastapi", "starlette", "uvicorn", "prometheus_client"]
 autodoc_typehints = "signature"
 autodoc_typehints_format = "short"
 # Defaults as written in the source (`num_sources=DEFAULT_NUM_SOURCES`), not as their values.
