@@ -219,3 +219,27 @@ def test_a_websocket_client_that_leaves_mid_stream_frees_everything(served):
 
     asyncio.run(asyncio.wait_for(leave(), 30))
     assert_nothing_leaked(host)
+
+
+def test_a_websocket_flush_speaks_what_is_buffered(served):
+    url, host, references = served
+
+    async def talk():
+        audio, events = b"", []
+        async with websockets.connect(url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+            await ws.send(json.dumps({"type": "text", "text": TEXTS[2]}))  # no sentence end: held
+            await ws.send(json.dumps({"type": "flush"}))
+            while not events or events[-1]["type"] != "segment.done":
+                message = await ws.recv()
+                if isinstance(message, bytes):
+                    audio += message
+                else:
+                    events.append(json.loads(message))
+            await ws.send(json.dumps({"type": "end"}))
+            events += [json.loads(m) async for m in ws if isinstance(m, str)]
+        return audio, [e["type"] for e in events]
+
+    audio, kinds = asyncio.run(asyncio.wait_for(talk(), 30))
+    assert audio == references[("voice-0", TEXTS[2])]
+    assert kinds == ["segment.done", "done"]
+    assert_nothing_leaked(host)

@@ -145,9 +145,11 @@ def test_a_stop_string_ends_the_text_before_it():
     assert matcher.feed("yzzz") == ("", True)
 
 
-def test_models_lists_the_model(gemma):
-    _, sdk, _, _, _ = gemma
+def test_models_and_the_time_to_first_token(gemma):
+    url, sdk, _, _, _ = gemma
     assert [m.id for m in sdk.models.list()] == [MODEL]
+    assert 'mstar_time_to_first_output_seconds_count{kind="token"}' in httpx.get(f"{url}/metrics").text
+    assert httpx.get(f"{url}/v1/audio/voices").status_code == 404  # a text deployment speaks no audio
 
 
 @pytest.mark.parametrize(
