@@ -36,6 +36,7 @@ import httpx
 import numpy as np
 
 from benchmarks.timing import ORDER_NOTE, describe, interleaved_times, quick_label, ratios
+from mstar_jax.compile import disable_persistent_cache
 from mstar_jax.deployment import load_deployment
 from mstar_jax.engine.request import TTSRequest
 from mstar_jax.engine.tts import Engine
@@ -291,6 +292,7 @@ def main(argv=None) -> None:
         finally:
             server.terminate()
             status = server.wait(120)
+            disable_persistent_cache()  # its directory goes with `tmp`: nothing may write there after
         print(f"server exit status after SIGTERM: {status}")
 
 

@@ -7,6 +7,7 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[serve]')")
 
+from mstar_jax.compile import disable_persistent_cache
 from mstar_jax.deployment import load_deployment
 from mstar_jax.engine.tts import Engine
 from mstar_jax.engine.workload import register_voices
@@ -24,7 +25,11 @@ def tts_config(tmp_path_factory):
 
 @pytest.fixture(scope="package")
 def tts(tts_config):
-    """`(engine, voices by name)`: the tiny deployment's engine, warmed up, with voice-0 and voice-1."""
+    """`(engine, voices by name)`: the tiny deployment's engine, warmed up, with voice-0 and voice-1.
+
+    The deployment turns JAX's persistent compilation cache on; it is turned off after the package, so
+    the tests a worker runs next compile as they would alone."""
     engine = Engine.from_deployment(load_deployment(tts_config), progress=False, max_workers=2)
     voices = register_voices(engine, 2, seed=0)
-    return engine, {f"voice-{v.index}": v for v in voices}
+    yield engine, {f"voice-{v.index}": v for v in voices}
+    disable_persistent_cache()
