@@ -221,7 +221,9 @@ class EngineHost:
                 if engine.lockstep:  # every process steps while any has work (lockstep.py)
                     busy = engine.busy_anywhere(busy)
                 latencies: list[float] = []
-                if busy or engine.streams:  # paused streams too: the engine offloads idle ones
+                # Paused streams too (the engine offloads idle ones), but in lockstep only on the agreed
+                # `busy`: a step enters collectives every process must enter alike.
+                if busy or (engine.streams and not engine.lockstep):
                     ran = self._step(latencies)
                     self._settle()
                     self._offload_paused()
