@@ -145,7 +145,10 @@ def capture(
             bucket=bucket, lower_secs=lowered_at - start, compile_secs=done - lowered_at,
             from_cache=counter.cache_hits > 0, **memory(compiled),
         )  # fmt: skip
-        if store is not None and key is not None:
+        # A program JAX's persistent cache gave back is not stored: XLA:CPU serializes such an executable
+        # without its kernels, and a later start that loads it fails at run time ("NOT_FOUND: Function
+        # ... not found"). A start that misses the store loads it from that cache again.
+        if store is not None and key is not None and not report.from_cache:
             store.save(key, compiled)
         return compiled, report
 

@@ -163,6 +163,29 @@ def test_an_entry_that_does_not_load_is_compiled_and_replaced(tmp_path):
     assert store.loaded == len(BUCKETS)
 
 
+def test_a_program_from_jaxs_persistent_cache_is_not_stored(tmp_path):
+    """XLA:CPU serializes an executable it loaded from JAX's persistent cache without its kernels: stored,
+    it loaded and then failed at run time ("NOT_FOUND: Function ... not found")."""
+    from mstar_jax.compile import disable_persistent_cache, enable_persistent_cache
+
+    enable_persistent_cache(str(tmp_path / "jax"), min_compile_secs=0.0, min_entry_size_bytes=-1)
+    try:
+        _capture(None)  # compiled, into JAX's cache
+        store = ExecutableStore(tmp_path / "store")
+        step, _ = _capture(store)  # every bucket from JAX's cache
+        assert step.report.cache_hits == len(BUCKETS)
+        assert (store.saved, store.entries()) == (0, [])
+    finally:
+        disable_persistent_cache()
+    store = ExecutableStore(tmp_path / "store")
+    step, compiled = _capture(store)  # nothing stored to load: compiled, and stored now
+    assert (compiled, store.loaded, store.saved) == (len(BUCKETS), 0, len(BUCKETS))
+    step, compiled = _capture(ExecutableStore(tmp_path / "store"))
+    assert compiled == 0
+    for bucket in BUCKETS:  # the loaded programs run
+        np.testing.assert_allclose(_run(step, bucket)[1], _oracle(bucket)[1], rtol=1e-6)
+
+
 def test_a_fresh_process_loads_what_another_stored(tmp_path):
     """A second start for real: a new interpreter, nothing in memory, 0 programs compiled."""
     _capture(ExecutableStore(tmp_path))
