@@ -16,9 +16,11 @@ slots its devices hold, and a load balancer spreads clients over the hosts (`doc
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 import signal
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -177,7 +179,9 @@ def _bind(host: str, port: int, error: Callable[[str], Exception]) -> socket.soc
 
 def _server(config: Any, host: Any, grace_s: float) -> Any:
     """uvicorn's server, which starts the host's grace period as soon as a signal comes (not once every
-    connection has closed, which waits on the very streams the grace period bounds), and exits 0."""
+    connection has closed, which waits on the very streams the grace period bounds), lets the requests
+    in flight end before it closes any connection (uvicorn closes a WebSocket at once, with 1012), and
+    exits 0."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -187,5 +191,13 @@ def _server(config: Any, host: Any, grace_s: float) -> Any:
             # uvicorn raises the signal again once it has shut down, to die of it: we exit 0 instead.
             if sig in (signal.SIGTERM, signal.SIGINT):
                 self._captured_signals.clear()
+
+        async def shutdown(self, sockets: list | None = None) -> None:
+            for server in self.servers:  # no new connections; those open finish their requests
+                server.close()
+            deadline = time.monotonic() + grace_s + 1.0  # the host answers every request by grace_s
+            while host.live and time.monotonic() < deadline and not self.force_exit:
+                await asyncio.sleep(0.05)
+            await super().shutdown(sockets)
 
     return Server(config)

@@ -137,6 +137,29 @@ def _speak(url: str, text: str, outcomes: list) -> None:
         outcomes.append(("broken", None, repr(error)))
 
 
+def _speak_over_websocket(url: str, text: str, outcomes: list) -> None:
+    """Speak `text` over the WebSocket; record its close code and its last JSON message."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    last = None
+    try:
+        with connect(url.replace("http", "ws") + "/v1/audio/speech/stream", open_timeout=30) as ws:
+            ws.send(json.dumps({"type": "start", "voice": "voice-0", "model": "streaming_tts"}))
+            ws.send(json.dumps({"type": "text", "text": text}))
+            ws.send(json.dumps({"type": "end"}))
+            try:
+                while True:
+                    message = ws.recv(timeout=60)
+                    if isinstance(message, str):
+                        last = json.loads(message)
+            except ConnectionClosed:  # closed by the server, with its code (1000 once done)
+                pass
+        outcomes.append(("websocket", ws.close_code, last))
+    except OSError as error:  # pragma: no cover - would be a bug: recorded, then asserted on
+        outcomes.append(("broken", None, repr(error)))
+
+
 def test_sigterm_under_load_finishes_or_fails_each_request_typed_and_exits_0(tts, tts_config, tmp_path):
     port = free_port()
     command = [
@@ -168,6 +191,9 @@ def test_sigterm_under_load_finishes_or_fails_each_request_typed_and_exits_0(tts
         # 8,000 frames that cannot.
         texts = ["m" * 150, "x" * 4000, "y" * 4000]
         threads = [threading.Thread(target=_speak, args=(url, text, outcomes)) for text in texts]
+        # And a WebSocket in flight: its segment is given the grace period too, not closed at once.
+        spoken: list = []
+        threads.append(threading.Thread(target=_speak_over_websocket, args=(url, "w" * 120, spoken)))
         for thread in threads:
             thread.start()
         wait_for(lambda: _live_streams(url) >= 2, "the long streams to be under way", timeout_s=30)
@@ -189,6 +215,9 @@ def test_sigterm_under_load_finishes_or_fails_each_request_typed_and_exits_0(tts
     assert len(finished) >= 2  # the short ones
     assert len(failed) >= 2, "the 8,000-frame streams outlast a 3 s grace period"
     assert all(e["type"] == "shutting_down" and e["retryable"] for e in failed), failed
+    [(kind, code, last)] = spoken
+    assert kind == "websocket"
+    assert (code, last["type"]) in ((1000, "done"), (1013, "error")), (code, last)  # never 1012
 
 
 def _live_streams(url: str) -> float:
