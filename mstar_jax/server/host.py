@@ -24,7 +24,9 @@ handle ending with that typed, retryable error; `close` then joins the thread.
 
 In a multi-process (lockstep) deployment every process runs a host over its own engine and serves its
 own clients; the host keeps stepping while `engine.busy_anywhere` says any process has work, so every
-process steps as often as the others.
+process steps as often as the others, and its thread ends only once every process's host is done (each
+told to stop, every request answered): a process that left early would leave the others waiting in a
+step it never enters.
 """
 
 from __future__ import annotations
@@ -215,7 +217,10 @@ class EngineHost:
                 wait = 0.0 if runnable else idle
                 stopping |= self._drain(wait)
                 self._check_deadline()
-                if stopping and not self._live and not self.accepting:
+                done = stopping and not self._live and not self.accepting
+                if engine.lockstep:  # a pod stops as one: a process gone would leave the others' steps
+                    done = not engine.busy_anywhere(not done)
+                if done:
                     return  # (`finally` flushes the last answers)
                 busy = any(not s.paused for s in engine.streams.values())
                 if engine.lockstep:  # every process steps while any has work (lockstep.py)
