@@ -29,6 +29,7 @@ import numpy as np
 
 __all__ = [
     "DTYPES",
+    "GEMMA3_270M",
     "GGUFError",
     "Gemma3Config",
     "default_gguf_path",
@@ -141,6 +142,15 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise TypeError(f"{name}={value!r} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name}={value} must be >= {minimum}")
+
+
+GEMMA3_270M = Gemma3Config(
+    vocab_size=262_144, num_layers=18, d_model=640, ffn_dim=2048, num_heads=4, num_kv_heads=1,
+    head_dim=256, rms_eps=float(np.float32(1e-6)), rope_global_base=1e6, rope_local_base=1e4,
+    sliding_window=512, context_length=32_768, global_every=6, bos_id=2, eos_id=1, add_bos=True,
+)  # fmt: skip
+"""Gemma 3 270M's geometry, as the `gemma` extra's file records it (`read_config`; the tests check the
+two agree): a random-weight model of its size where the file is absent (a benchmark on a device)."""
 
 
 def require(module: str, purpose: str, package: str | None = None) -> Any:

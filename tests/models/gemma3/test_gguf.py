@@ -23,6 +23,7 @@ from mstar_jax.models.gemma3 import (  # noqa: E402  (after the skips, which nee
     load_gguf,
     open_gguf,
 )
+from mstar_jax.models.gemma3.gguf import GEMMA3_270M  # noqa: E402
 
 EXPECTED_CONFIG = Gemma3Config(
     vocab_size=262144,
@@ -82,6 +83,7 @@ def gemma() -> Loaded:
 
 def test_config_matches_the_reference_table(gemma):
     assert gemma.config == EXPECTED_CONFIG
+    assert gemma.config == GEMMA3_270M  # the geometry a benchmark builds where the file is absent
     assert gemma.config.rms_eps == pytest.approx(1e-6)
     assert gemma.config.global_layers == (5, 11, 17)
     assert [i for i in range(18) if gemma.config.is_global(i)] == [5, 11, 17]

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# One session on a lent NVIDIA GPU (an H200: its image has jax with CUDA, flax, chex, pytest), at most
+# 8 minutes, from the repository root as the device tool runs it:
+#
+#   bash benchmarks/device_session.sh            # on the device; logs and the table under $OUT
+#   bash benchmarks/device_session.sh --dry-run  # the same steps on this host's CPU, each at its
+#                                                # smallest (the test suite runs this)
+#
+# Steps, each under its own time limit, its output in $OUT/<step>.log:
+#   1. kernels:  tests/kernels/test_gpu.py, the Pallas GPU (Triton) kernel compiled for the device against
+#                the float64 oracle (on a CPU: a few of its cases in the Pallas interpreter);
+#   2. kernel:   benchmarks/kernel.py, one decode step's bytes/s against a copy of the same bytes, and
+#                against the XLA path and dense attention;
+#   3. engine:   benchmarks/engine.py, the TTS engine pipelined and synchronous, one decode step per
+#                dispatch (K = 1: K steps per dispatch are not built yet);
+#   4. gemma:    benchmarks/gemma_decode.py, Gemma 3 of the 270M geometry (random weights: no model file
+#                travels) prefill and decode tokens/s through the engine.
+# Then one table: each step's status, seconds and headline figure. The script exits non-zero if a step
+# failed, after printing the table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+DRY=0
+case "${1:-}" in
+  --dry-run) DRY=1 ;;
+  "") ;;
+  *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
+esac
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT"
+PYTHON="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+if [ "$DRY" = 1 ]; then
+  export JAX_PLATFORMS=cpu
+  KERNEL_TESTS=(-k "test_empty_step or test_head_dim_not_a_power_of_two")
+  KERNEL=(--quick --slots 2 --window 60 --kv-heads 1 --heads 2 --head-dim 16)
+  ENGINE=(--quick --batch 2 --streams 3 --repeats 1)
+  GEMMA=(--quick --tiny)
+  LIMIT=300
+else
+  KERNEL_TESTS=()
+  KERNEL=()
+  ENGINE=(--batch 64 --streams 128 --repeats 3)
+  GEMMA=(--batch 8 --prompt 512 --tokens 128 --repeats 3)
+  LIMIT=150
+fi
+
+"$PYTHON" - > "$OUT/device.log" 2> "$OUT/device.err" <<'EOF'
+import jax
+print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {[d.device_kind for d in jax.devices()]}")
+EOF
+if [ $? -ne 0 ] || { [ "$DRY" = 0 ] && ! grep -q "backend gpu" "$OUT/device.log"; }; then
+  cat "$OUT/device.log" "$OUT/device.err" >&2
+  echo "no GPU backend: run on the device, or pass --dry-run" >&2
+  exit 1
+fi
+
+declare -A STATUS ELAPSED
+FAILED=0
+step() {  # step NAME COMMAND...: run it under the time limit, its output to $OUT/NAME.log
+  local name=$1 start=$SECONDS rc
+  shift
+  timeout "$LIMIT" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  ELAPSED[$name]=$((SECONDS - start))
+  if [ $rc -eq 0 ]; then STATUS[$name]=ok; elif [ $rc -eq 124 ]; then STATUS[$name]="timed out"; else STATUS[$name]="failed ($rc)"; fi
+  [ $rc -eq 0 ] || FAILED=1
+}
+
+step kernels "$PYTHON" -m pytest -q -n0 -p no:cacheprovider tests/kernels/test_gpu.py "${KERNEL_TESTS[@]}"
+step kernel "$PYTHON" -m benchmarks.kernel "${KERNEL[@]}"
+step engine "$PYTHON" -m benchmarks.engine "${ENGINE[@]}"
+step gemma "$PYTHON" -m benchmarks.gemma_decode "${GEMMA[@]}"
+
+figure() {  # figure NAME PATTERN: the last line of NAME's log matching PATTERN, trimmed
+  grep -E "$2" "$OUT/$1.log" 2>/dev/null | tail -1 | sed -E 's/^ +//; s/ +/ /g'
+}
+{
+  echo "device session$([ "$DRY" = 1 ] && echo ' (dry run on the CPU: not a device figure)'): $(cat "$OUT/device.log")"
+  printf '%-8s %-12s %8s  %s\n' step status seconds figure
+  printf '%-8s %-12s %8s  %s\n' kernels "${STATUS[kernels]}" "${ELAPSED[kernels]}" "$(figure kernels '(passed|failed)')"
+  printf '%-8s %-12s %8s  %s\n' kernel "${STATUS[kernel]}" "${ELAPSED[kernel]}" "$(figure kernel '^(gpu|xla) ')"
+  printf '%-8s %-12s %8s  %s\n' engine "${STATUS[engine]}" "${ELAPSED[engine]}" "$(figure engine 'pipelined +[0-9.]+ .* frames/s')"
+  printf '%-8s %-12s %8s  %s\n' "engine8" "not built" "-" "K = 8 decode steps per dispatch (issue 23)"
+  printf '%-8s %-12s %8s  %s\n' gemma "${STATUS[gemma]}" "${ELAPSED[gemma]}" "$(figure gemma 'pipelined +prefill')"
+  echo "logs: $OUT"
+} | tee "$OUT/table.txt"
+exit $FAILED

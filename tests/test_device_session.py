@@ -1,0 +1,41 @@
+"""`benchmarks/device_session.sh --dry-run`: every step of the device session runs on this host's CPU at
+its smallest and the table names each step with its status and headline figure."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_dry_run_runs_every_step_and_prints_the_table(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "device_session.sh"), "--dry-run"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = (tmp_path / "table.txt").read_text()
+    assert "dry run on the CPU: not a device figure" in table
+    rows = {line.split()[0]: line for line in table.splitlines()[2:] if line and not line.startswith("logs")}
+    assert set(rows) == {"kernels", "kernel", "engine", "engine8", "gemma"}
+    for name in ("kernels", "kernel", "engine", "gemma"):
+        assert rows[name].split()[1] == "ok", table
+    assert "passed" in rows["kernels"]
+    assert "frames/s" in rows["engine"]
+    assert "decode" in rows["gemma"]
+    for step in ("kernels", "kernel", "engine", "gemma"):
+        assert (tmp_path / f"{step}.log").stat().st_size > 0
+
+
+def test_it_refuses_an_unknown_argument(tmp_path):
+    done = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "device_session.sh"), "--fast"],
+        cwd=ROOT, env={**os.environ, "OUT": str(tmp_path)}, capture_output=True, text=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "usage:" in done.stderr
