@@ -13,6 +13,7 @@ unflatten, with tracers in its array fields, so it checks its static fields and 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Collection
 from typing import Any
 
@@ -87,6 +88,9 @@ def _parses_as_float(text: str) -> bool:
     return True
 
 
+_FLOAT_MAX = sys.float_info.max
+
+
 def check_number(
     name: str,
     value: Any,
@@ -126,15 +130,19 @@ def check_number(
                 f" (YAML reads {value!r} as a string: write it with a dot and a signed exponent, e.g. 1.0e-3)"
             )
         raise ValueError(f"{name}={value!r} must be {either}a number {bound}{hint}")
+    number = value
+    if isinstance(value, int) and abs(value) > _FLOAT_MAX:  # float(value) would overflow
+        number = math.inf if value > 0 else -math.inf
     if (
-        (finite and not math.isfinite(value))
-        or math.isnan(value)
-        or value < minimum
-        or (exclusive and value == minimum)
-        or (maximum is not None and value > maximum)
+        (finite and not math.isfinite(number))
+        or math.isnan(number)
+        or number < minimum
+        or (exclusive and number == minimum)
+        or (maximum is not None and number > maximum)
     ):
-        raise ValueError(f"{name}={value!r} must be {either}a {'finite ' if finite else ''}number {bound}")
-    return float(value)
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise ValueError(f"{name}={shown} must be {either}a {'finite ' if finite else ''}number {bound}")
+    return float(number)
 
 
 def check_bool(name: str, value: Any) -> bool:

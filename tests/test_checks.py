@@ -134,3 +134,10 @@ def test_check_choice_takes_one_of_the_choices_of_their_type():
             assert str(raised.value).startswith(f"c={shown} ")
     with pytest.raises(ValueError, match=r"^c=True must be one of \[1, 2\]$"):
         check_choice("c", True, (1, 2))
+
+
+def test_an_int_beyond_every_float_is_out_of_range_not_an_overflow():
+    with pytest.raises(ValueError, match=r"^x=1000000000.*\.\.\. must be a finite number in \[0, 4\]$"):
+        check_number("x", 10**400, minimum=0, maximum=4)
+    with pytest.raises(ValueError, match=r"must be a finite number >= 0$"):
+        check_number("x", -(10**400), minimum=0)

@@ -8,7 +8,6 @@ Fields the server does not know are ignored, as OpenAI's clients send some a ser
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Collection
 from typing import Any
 
@@ -48,8 +47,10 @@ def parse_json(raw: bytes | str) -> Body:
     """
     try:
         value = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise BadRequestError(f"the body is not valid JSON: {error}", code="invalid_json") from None
+    except (ValueError, RecursionError) as error:  # bad JSON, bad UTF-8, a 5,000-digit int, deep nesting
+        raise BadRequestError(
+            f"the body is not valid JSON: {str(error)[:200]}", code="invalid_json"
+        ) from None
     if not isinstance(value, dict):
         raise BadRequestError(
             f"the body must be a JSON object of fields, got {type(value).__name__}", code="invalid_json"
@@ -102,14 +103,9 @@ class Body:
     def number(self, name: str, *, minimum: float, maximum: float, default: Any = _MISSING) -> float:
         value = self._get(name, default)
         try:
-            number = check_number(name, value, minimum=minimum)
+            return check_number(name, value, minimum=minimum, maximum=maximum)
         except ValueError as error:
             raise _refuse(name, error) from None
-        if number > maximum or not math.isfinite(number):
-            raise _refuse(
-                name, ValueError(f"{name}={value!r} must be a finite number in [{minimum}, {maximum}]")
-            )
-        return number
 
     def boolean(self, name: str, *, default: bool) -> bool:
         value = self._get(name, default)
@@ -117,18 +113,22 @@ class Body:
             raise _refuse(name, ValueError(f"{name}={_brief(value)} must be a bool"))
         return value
 
-    def strings(self, name: str, *, most: int) -> tuple[str, ...]:
-        """A string or a list of at most `most` non-empty strings (OpenAI's `stop`); none when absent."""
+    def strings(self, name: str, *, most: int, longest: int) -> tuple[str, ...]:
+        """A string or a list of at most `most` non-empty strings of at most `longest` characters each
+        (OpenAI's `stop`: matching one costs its length on every token); none when absent."""
         value = self._get(name, ())
         values = [value] if isinstance(value, str) else value
         if (
             not isinstance(values, list | tuple)
             or len(values) > most
-            or not all(isinstance(v, str) and v for v in values)
+            or not all(isinstance(v, str) and 0 < len(v) <= longest for v in values)
         ):
             raise _refuse(
                 name,
-                ValueError(f"{name}={_brief(value)} must be a non-empty string or a list of at most {most}"),
+                ValueError(
+                    f"{name}={_brief(value)} must be a non-empty string or a list of at most {most}, each "
+                    f"of at most {longest} characters"
+                ),
             )
         return tuple(values)
 

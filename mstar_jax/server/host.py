@@ -240,8 +240,17 @@ class EngineHost:
         except BaseException as error:  # the thread must not die silently: every client is told
             self.failure = error
             self.accepting = False
+            failure = StepFailedError(f"the engine thread stopped: {error!r}")
             for handle in list(self._live.values()):
-                self._finish(handle, StepFailedError(f"the engine thread stopped: {error!r}"), "failed")
+                self._finish(handle, failure, "failed")
+            while True:  # requests queued before `accepting` fell: nobody would ever answer them
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(command, Submit):
+                    self._unwait()
+                    command.handle._end(failure, "failed")
             self._flush()
             raise
         finally:

@@ -14,12 +14,20 @@ import json
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 
 from mstar_jax.server.errors import wire_error
 from mstar_jax.server.handle import RequestHandle
 
-__all__ = ["ClientGoneError", "error_response", "first_output", "sse", "sse_error"]
+__all__ = [
+    "ClientGoneError",
+    "HandleResponse",
+    "error_response",
+    "first_output",
+    "sse",
+    "sse_error",
+    "until_gone",
+]
 
 
 class ClientGoneError(Exception):
@@ -50,6 +58,26 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+async def until_gone(request: Request, handle: RequestHandle, work: Any) -> Any:
+    """`await work` (a coroutine), unless the client leaves first: the request is cancelled then.
+
+    Raises:
+      ClientGoneError: the client left first.
+    """
+    done = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not done.done():
+            done.cancel()
+            handle.cancel()
+    if not done.done() or done.cancelled():
+        raise ClientGoneError
+    return done.result()
+
+
 async def first_output(request: Request, handle: RequestHandle) -> tuple[bool, Any]:
     """`(True, output)`: the request's first output; `(False, None)`: it ended with none.
 
@@ -57,18 +85,22 @@ async def first_output(request: Request, handle: RequestHandle) -> tuple[bool, A
       ClientGoneError: the client left first (its request is cancelled).
       ClientError, RequestError: how the request failed before any output.
     """
-    first = asyncio.ensure_future(handle.next())
-    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not first.done():
-            first.cancel()
-            handle.cancel()
-    if not first.done() or first.cancelled():
-        raise ClientGoneError
-    try:
-        return True, first.result()
+        return True, await until_gone(request, handle, handle.next())
     except StopAsyncIteration:
         return False, None
+
+
+class HandleResponse(StreamingResponse):
+    """A streamed response that cancels its request however the response ends: a client that leaves
+    before its body starts never runs the body's own cleanup, and its request would hold its slots."""
+
+    def __init__(self, handle: RequestHandle, content: Any, **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.handle = handle
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.handle.cancel()  # nothing once the request has ended

@@ -28,7 +28,7 @@ import re
 from typing import Any
 
 from fastapi import APIRouter, Request, WebSocket
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocketDisconnect
 
 from mstar_jax.engine.request import AudioChunk, TTSRequest
@@ -47,7 +47,14 @@ from mstar_jax.server.fields import Body, parse_json, read_body
 from mstar_jax.server.handle import RequestHandle
 from mstar_jax.server.host import EngineHost
 from mstar_jax.server.metrics import ServerMetrics
-from mstar_jax.server.responses import ClientGoneError, error_response, first_output, sse, sse_error
+from mstar_jax.server.responses import (
+    ClientGoneError,
+    HandleResponse,
+    error_response,
+    first_output,
+    sse,
+    sse_error,
+)
 from mstar_jax.server.settings import ServerSettings
 from mstar_jax.server.tokenizer import ByteTokenizer
 
@@ -127,10 +134,13 @@ def speech_router(service: SpeechService) -> APIRouter:
             return error_response(error)
         chunks = _audio(handle, first if started else None, response_format)
         if stream_format == "sse":
-            return StreamingResponse(
-                _sse(chunks, tts), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            return HandleResponse(
+                handle,
+                _sse(chunks, tts),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
             )
-        return StreamingResponse(chunks, media_type=_MEDIA[response_format])
+        return HandleResponse(handle, chunks, media_type=_MEDIA[response_format])
 
     @router.websocket("/v1/audio/speech/stream")
     async def speech_stream(websocket: WebSocket) -> None:
@@ -208,7 +218,12 @@ class _Session:
     async def _read(self) -> str:
         try:
             while True:
-                raw = await self.ws.receive_text()
+                received = await self.ws.receive()
+                if received["type"] == "websocket.disconnect":
+                    raise WebSocketDisconnect(received.get("code", 1000))
+                raw = received.get("text")
+                if raw is None:  # a binary frame: the client speaks JSON text messages only
+                    raise BadRequestError("a message must be a JSON text frame, not binary", param="type")
                 if len(raw.encode()) > self.service.settings.max_body_bytes:
                     raise BadRequestError(
                         f"a message is over max_body_bytes={self.service.settings.max_body_bytes}"

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from mstar_jax.models.gemma3.serving import TextRequest
 from mstar_jax.server.admission import check_resources
@@ -31,13 +31,22 @@ from mstar_jax.server.fields import Body, parse_json, read_body
 from mstar_jax.server.handle import RequestHandle
 from mstar_jax.server.host import EngineHost
 from mstar_jax.server.metrics import ServerMetrics
-from mstar_jax.server.responses import ClientGoneError, error_response, first_output, sse, sse_error
+from mstar_jax.server.responses import (
+    ClientGoneError,
+    HandleResponse,
+    error_response,
+    first_output,
+    sse,
+    sse_error,
+    until_gone,
+)
 from mstar_jax.server.settings import ServerSettings
 from mstar_jax.server.tokenizer import IncrementalDecoder, TextTokenizer
 
 __all__ = ["StopMatcher", "TextService", "text_router"]
 
-_SAMPLING = {field.name for field in dataclasses.fields(TextRequest)} >= {"temperature", "seed"}
+MAX_STOP_CHARS = 256
+"""The longest `stop` string a request may give (each is matched against every token's text)."""
 _ROLES = ("system", "user", "assistant")
 
 
@@ -83,11 +92,6 @@ class TextService:
         temperature = body.number("temperature", minimum=0.0, maximum=2.0, default=0.0)
         seed = body.integer("seed", minimum=0, maximum=2**32 - 1, default=0)
         body.integer("n", minimum=1, maximum=1, default=1)  # one choice a request
-        if temperature != 0.0 and not _SAMPLING:
-            raise BadRequestError(
-                f"temperature={temperature!r} must be 0: only greedy decoding is available",
-                param="temperature", code="unsupported_value",
-            )  # fmt: skip
         vocab = self.tokenizer.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -98,8 +102,7 @@ class TextService:
             raise BadRequestError("prompt is empty; it needs at least one token", param="prompt")
         check_resources(self.host.managers, {"decode": ("max_tokens", max_tokens)})
         rid = f"text-{next(self._ids)}"
-        extra = {"temperature": temperature, "seed": seed} if _SAMPLING else {}
-        return TextRequest(rid, tuple(prompt), max_tokens, stop_tokens, **extra)
+        return TextRequest(rid, tuple(prompt), max_tokens, stop_tokens, temperature=temperature, seed=seed)
 
     def submit(self, request: TextRequest) -> RequestHandle:
         try:
@@ -173,7 +176,7 @@ def text_router(service: TextService) -> APIRouter:
         try:
             body = parse_json(await read_body(request, service.settings.max_body_bytes))
             stream = body.boolean("stream", default=False)
-            stops = body.strings("stop", most=4)
+            stops = body.strings("stop", most=4, longest=MAX_STOP_CHARS)
             prompt = _messages(service, body) if chat else _prompt(service, body)
             stop_tokens = service.tokenizer.stop_tokens if chat else (service.tokenizer.eos_id,)
             text_request = service.request(body, prompt, stop_tokens=stop_tokens)
@@ -188,9 +191,15 @@ def text_router(service: TextService) -> APIRouter:
         pieces = _pieces(service, handle, first if started else None, text_request, stops)
         shape = _Shape(service.model_name, chat, text_request)
         if stream:
-            return StreamingResponse(_sse(pieces, shape), media_type="text/event-stream")
-        try:
-            parts = [piece async for piece in pieces]
+            return HandleResponse(handle, _sse(pieces, shape), media_type="text/event-stream")
+
+        async def gather() -> list:
+            return [piece async for piece in pieces]
+
+        try:  # a client that leaves while the whole completion is gathered cancels it
+            parts = await until_gone(request, handle, gather())
+        except ClientGoneError:
+            return Response(status_code=499)
         except Exception as error:
             return error_response(error)
         return JSONResponse(shape.whole(parts))

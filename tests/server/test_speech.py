@@ -150,6 +150,13 @@ GOOD = {"model": "streaming_tts", "voice": "voice-0", "input": "hi"}
         (b'{"model": "streaming_tts", "voice": "voice-0", "input": "hi", "speed": NaN}', "speed", "finite"),
         ({**GOOD, "seed": -1}, "seed", "seed=-1 must be an int in [0, 4294967295]"),
         ({**GOOD, "seed": True}, "seed", "seed=True must be an int"),
+        (
+            b'{"model": "streaming_tts", "voice": "voice-0", "input": "hi", "speed": 1' + b"0" * 400 + b"}",
+            "speed",
+            "must be a finite number in [0.25, 4.0]",
+        ),
+        (b'{"input": "hi", "seed": 1' + b"0" * 5000 + b"}", None, "not valid JSON"),  # past int's digits
+        (b"[" * 100_000, None, "not valid JSON"),  # nested past the parser's recursion
     ],
 )
 def test_a_bad_request_is_a_400_naming_the_field(served, body, param, says):
@@ -187,6 +194,23 @@ def test_a_websocket_message_refused_closes_with_1007(served):
     error, code = asyncio.run(asyncio.wait_for(talk(), 30))
     assert code == 1007
     assert error["error"]["param"] == "voice"
+    assert_nothing_leaked(host)
+
+
+def test_a_binary_websocket_frame_is_refused_with_1007(served):
+    url, host, _ = served
+
+    async def talk():
+        async with websockets.connect(url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+            await ws.send(b'{"type": "text", "text": "hi. "}')
+            error = json.loads(await ws.recv())
+            with pytest.raises(websockets.ConnectionClosed):
+                await ws.recv()
+            return error, ws.close_code
+
+    error, code = asyncio.run(asyncio.wait_for(talk(), 30))
+    assert code == 1007
+    assert "must be a JSON text frame, not binary" in error["error"]["message"]
     assert_nothing_leaked(host)
 
 
