@@ -48,6 +48,7 @@ class RequestHandle:
         self.first_output_at: float | None = None
         self._parked = False  # counted among the waiting while paused (host thread)
         self.outcome: str | None = None
+        self._cancelled_as = "cancelled"  # what a cancel asked for counts as (host thread)
         self._ended = False
         self._cancelled = False
 
@@ -123,11 +124,12 @@ class RequestHandle:
     def ended(self) -> bool:
         return self._ended
 
-    def cancel(self) -> None:
-        """Cancel the request (its client went away); its slots are freed before the engine's next step."""
+    def cancel(self, *, outcome: str = "cancelled") -> None:
+        """Cancel the request (its client went away, or has all it wants: `outcome="done"`, a stop
+        string met); its slots are freed before the engine's next step."""
         if not self._cancelled and not self._ended:
             self._cancelled = True
-            self._host._post(Cancel(self))
+            self._host._post(Cancel(self, outcome))
 
 
 def receive_all(items: list[tuple[RequestHandle, tuple[bool, Any]]]) -> None:
@@ -145,9 +147,10 @@ class Submit:
 
 @dataclasses.dataclass(frozen=True)
 class Cancel:
-    """Cancel the handle's request."""
+    """Cancel the handle's request; `outcome` is what its end counts as."""
 
     handle: RequestHandle
+    outcome: str = "cancelled"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,7 @@ from mstar_jax.serving.stream import Phase, RequestError, StepFailedError
 __all__ = ["EngineHost", "HostObserver"]
 
 _IDLE_WAIT_S = 0.25  # how long an idle host blocks on its queue before it looks at its deadline again
+_LOCKSTEP_WAIT_S = 0.005  # the least an idle lockstep host waits between rounds of collectives
 
 
 class HostObserver:
@@ -212,8 +213,9 @@ class EngineHost:
             stopping = False
             while True:
                 runnable = any(not s.paused for s in engine.streams.values())
-                # Idle, block on the queue; in lockstep only briefly: the others wait on our next step.
-                idle = engine.hold_backoff_s if engine.streams or engine.lockstep else _IDLE_WAIT_S
+                # Idle (nothing, or only streams paused for their readers), block on the queue; in
+                # lockstep only briefly: the others wait on our next step.
+                idle = max(engine.hold_backoff_s, _LOCKSTEP_WAIT_S) if engine.lockstep else _IDLE_WAIT_S
                 wait = 0.0 if runnable else idle
                 stopping |= self._drain(wait)
                 self._check_deadline()
@@ -291,6 +293,7 @@ class EngineHost:
             self._submit(handle)
         elif isinstance(command, Cancel):
             if handle.request_id in self._live:
+                handle._cancelled_as = command.outcome
                 self.engine.cancel(handle.request_id)
                 self._settle()
         elif isinstance(command, Resume):
@@ -353,7 +356,7 @@ class EngineHost:
             self._unwait()
         for handle in [h for h in self._live.values() if h.stream.phase.finished]:
             stream = handle.stream
-            outcome = {Phase.DONE: "done", Phase.CANCELLED: "cancelled"}.get(stream.phase, "failed")
+            outcome = {Phase.DONE: "done", Phase.CANCELLED: handle._cancelled_as}.get(stream.phase, "failed")
             self._finish(handle, stream.failure, outcome)
 
     def _finish(self, handle: RequestHandle, failure: RequestError | None, outcome: str) -> None:

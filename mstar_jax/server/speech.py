@@ -118,6 +118,7 @@ def speech_router(service: SpeechService) -> APIRouter:
 
     @router.post("/v1/audio/speech")
     async def speech(request: Request) -> Response:
+        handle = None
         try:
             body = parse_json(await read_body(request, service.settings.max_body_bytes))
             text = body.string("input")
@@ -129,7 +130,7 @@ def speech_router(service: SpeechService) -> APIRouter:
         except ClientGoneError:
             return Response(status_code=499)
         except Exception as error:
-            if isinstance(error, BadRequestError):
+            if isinstance(error, BadRequestError) and handle is None:  # the host counts its own
                 service.metrics.refused("invalid")
             return error_response(error)
         chunks = _audio(handle, first if started else None, response_format)

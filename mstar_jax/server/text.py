@@ -173,6 +173,7 @@ def text_router(service: TextService) -> APIRouter:
     router = APIRouter()
 
     async def serve(request: Request, chat: bool) -> Response:
+        handle = None
         try:
             body = parse_json(await read_body(request, service.settings.max_body_bytes))
             stream = body.boolean("stream", default=False)
@@ -185,7 +186,7 @@ def text_router(service: TextService) -> APIRouter:
         except ClientGoneError:
             return Response(status_code=499)
         except Exception as error:
-            if isinstance(error, BadRequestError):
+            if isinstance(error, BadRequestError) and handle is None:  # the host counts its own
                 service.metrics.refused("invalid")
             return error_response(error)
         pieces = _pieces(service, handle, first if started else None, text_request, stops)
@@ -226,6 +227,7 @@ async def _pieces(
             count += 1
             text, stopped = matcher.feed(decoder.push(token))
             if stopped:
+                handle.cancel(outcome="done")  # the client has its completion: the rest is not made
                 yield text, token, "stop"
                 return
             last = count == request.max_new_tokens or token in request.stop_tokens

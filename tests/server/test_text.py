@@ -144,6 +144,32 @@ def test_a_stop_string_ends_the_text_before_it():
     assert matcher.feed("yzzz") == ("", True)
 
 
+def _outcomes(url: str) -> dict[str, float]:
+    counts = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("mstar_requests_total{"):
+            name, value = line.split()
+            counts[name.split('"')[1]] = float(value)
+    return counts
+
+
+def test_a_stop_string_over_http_ends_the_completion_and_counts_as_done(gemma):
+    url, sdk, host, alone, tokenizer = gemma
+    prompt = [2, 40, 7, 8, 9, 11, 12, 13, 14, 15, 16]
+    text = tokenizer.decode(expected(alone, tokenizer, prompt, 20))
+    stop = text[len(text) // 2 : len(text) // 2 + 2]  # two characters from the middle of the reply
+    assert stop
+    assert text.index(stop) > 0
+    before = _outcomes(url)
+    response = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=20, stop=stop)
+    assert response.choices[0].text == text[: text.index(stop)]
+    assert response.choices[0].finish_reason == "stop"
+    assert_nothing_leaked(host)
+    after = _outcomes(url)
+    assert after.get("done", 0) == before.get("done", 0) + 1
+    assert after.get("cancelled", 0) == before.get("cancelled", 0)
+
+
 def test_models_and_the_time_to_first_token(gemma):
     url, sdk, _, _, _ = gemma
     assert [m.id for m in sdk.models.list()] == [MODEL]
