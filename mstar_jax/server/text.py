@@ -155,7 +155,7 @@ def _messages(service: TextService, body: Body) -> list[int]:
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):  # fmt: skip
                 raise BadRequestError(f"{name}.content parts must be text parts", param=f"{name}.content")
-            content = "".join(p["text"] for p in content)
+            content = "".join(p["text"].strip() for p in content)  # each part trimmed, as Gemma's template
         if not isinstance(content, str):
             raise BadRequestError(
                 f"{name}.content={str(content)[:60]!r} must be a string or a list of text parts",

@@ -124,19 +124,29 @@ class TextTokenizer:
     def chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """The prompt of `(role, content)` messages in Gemma's chat template, ending at the model's turn.
 
+        As Gemma 3's own template: a system message may come first only, and opens the first user turn
+        (Gemma has no system turn); then turns alternate user, assistant, user, ..., each content
+        trimmed, an assistant's as the `model` turn.
+
         Raises:
-          ValueError: for a vocabulary without `<start_of_turn>` and `<end_of_turn>`.
+          ValueError: for a vocabulary without `<start_of_turn>` and `<end_of_turn>`, a system message
+            after the first, or turns that do not alternate starting with the user's.
         """
         if self.start_of_turn is None or self.end_of_turn is None:
             raise ValueError("this model's vocabulary has no <start_of_turn>/<end_of_turn>: no chat template")
-        system = "\n\n".join(content for role, content in messages if role == "system")
+        prefix = ""
+        if messages and messages[0][0] == "system":
+            prefix, messages = f"{messages[0][1]}\n\n", messages[1:]
         ids = [self.bos_id]
-        for role, content in ((r, c) for r, c in messages if r != "system"):
-            if system and role == "user":  # Gemma has no system turn: it opens the first user turn
-                content, system = f"{system}\n\n{content}", ""
+        for i, (role, content) in enumerate(messages):
+            if (role == "user") != (i % 2 == 0) or role not in ("user", "assistant"):
+                raise ValueError(
+                    f"message {i + (prefix != '')} has role {role!r}: after an optional first system "
+                    "message, roles must alternate user, assistant, user, ..."
+                )
             turn = "model" if role == "assistant" else role
-            ids += [self.start_of_turn, *self.encode(f"{turn}\n{content}"), self.end_of_turn]
-            ids += self.encode("\n")
+            text = f"{turn}\n{prefix if i == 0 else ''}{content.strip()}"
+            ids += [self.start_of_turn, *self.encode(text), self.end_of_turn, *self.encode("\n")]
         return [*ids, self.start_of_turn, *self.encode("model\n")]
 
 

@@ -5,6 +5,7 @@ official `openai` SDK and `httpx`. Streamed tokens equal `Gemma3Streams.greedy`'
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -134,6 +135,42 @@ def test_chat_streams_greedys_reply_in_gemmas_template(gemma):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer.decode(want)
     whole = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
     assert whole.choices[0].message.content == tokenizer.decode(want)
+    assert_nothing_leaked(host)
+
+
+def test_the_chat_prompt_is_gemmas_template_token_for_token(gemma):
+    *_, tokenizer = gemma
+    messages = [("system", "be brief"), ("user", "  hi "), ("assistant", "hello\n"), ("user", "bye")]
+    # Gemma 3's template: the system text opens the first user turn, contents are trimmed, an
+    # assistant's turn is the model's, and the prompt ends opening the model's turn.
+    template = (
+        "<bos><start_of_turn>user\nbe brief\n\nhi<end_of_turn>\n<start_of_turn>model\nhello<end_of_turn>\n"
+        "<start_of_turn>user\nbye<end_of_turn>\n<start_of_turn>model\n"
+    )
+    control = {"<bos>": tokenizer.bos_id, "<start_of_turn>": 3, "<end_of_turn>": 4}
+    want = []
+    for piece in re.split(r"(<bos>|<start_of_turn>|<end_of_turn>)", template):
+        want += [control[piece]] if piece in control else tokenizer.encode(piece) if piece else []
+    assert tokenizer.chat(messages) == want
+
+
+@pytest.mark.parametrize(
+    ("messages", "says"),
+    [
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "message 1 has role 'user'"),
+        ([{"role": "assistant", "content": "a"}], "message 0 has role 'assistant'"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
+            "message 1 has role 'system'",
+        ),
+    ],
+)
+def test_chat_turns_out_of_gemmas_order_are_a_400(gemma, messages, says):
+    url, _, host, _, _ = gemma
+    response = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": messages})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "messages"
+    assert says in response.json()["error"]["message"]
     assert_nothing_leaked(host)
 
 
