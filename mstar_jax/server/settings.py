@@ -63,6 +63,11 @@ class ServerSettings:
         check_number("shutdown_grace_s", self.shutdown_grace_s, minimum=0.0)
         check_number("offload_paused_after_s", self.offload_paused_after_s, minimum=0.0, allow_none=True)
         check_number("frames_per_byte", self.frames_per_byte, minimum=0.0, exclusive=True)
+        if self.segment_bytes > self.max_input_bytes:
+            raise ValueError(
+                f"segment_bytes={self.segment_bytes} must be <= max_input_bytes={self.max_input_bytes} "
+                "(a WebSocket's segment is one speech input)"
+            )
         if self.default_max_tokens > self.max_tokens:
             raise ValueError(
                 f"default_max_tokens={self.default_max_tokens} must be <= max_tokens={self.max_tokens}"

@@ -195,7 +195,10 @@ class _Session:
             if ended and writer not in done:  # every segment submitted: speak them ("gone": stop now)
                 await asyncio.wait({writer})
             failed = next((t for t in (reader, writer) if t.done() and t.exception() is not None), None)
-            if failed is not None:
+            if failed is not None:  # the other stops first: it must not send once the socket closes
+                for task in (reader, writer):
+                    task.cancel()
+                await asyncio.gather(reader, writer, return_exceptions=True)
                 await self._fail(failed.exception())
         finally:
             for task in (reader, writer):
@@ -251,18 +254,22 @@ class _Session:
         """Submit the buffered text's complete segments (all of it when `final`)."""
         limit = self.service.settings.segment_bytes
         while self.buffer:
-            end = _SENTENCE_END.search(self.buffer)
+            size = len(self.buffer.encode())
+            # The characters within `limit` bytes: a segment is cut there at the latest.
+            room = len(self.buffer.encode()[:limit].decode("utf-8", "ignore"))
+            end = _SENTENCE_END.search(self.buffer, 0, room)
             if end is not None:
                 cut = end.end()
-            elif final:
+            elif size > limit:
+                cut = self.buffer.rfind(" ", 0, room) + 1 or room
+            elif final or size == limit:
                 cut = len(self.buffer)
-            elif len(self.buffer.encode()) >= limit:
-                cut = self.buffer.rfind(" ", 0, limit) + 1 or limit
             else:
                 return
             text, self.buffer = self.buffer[:cut], self.buffer[cut:]
             if text.strip():
                 handle = self.service.submit(self.service.request(self.options, text, field="text"))
+                self.handles = [h for h in self.handles if not h.ended]  # a long session keeps none
                 self.handles.append(handle)
                 await self.segments.put(handle)
 

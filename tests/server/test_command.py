@@ -90,6 +90,7 @@ def test_argparse_refuses_a_value_of_the_wrong_type(flags, says, capsys):
         ({"shutdown_grace_s": float("inf")}, "shutdown_grace_s=inf must be a finite number >= 0.0"),
         ({"frames_per_byte": "1"}, "frames_per_byte='1' must be a number > 0.0"),
         ({"default_max_tokens": 10, "max_tokens": 5}, "default_max_tokens=10 must be <= max_tokens=5"),
+        ({"segment_bytes": 65, "max_input_bytes": 64}, "segment_bytes=65 must be <= max_input_bytes=64"),
         ({"offload_paused_after_s": float("nan")}, "offload_paused_after_s=nan must be None or a finite"),
     ],
 )

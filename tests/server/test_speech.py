@@ -20,7 +20,7 @@ from mstar_jax.server.tokenizer import ByteTokenizer
 from tests.server.support import assert_nothing_leaked, live
 
 TEXTS = ("Hello there. ", "How are you?", "hé!")
-SETTINGS = ServerSettings(max_input_bytes=64, frames_per_byte=1.0, max_frames=64)
+SETTINGS = ServerSettings(max_input_bytes=64, segment_bytes=32, frames_per_byte=1.0, max_frames=64)
 
 
 def alone(engine, voice, text: str, seed: int = 0) -> bytes:
@@ -108,6 +108,29 @@ def test_the_websocket_takes_text_token_by_token_and_speaks_each_sentence(served
     audio, segments = asyncio.run(asyncio.wait_for(talk(), 60))
     assert segments == [0, 1]
     assert audio == [references[("voice-0", TEXTS[0])], references[("voice-0", TEXTS[1])]]
+    assert_nothing_leaked(host)
+
+
+def test_a_websocket_cuts_a_long_sentence_at_segment_bytes_counted_in_bytes(served, tts):
+    url, host, _ = served
+    engine, voices = tts
+    text = "é" * 20 + ". "  # 42 bytes in one message, one sentence: over segment_bytes=32
+    segments = ["é" * 16, "é" * 4 + ". "]  # 32 bytes, then the rest
+
+    async def talk():
+        audio, done = [b"", b""], 0
+        async with websockets.connect(url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+            await ws.send(json.dumps({"type": "text", "text": text}))
+            await ws.send(json.dumps({"type": "end"}))
+            async for message in ws:
+                if isinstance(message, bytes):
+                    audio[done] += message
+                elif json.loads(message)["type"] == "segment.done":
+                    done += 1
+        return audio
+
+    audio = asyncio.run(asyncio.wait_for(talk(), 60))
+    assert audio == [alone(engine, voices["voice-0"], segment) for segment in segments]
     assert_nothing_leaked(host)
 
 
