@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from mstar_jax.server.errors import wire_error
+from mstar_jax.server.errors import BadRequestError, wire_error
+from mstar_jax.server.fields import Body, parse_json, read_body
 from mstar_jax.server.handle import RequestHandle
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "HandleResponse",
     "error_response",
     "first_output",
+    "open_stream",
     "sse",
     "sse_error",
     "until_gone",
@@ -89,6 +92,28 @@ async def first_output(request: Request, handle: RequestHandle) -> tuple[bool, A
         return True, await until_gone(request, handle, handle.next())
     except StopAsyncIteration:
         return False, None
+
+
+async def open_stream(
+    request: Request, service: Any, prepare: Callable[[Body], tuple[Any, Any]]
+) -> Response | tuple[Any, RequestHandle, Any]:
+    """Read the request's body, `prepare(body) -> (what the route keeps, the engine's request)`,
+    submit it through `service` and wait for its first output: `(kept, handle, first output or None
+    when it ended with none)`, or the response of whatever went wrong first (a 400 for a bad field,
+    429, 503, or 499 when the client left; a refusal before the host saw the request is counted)."""
+    handle = None
+    try:
+        body = parse_json(await read_body(request, service.settings.max_body_bytes))
+        kept, engine_request = prepare(body)
+        handle = service.submit(engine_request)
+        started, first = await first_output(request, handle)
+    except ClientGoneError:
+        return Response(status_code=499)
+    except Exception as error:
+        if isinstance(error, BadRequestError) and handle is None:  # the host counts its own
+            service.metrics.refused("invalid")
+        return error_response(error)
+    return kept, handle, first if started else None
 
 
 class HandleResponse(StreamingResponse):

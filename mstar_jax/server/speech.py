@@ -43,15 +43,13 @@ from mstar_jax.server.errors import (
     ClientError,
     wire_error,
 )
-from mstar_jax.server.fields import Body, parse_json, read_body
+from mstar_jax.server.fields import Body, parse_json
 from mstar_jax.server.handle import RequestHandle
 from mstar_jax.server.host import EngineHost
 from mstar_jax.server.metrics import ServerMetrics
 from mstar_jax.server.responses import (
-    ClientGoneError,
     HandleResponse,
-    error_response,
-    first_output,
+    open_stream,
     sse,
     sse_error,
 )
@@ -118,22 +116,18 @@ def speech_router(service: SpeechService) -> APIRouter:
 
     @router.post("/v1/audio/speech")
     async def speech(request: Request) -> Response:
-        handle = None
-        try:
-            body = parse_json(await read_body(request, service.settings.max_body_bytes))
+        def prepare(body: Body) -> tuple:
             text = body.string("input")
             response_format = body.choice("response_format", RESPONSE_FORMATS, default="wav")
             stream_format = body.choice("stream_format", STREAM_FORMATS, default="audio")
             tts = service.request(body, text)
-            handle = service.submit(tts)
-            started, first = await first_output(request, handle)
-        except ClientGoneError:
-            return Response(status_code=499)
-        except Exception as error:
-            if isinstance(error, BadRequestError) and handle is None:  # the host counts its own
-                service.metrics.refused("invalid")
-            return error_response(error)
-        chunks = _audio(handle, first if started else None, response_format)
+            return (response_format, stream_format, tts), tts
+
+        opened = await open_stream(request, service, prepare)
+        if isinstance(opened, Response):
+            return opened
+        (response_format, stream_format, tts), handle, first = opened
+        chunks = _audio(handle, first, response_format)
         if stream_format == "sse":
             return HandleResponse(
                 handle,

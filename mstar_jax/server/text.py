@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from mstar_jax.models.gemma3.serving import TextRequest
 from mstar_jax.server.admission import check_resources
 from mstar_jax.server.errors import BadRequestError, ClientError
-from mstar_jax.server.fields import Body, parse_json, read_body
+from mstar_jax.server.fields import Body
 from mstar_jax.server.handle import RequestHandle
 from mstar_jax.server.host import EngineHost
 from mstar_jax.server.metrics import ServerMetrics
@@ -35,7 +35,7 @@ from mstar_jax.server.responses import (
     ClientGoneError,
     HandleResponse,
     error_response,
-    first_output,
+    open_stream,
     sse,
     sse_error,
     until_gone,
@@ -173,23 +173,19 @@ def text_router(service: TextService) -> APIRouter:
     router = APIRouter()
 
     async def serve(request: Request, chat: bool) -> Response:
-        handle = None
-        try:
-            body = parse_json(await read_body(request, service.settings.max_body_bytes))
+        def prepare(body: Body) -> tuple:
             stream = body.boolean("stream", default=False)
             stops = body.strings("stop", most=4, longest=MAX_STOP_CHARS)
             prompt = _messages(service, body) if chat else _prompt(service, body)
             stop_tokens = service.tokenizer.stop_tokens if chat else (service.tokenizer.eos_id,)
             text_request = service.request(body, prompt, stop_tokens=stop_tokens)
-            handle = service.submit(text_request)
-            started, first = await first_output(request, handle)
-        except ClientGoneError:
-            return Response(status_code=499)
-        except Exception as error:
-            if isinstance(error, BadRequestError) and handle is None:  # the host counts its own
-                service.metrics.refused("invalid")
-            return error_response(error)
-        pieces = _pieces(service, handle, first if started else None, text_request, stops)
+            return (stream, stops, text_request), text_request
+
+        opened = await open_stream(request, service, prepare)
+        if isinstance(opened, Response):
+            return opened
+        (stream, stops, text_request), handle, first = opened
+        pieces = _pieces(service, handle, first, text_request, stops)
         shape = _Shape(service.model_name, chat, text_request)
         if stream:
             return HandleResponse(handle, _sse(pieces, shape), media_type="text/event-stream")

@@ -15,15 +15,16 @@ from mstar_jax.server import ServerSettings, create_app
 from mstar_jax.server.text import StopMatcher
 from tests.server.support import assert_nothing_leaked, live
 
-gguf = pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
+pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
 
-from mstar_jax.deployment import parse_deployment  # noqa: E402
-from mstar_jax.engine.text import build_text_engine  # noqa: E402
-from mstar_jax.models.gemma3 import load_gguf  # noqa: E402
-from mstar_jax.models.gemma3.model import Gemma3  # noqa: E402
-from mstar_jax.models.gemma3.stream import Gemma3Streams  # noqa: E402
-from mstar_jax.server.tokenizer import TextTokenizer  # noqa: E402
-from tests.models.gemma3.test_model import CONFIG, random_tensors  # noqa: E402
+from mstar_jax.deployment import parse_deployment
+from mstar_jax.engine.text import build_text_engine
+from mstar_jax.models.gemma3 import load_gguf
+from mstar_jax.models.gemma3.model import Gemma3
+from mstar_jax.models.gemma3.stream import Gemma3Streams
+from mstar_jax.server.tokenizer import TextTokenizer
+from tests.models.gemma3.test_deployment import write_gguf
+from tests.models.gemma3.test_model import CONFIG
 
 PIECES = [
     "<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "\n", " ",
@@ -34,36 +35,10 @@ MODEL = "tiny-gemma"
 HI = {"model": MODEL, "prompt": "hi"}
 
 
-def write_gguf(path) -> None:
-    """`random_tensors(CONFIG)` as a GGUF file whose vocabulary is `PIECES`."""
-    writer = gguf.GGUFWriter(path, "gemma3")
-    c = CONFIG
-    uints = {
-        "block_count": c.num_layers, "embedding_length": c.d_model, "feed_forward_length": c.ffn_dim,
-        "attention.head_count": c.num_heads, "attention.head_count_kv": c.num_kv_heads,
-        "attention.key_length": c.head_dim, "attention.value_length": c.head_dim,
-        "attention.sliding_window": c.sliding_window, "context_length": c.context_length,
-    }  # fmt: skip
-    for key, value in uints.items():
-        writer.add_uint32(f"gemma3.{key}", value)
-    writer.add_float32("gemma3.attention.layer_norm_rms_epsilon", c.rms_eps)
-    writer.add_float32("gemma3.rope.freq_base", c.rope_global_base)
-    writer.add_token_list(PIECES)
-    writer.add_bos_token_id(c.bos_id)
-    writer.add_eos_token_id(c.eos_id)
-    writer.add_add_bos_token(c.add_bos)
-    for name, tensor in random_tensors(c, 0).items():
-        writer.add_tensor(name, tensor)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma") / "tiny.gguf"
-    write_gguf(path)
+    write_gguf(path, pieces=PIECES)
     mapping = {
         "model": {"name": "gemma3", "config": {"gguf": str(path), "global_sink": 2, "global_window": 10,
                                                "chunk": 8, "max_slots": 2}},

@@ -22,8 +22,9 @@ from tests.models.gemma3.test_model import CONFIG, random_tensors
 gguf = pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
 
 
-def write_gguf(path, config=CONFIG, seed: int = 0) -> None:
-    """`random_tensors(config)` as a float32 GGUF file with the config's metadata."""
+def write_gguf(path, config=CONFIG, seed: int = 0, pieces=None) -> None:
+    """`random_tensors(config)` as a float32 GGUF file with the config's metadata; its vocabulary
+    `pieces` (default: `t0`, `t1`, ...)."""
     writer = gguf.GGUFWriter(path, "gemma3")
     uints = {
         "block_count": config.num_layers, "embedding_length": config.d_model,
@@ -36,7 +37,7 @@ def write_gguf(path, config=CONFIG, seed: int = 0) -> None:
         writer.add_uint32(f"gemma3.{key}", value)
     writer.add_float32("gemma3.attention.layer_norm_rms_epsilon", config.rms_eps)
     writer.add_float32("gemma3.rope.freq_base", config.rope_global_base)
-    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_token_list(pieces or [f"t{i}" for i in range(config.vocab_size)])
     writer.add_bos_token_id(config.bos_id)
     writer.add_eos_token_id(config.eos_id)
     writer.add_add_bos_token(config.add_bos)
