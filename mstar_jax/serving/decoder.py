@@ -103,7 +103,7 @@ class DecoderPrograms:
       buckets: its buckets, of one walk or more.
       steps: walk -> `CapturedStep`; each takes `(params, caches, banks, plans, prev_tokens i32[C],
         feed i32[B], tokens i32[B, T], lengths i32[B], *extra)` and returns the caches and every row's
-        next token, padded to `C`.
+        next token, padded to `C` (on a mesh: as they are, sharded like the rows).
       shards: data shards of the mesh they were captured for (1: one device).
     """
 
