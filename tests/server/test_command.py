@@ -121,10 +121,13 @@ def test_the_host_and_the_app_refuse_bad_arguments(tts):
         create_app(engine, model_name="x", voices={})
 
 
-def _speak(url: str, text: str, outcomes: list) -> None:
+def _speak(url: str, text: str, outcomes: list, answered: threading.Event | None = None) -> None:
+    """Speak `text` over SSE; record how it ended. `answered` is set once the server has answered."""
     body = {"model": "streaming_tts", "voice": "voice-0", "input": text, "stream_format": "sse"}
     try:
         with httpx.stream("POST", f"{url}/v1/audio/speech", json=body, timeout=60) as response:
+            if answered is not None:
+                answered.set()
             if response.status_code != 200:  # submitted after the signal: refused, typed
                 response.read()
                 outcomes.append(("refused", response.status_code, {"type": "error", **response.json()}))
@@ -138,8 +141,9 @@ def _speak(url: str, text: str, outcomes: list) -> None:
         outcomes.append(("broken", None, repr(error)))
 
 
-def _speak_over_websocket(url: str, text: str, outcomes: list) -> None:
-    """Speak `text` over the WebSocket; record its close code and its last JSON message."""
+def _speak_over_websocket(url: str, text: str, outcomes: list, answered: threading.Event) -> None:
+    """Speak `text` over the WebSocket; record its close code and its last JSON message. `answered` is
+    set at its first message from the server."""
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
 
@@ -152,6 +156,7 @@ def _speak_over_websocket(url: str, text: str, outcomes: list) -> None:
             try:
                 while True:
                     message = ws.recv(timeout=60)
+                    answered.set()
                     if isinstance(message, str):
                         last = json.loads(message)
             except ConnectionClosed:  # closed by the server, with its code (1000 once done)
@@ -191,12 +196,20 @@ def test_sigterm_under_load_finishes_or_fails_each_request_typed_and_exits_0(tts
         # In flight at the signal: one that finishes within the grace period, most likely, and two of
         # 8,000 frames that cannot.
         texts = ["m" * 150, "x" * 4000, "y" * 4000]
-        threads = [threading.Thread(target=_speak, args=(url, text, outcomes)) for text in texts]
+        answered = [threading.Event() for _ in range(len(texts) + 1)]
+        threads = [
+            threading.Thread(target=_speak, args=(url, text, outcomes, event))
+            for text, event in zip(texts, answered, strict=False)
+        ]
         # And a WebSocket in flight: its segment is given the grace period too, not closed at once.
         spoken: list = []
-        threads.append(threading.Thread(target=_speak_over_websocket, args=(url, "w" * 120, spoken)))
+        threads.append(
+            threading.Thread(target=_speak_over_websocket, args=(url, "w" * 120, spoken, answered[-1]))
+        )
         for thread in threads:
             thread.start()
+        # Every client answered (so none connects after the signal, when the listener has closed).
+        wait_for(lambda: all(e.is_set() for e in answered), "every client to be answered", timeout_s=60)
         wait_for(lambda: _live_streams(url) >= 2, "the long streams to be under way", timeout_s=30)
         server.send_signal(signal.SIGTERM)
         for thread in threads:
