@@ -13,9 +13,22 @@ from collections.abc import Mapping
 from typing import Any
 
 from mstar_jax.resources.spec import ResourceReqConfig
-from mstar_jax.server.errors import BadRequestError
+from mstar_jax.server.errors import BadRequestError, OverloadedError, ServerShuttingDownError
 
-__all__ = ["check_resources"]
+__all__ = ["check_resources", "submit_counted"]
+
+
+def submit_counted(host: Any, metrics: Any, request: Any) -> Any:
+    """`host.submit(request)`'s handle; a refusal (overloaded, or shutting down) is counted among the
+    requests by outcome before it is raised (the host never saw the request, so it counts nothing)."""
+    try:
+        return host.submit(request)
+    except OverloadedError:
+        metrics.refused("overloaded")
+        raise
+    except ServerShuttingDownError:
+        metrics.refused("shutdown")
+        raise
 
 
 def check_resources(

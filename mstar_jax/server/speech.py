@@ -33,14 +33,13 @@ from starlette.websockets import WebSocketDisconnect
 
 from mstar_jax.engine.request import AudioChunk, TTSRequest
 from mstar_jax.engine.voices import Voice
-from mstar_jax.server.admission import check_resources
+from mstar_jax.server.admission import check_resources, submit_counted
 from mstar_jax.server.audio import SAMPLE_RATE, pcm16, wav_header
 from mstar_jax.server.errors import (
     WS_CLOSE_BAD_INPUT,
     WS_CLOSE_FAILED,
     WS_CLOSE_RETRY,
     BadRequestError,
-    ClientError,
     wire_error,
 )
 from mstar_jax.server.fields import Body, parse_json
@@ -95,11 +94,7 @@ class SpeechService:
         return TTSRequest(f"speech-{next(self._ids)}", tokens, voice, frames, seed)
 
     def submit(self, request: TTSRequest) -> RequestHandle:
-        try:
-            return self.host.submit(request)
-        except ClientError as error:
-            self.metrics.refused("overloaded" if error.status == 429 else "refused")
-            raise
+        return submit_counted(self.host, self.metrics, request)
 
 
 def speech_router(service: SpeechService) -> APIRouter:

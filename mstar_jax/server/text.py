@@ -25,8 +25,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from mstar_jax.models.gemma3.serving import TextRequest
-from mstar_jax.server.admission import check_resources
-from mstar_jax.server.errors import BadRequestError, ClientError
+from mstar_jax.server.admission import check_resources, submit_counted
+from mstar_jax.server.errors import BadRequestError
 from mstar_jax.server.fields import Body
 from mstar_jax.server.handle import RequestHandle
 from mstar_jax.server.host import EngineHost
@@ -105,11 +105,7 @@ class TextService:
         return TextRequest(rid, tuple(prompt), max_tokens, stop_tokens, temperature=temperature, seed=seed)
 
     def submit(self, request: TextRequest) -> RequestHandle:
-        try:
-            return self.host.submit(request)
-        except ClientError as error:
-            self.metrics.refused("overloaded" if error.status == 429 else "refused")
-            raise
+        return submit_counted(self.host, self.metrics, request)
 
     def encode(self, text: str, field: str) -> list[int]:
         try:

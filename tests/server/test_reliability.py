@@ -85,6 +85,17 @@ def test_overload_is_a_429_with_retry_after_and_bounded(serve, tts):
         assert_nothing_leaked(host)
 
 
+def test_a_request_after_shutdown_began_is_a_retryable_503_and_counted(serve):
+    app, server = serve()
+    with server as url:
+        app.state.host.begin_shutdown(grace_s=5.0)
+        response = httpx.post(f"{url}/v1/audio/speech", json=speech("hello"), timeout=30)
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "shutting_down"
+        assert response.json()["error"]["retryable"]
+        assert 'mstar_requests_total{outcome="shutdown"} 1.0' in httpx.get(f"{url}/metrics").text
+
+
 def test_clients_that_disconnect_mid_stream_free_everything(serve):
     app, server = serve(max_waiting=DISCONNECTING_CLIENTS, frames_per_byte=8.0)
     host = app.state.host
