@@ -105,33 +105,59 @@ class BoundedKVPlan:
     """What device code needs for one step: the int32 plan table `[B, ROW_INTS]` (see `table.py`).
 
     Attributes:
-      table: i32[B, ROW_INTS] the rows' reads and writes.
+      table: i32[B, ROW_INTS] the rows' reads and writes; for a block of one-token steps
+        (`BoundedKVStep.steps`), i32[steps, B, ROW_INTS], one table per step in order.
       num_tokens: static: T, the step tokens per row the step's arrays must carry (`attend` refuses
-        others): a bucketed step's bucket width, else the most tokens a row declares; None where nothing
-        is known (a plan built by hand from a table, a step with no real rows). Part of the plan's tree
-        structure: a program compiled ahead of time for a bucket takes that bucket's plans.
+        others): a bucketed step's bucket width (1 for each step of a block), else the most tokens a row
+        declares; None where nothing is known (a plan built by hand from a table, a step with no real
+        rows). Part of the plan's tree structure: a program compiled ahead of time for a bucket takes
+        that bucket's plans.
+      steps: static: the block's steps (None: one step, a 2-D table).
     """
 
     table: jax.Array | np.ndarray
     num_tokens: int | None = dataclasses.field(default=None, metadata={"static": True})
+    steps: int | None = dataclasses.field(default=None, metadata={"static": True})
 
     def __post_init__(self):
         n = check_int("num_tokens", self.num_tokens, minimum=1, allow_none=True, numpy=True)
         object.__setattr__(self, "num_tokens", n)  # a static field: hashed, compared, printed
+        steps = check_int("steps", self.steps, minimum=1, allow_none=True, numpy=True)
+        object.__setattr__(self, "steps", steps)
+        shape = getattr(self.table, "shape", None)
+        if not isinstance(shape, tuple):
+            return  # not an array (a pytree operation's placeholder leaf, a sharding): nothing to check
+        want = 2 if steps is None else 3
+        if len(shape) != want:
+            raise ValueError(
+                f"table has shape {shape}; a plan of steps={steps} has a {want}-D table "
+                + ("[B, ROW_INTS]" if steps is None else f"[{steps}, B, ROW_INTS]")
+            )
 
     @classmethod
     def abstract(
-        cls, num_requests: int, num_tokens: int | None = None, sharding: Any = None
+        cls,
+        num_requests: int,
+        num_tokens: int | None = None,
+        sharding: Any = None,
+        *,
+        steps: int | None = None,
     ) -> BoundedKVPlan:
         """The plan of a step of `num_requests` rows as an abstract argument for ahead-of-time capture:
         its table a `ShapeDtypeStruct` i32[num_requests, ROW_INTS] (placed by `sharding` if given), e.g.
-        for a bucket `BoundedKVPlan.abstract(bucket.bs, bucket.num_tokens)`."""
-        table = jax.ShapeDtypeStruct((num_requests, tbl.ROW_INTS), jnp.int32, sharding=sharding)
-        return cls(table, num_tokens=num_tokens)
+        for a bucket `BoundedKVPlan.abstract(bucket.bs, bucket.num_tokens)`; with `steps`, a block's
+        i32[steps, num_requests, ROW_INTS] (a `sharding` then places its rows, axis 1)."""
+        shape = (num_requests, tbl.ROW_INTS) if steps is None else (steps, num_requests, tbl.ROW_INTS)
+        table = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+        return cls(table, num_tokens=num_tokens, steps=steps)
+
+    def step(self, table: jax.Array) -> BoundedKVPlan:
+        """The plan of one of a block's steps, given its table (a slice of this plan's, e.g. in a scan)."""
+        return BoundedKVPlan(table, num_tokens=self.num_tokens)
 
     @property
     def num_requests(self) -> int:
-        return self.table.shape[0]
+        return self.table.shape[-2]
 
     def stream_lengths(self) -> jax.Array:
         """i32[B]: `n`, each row's stream length before the step (0 for padding rows)."""

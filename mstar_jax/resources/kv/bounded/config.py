@@ -336,13 +336,20 @@ class BoundedKVStep(ResourceStep):
     `step_tokens` (beyond the seed) gives the tokens a request brings this step, queries and keys, of
     which the first `span` are written and the rest are lookahead; a request absent from it brings
     `max(span, 1)`. Tokens past a request's count (padding up to the bucket) are never attended.
+
+    `steps` > 1 declares a block of that many one-token decode steps run by one program: a segment's
+    span is how many of them its request takes (the first `span`, one token each, from its position
+    on), and the plan holds one table per step (`BoundedKVPlan.steps`), each what a one-token step at
+    that position would plan, so a block attends exactly what its steps would one at a time.
     """
 
     positions: Mapping[str, StreamPosition] = dataclasses.field(default_factory=dict)
     step_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    steps: int = 1
 
     def __post_init__(self):
         super().__post_init__()
+        check_int("steps", self.steps, minimum=1)
         positions = _as_dict("positions", self.positions)
         for rid, pos in positions.items():
             if not isinstance(pos, tuple | list) or len(pos) not in (2, 3):  # the values are checked at admit

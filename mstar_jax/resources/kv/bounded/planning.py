@@ -15,7 +15,7 @@ from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVStep
 from mstar_jax.resources.kv.bounded.slots import SlotPools
 from mstar_jax.resources.step import BucketKey, Segment
 
-__all__ = ["plan", "table_rows"]
+__all__ = ["block_tables", "plan", "table_rows"]
 
 
 def table_rows(
@@ -75,28 +75,24 @@ def plan(
     rows plan empty, on each shard's padding slot); slots are local to each request's data shard.
 
     The plan's `num_tokens` is the bucket's token count for a bucketed step (its arrays are the bucket's
-    width), else the most step tokens a row declares (None with no real rows).
+    width), else the most step tokens a row declares (None with no real rows). A block of one-token
+    steps (`step.steps` > 1) plans one table per step (`block_tables`), each of width 1.
     """
+    if step.steps > 1:
+        table = block_tables(
+            step, real, rows, row_of, requests=requests, slots=slots, padding_slot=padding_slot, config=config
+        )
+        return BoundedKVPlan(table, num_tokens=1, steps=step.steps)
     table = layout.padding_rows(rows, padding_slot)
     if real:
         records = [requests[seg.request_id] for seg in real]
         positions = [step.positions[seg.request_id] for seg in real]
-        ints = lambda values: np.fromiter(values, np.int32, len(real))  # noqa: E731
+        fields = _row_fields(records, positions, real, slots)
         table[[row_of[seg.request_id] for seg in real]] = layout.plan_table(
-            slot=ints(slots.local(r.slot) for r in records),
-            source=ints(p.source for p in positions),
-            source_len=ints(p.source_len for p in positions),
-            written=ints(p.written for p in positions),
-            span=ints(seg.span for seg in real),
-            step_tokens=ints(step_tokens_of(step, seg) for seg in real),
-            sink=ints(r.policy.sink for r in records),
-            window=ints(r.policy.window for r in records),
-            window_includes_step=np.fromiter(
-                (r.policy.window_includes_step for r in records), bool, len(real)
-            ),
-            sink_capacity=config.sink_capacity,
-            reverse=config.reverse_step_order,
-        )
+            **fields, span=_ints(seg.span for seg in real),
+            step_tokens=_ints(step_tokens_of(step, seg) for seg in real),
+            sink_capacity=config.sink_capacity, reverse=config.reverse_step_order,
+        )  # fmt: skip
     table.setflags(write=False)
     width = (
         bucket.num_tokens
@@ -104,3 +100,62 @@ def plan(
         else max((step_tokens_of(step, s) for s in real), default=None)
     )
     return BoundedKVPlan(table, num_tokens=width)
+
+
+def block_tables(
+    step: BoundedKVStep,
+    real: Sequence[Segment],
+    rows: int,
+    row_of: Mapping[str, int],
+    *,
+    requests: Mapping[str, Any],
+    slots: SlotPools,
+    padding_slot: int,
+    config: BoundedKVConfig,
+) -> np.ndarray:
+    """i32[steps, rows, ROW_INTS]: the tables of a block's one-token steps. A request of span `s` takes
+    the first `s` steps, step `j` planned as a one-token step after `written + j` entries; in the others
+    its row is a padding row (it reads and writes nothing). One vectorised `plan_table` for every
+    (request, step) pair."""
+    table = layout.padding_rows(step.steps * rows, padding_slot).reshape(step.steps, rows, -1)
+    spans = _ints(seg.span for seg in real).astype(np.int64)
+    if spans.size and spans.max() > step.steps:
+        r = int(np.argmax(spans > step.steps))
+        raise ValueError(f"span[{r}]={spans[r]} exceeds the block's steps={step.steps}")
+    if not spans.sum():
+        table.setflags(write=False)
+        return table
+    records = [requests[seg.request_id] for seg in real]
+    positions = [step.positions[seg.request_id] for seg in real]
+    fields = _row_fields(records, positions, real, slots)
+    owner = np.repeat(np.arange(len(real)), spans)  # each (request, step) pair's request
+    nth = np.arange(owner.size) - np.repeat(np.cumsum(spans) - spans, spans)  # and its step
+    fields = {name: values[owner] for name, values in fields.items()}
+    fields["written"] = fields["written"] + nth
+    ones = np.ones(owner.size, np.int32)
+    rows_of = np.fromiter((row_of[seg.request_id] for seg in real), np.int64, len(real))
+    table[nth, rows_of[owner]] = layout.plan_table(
+        **fields, span=ones, step_tokens=ones, sink_capacity=config.sink_capacity,
+        reverse=config.reverse_step_order,
+    )  # fmt: skip
+    table.setflags(write=False)
+    return table
+
+
+def _ints(values) -> np.ndarray:
+    return np.fromiter(values, np.int32)
+
+
+def _row_fields(records: Sequence[Any], positions: Sequence[Any], real: Sequence[Segment], slots: SlotPools):
+    """The per-request fields `plan_table` takes besides the step's spans and tokens."""
+    return {
+        "slot": _ints(slots.local(r.slot) for r in records),
+        "source": _ints(p.source for p in positions),
+        "source_len": _ints(p.source_len for p in positions),
+        "written": _ints(p.written for p in positions),
+        "sink": _ints(r.policy.sink for r in records),
+        "window": _ints(r.policy.window for r in records),
+        "window_includes_step": np.fromiter(
+            (r.policy.window_includes_step for r in records), bool, len(real)
+        ),
+    }

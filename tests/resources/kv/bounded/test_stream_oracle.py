@@ -212,3 +212,117 @@ def run_random_streams(seed: int, steps: int = 60, implementation: str = "xla") 
 @pytest.mark.parametrize("seed", range(24))
 def test_random_streams_match_oracle(seed):
     assert run_random_streams(seed) >= 1
+
+
+def run_random_blocks(seed: int, blocks: int = 20) -> int:
+    """Drive random streams through the manager in blocks of K one-token steps (`BoundedKVStep.steps`):
+    one admission, one plan (a table per step) and one commit a block, each row taking its first `span`
+    steps. Every step's output is compared with the oracle stepping one token at a time, and no step
+    touches a slot but those of the rows taking it (and the padding slot). Returns the tokens checked."""
+    rng = np.random.default_rng(seed)
+    cfg = random_config(rng)
+    manager = BoundedKVManager(BoundedKVSpec("kv", {"node"}, cfg), num_sources=3)
+    L, R, G, D = cfg.num_layers, cfg.rows_per_request, cfg.num_heads, cfg.head_dim
+    H, K = G * int(rng.integers(1, 3)), int(rng.integers(2, 7))
+    sources = {}
+    for index in range(3):
+        length = int(rng.integers(cfg.min_source_len, cfg.max_source_len + 1))
+        sources[index] = tuple(rng.standard_normal((L, R, G, length, D)) for _ in range(2))
+        manager.register_source(index, list(sources[index][0]), list(sources[index][1]))
+    streams: dict[str, OracleStream] = {}
+    positions: dict[str, Pos] = {}
+    scale, checked = 1 / np.sqrt(D), 0
+    bucket = BucketKey("decode", cfg.max_slots, K)
+    for b in range(blocks):
+        while len(streams) < cfg.max_slots and rng.random() < 0.6:  # arrivals
+            rid = f"r{b}-{len(streams)}"
+            source = int(rng.integers(0, 3))
+            src_k, src_v = sources[source]
+            source_len = int(rng.integers(cfg.min_source_len, src_k.shape[3] + 1))
+            manager.ingest_request(rid)
+            streams[rid] = OracleStream(
+                src_k[..., :source_len, :].copy(), src_v[..., :source_len, :].copy(),
+                cfg.retention_for(source_len),
+            )  # fmt: skip
+            positions[rid] = Pos(source_len, 0, source)
+        batch = [rid for rid in sorted(streams) if rng.random() < 0.8]
+        if not batch:
+            continue
+        spans = {rid: int(rng.integers(0, K + 1)) for rid in batch}  # 0: a row taking none of the steps
+        padding = [f"pad{i}" for i in range(cfg.max_slots - len(batch))]
+        ctx = StepContext(batch, "decode", 0, capture=False, slot_lease=SlotLease(0, bucket))
+        ctx.set_padded_rids(batch + padding)
+        step = BoundedKVStep(
+            tuple(Segment(rid, "main", spans[rid]) for rid in batch)
+            + tuple(Segment(p, "main", 0) for p in padding),
+            positions={rid: positions[rid] for rid in batch},
+            step_tokens={rid: max(spans[rid], 1) for rid in batch},
+            steps=K,
+        )
+        assert manager.admit(step, ctx).ok
+        plan = manager.plan(step, ctx)
+        assert plan.steps == K
+        assert plan.num_tokens == 1
+        assert plan.table.shape == (K, cfg.max_slots, plan.table.shape[-1])
+        for j in range(K):
+            rows = cfg.max_slots * R
+            q = rng.standard_normal((L, rows, 1, H, D)).astype(np.float32)
+            k = rng.standard_normal((L, rows, 1, G, D)).astype(np.float32)
+            v = rng.standard_normal((L, rows, 1, G, D)).astype(np.float32)
+            before = jax.device_get(manager.cache)
+            manager.cache, out = run_step(
+                manager.cache, manager.bank, plan.step(plan.table[j]), q, k, v, config=cfg
+            )
+            out, after = np.asarray(out), jax.device_get(manager.cache)
+            taking = [rid for rid in batch if j < spans[rid]]
+            touched = {manager.slot_of(rid) for rid in taking} | {manager.padding_slot}
+            for layer in range(L):
+                for old, new in ((before.k[layer], after.k[layer]), (before.v[layer], after.v[layer])):
+                    for slot in set(range(cfg.max_slots + 1)) - touched:
+                        np.testing.assert_array_equal(old[slot], new[slot], err_msg=f"step {j}: slot {slot}")
+            for i, rid in enumerate(batch):
+                if rid not in taking:
+                    continue
+                rows_i = slice(i * R, (i + 1) * R)
+                q_i = q[:, rows_i].astype(np.float64)
+                k_i, v_i = k[:, rows_i].astype(np.float64), v[:, rows_i].astype(np.float64)
+                want = oracle_attention(streams[rid], q_i, k_i, v_i, 1, 1, cfg.query_window, scale)
+                np.testing.assert_allclose(
+                    out[:, rows_i, :1], want, rtol=2e-5, atol=2e-5, err_msg=f"{rid} {j}"
+                )
+                streams[rid].append(
+                    k_i.transpose(0, 1, 3, 2, 4), v_i.transpose(0, 1, 3, 2, 4), cfg.reverse_step_order
+                )
+                checked += 1
+        manager.commit(step, ctx)
+        for rid in batch:
+            positions[rid] = positions[rid]._replace(written=positions[rid].written + spans[rid])
+            assert manager.written(rid) == positions[rid].written
+        for rid in [rid for rid in sorted(streams) if rng.random() < 0.15]:  # departures
+            manager.remove_request(rid)
+            del streams[rid], positions[rid]
+    for rid in list(streams):
+        manager.remove_request(rid)
+    assert manager.free_slots == cfg.max_slots  # nothing leaked
+    return checked
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_blocks_of_one_token_steps_match_the_oracle_one_token_at_a_time(seed):
+    assert run_random_blocks(seed) >= 1
+
+
+def test_a_block_refuses_a_row_of_more_spans_than_steps():
+    cfg = BoundedKVConfig(
+        num_layers=1, num_heads=1, head_dim=8, rows_per_request=1, max_source_len=0,
+        retention=SinkWindow(1, 4), max_slots=2,
+    )  # fmt: skip
+    manager = BoundedKVManager(BoundedKVSpec("kv", {"node"}, cfg), num_sources=1)
+    manager.ingest_request("a")
+    step = BoundedKVStep((Segment("a", "main", 5),), {"a": Pos(0, 0, 0)}, {"a": 5}, steps=4)
+    assert manager.admit(step).ok  # unbucketed: admission has no width to hold the row to
+    with pytest.raises(ValueError, match=r"span\[0\]=5 exceeds the block's steps=4"):
+        manager.plan(step)
+    for bad in (0, -1, 2.5, "4", None):
+        with pytest.raises(ValueError, match=r"steps=.* must be an int >= 1"):
+            BoundedKVStep((Segment("a", "main", 1),), {"a": Pos(0, 0)}, steps=bad)
