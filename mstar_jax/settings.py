@@ -11,7 +11,10 @@ from typing import Any
 
 from mstar_jax.checks import check_bool, check_int, check_number
 
-__all__ = ["CompileSettings", "EngineSettings", "MeshSettings", "WorkloadSettings"]
+__all__ = ["MAX_DECODE_STEPS", "CompileSettings", "EngineSettings", "MeshSettings", "WorkloadSettings"]
+
+MAX_DECODE_STEPS = 256
+"""The most decode steps one program may run (a block's plan holds a table per step)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +95,10 @@ class EngineSettings:
         replay instead of the requests it reached; None takes none.
       pipelined: dispatch each step before reading the previous one's outputs, so host work overlaps
         the device's (one device only).
+      decode_steps: K, the one-token decode steps one dispatched program runs (`mstar_jax.serving.steps`):
+        the host admits, plans and commits them as one block, and a stream joins or leaves decoding at a
+        block's boundary. Part of the decode walk's bucket, so the programs are captured for it; every
+        output is the same whatever K.
     """
 
     max_batch: int = 4
@@ -99,6 +106,7 @@ class EngineSettings:
     offload_idle_after_s: float | None = None
     snapshot_every: int | None = None
     pipelined: bool = False
+    decode_steps: int = 1
 
     def __post_init__(self):
         check_int("max_batch", self.max_batch, minimum=1)
@@ -108,6 +116,7 @@ class EngineSettings:
         if self.snapshot_every is not None:
             check_int("snapshot_every", self.snapshot_every, minimum=1)
         check_bool("pipelined", self.pipelined)
+        check_int("decode_steps", self.decode_steps, minimum=1, maximum=MAX_DECODE_STEPS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -123,6 +123,7 @@ class Admission:
             keys=node.keys,
             position=lambda s: self._served.position(node, s),
             pad=self._mesh is None,
+            steps=self._served.block_steps(bucket),
         )
 
     def _terminal_rows(self, node: Node, rows: list) -> dict[str, str]:

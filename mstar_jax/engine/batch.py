@@ -59,8 +59,8 @@ def choose_bucket(
     if prefill and len(prefill) < len(rows):
         tokens = max(r.span for r in prefill)
         return TALKER_MIXED, buckets.bucket_for(TALKER_MIXED, len(rows), tokens, prefill_rows=len(prefill))
-    if not prefill:
-        return TALKER_DECODE, buckets.bucket_for(TALKER_DECODE, size, 1)
+    if not prefill:  # a block's rows take up to its K steps (K = 1: one step)
+        return TALKER_DECODE, buckets.bucket_for(TALKER_DECODE, size, max(r.span for r in rows))
     return TALKER_PREFILL, buckets.bucket_for(TALKER_PREFILL, size, max(r.span for r in rows))
 
 
@@ -92,6 +92,7 @@ def declare(
     keys: Sequence[str],
     position: Callable[[Stream], StreamPosition],
     pad: bool = True,
+    steps: int = 1,
 ) -> tuple[Declared, list]:
     """The cache step of `rows` on the caches `keys`, padded to `bucket` (`pad_step`) and leased to it.
 
@@ -101,6 +102,7 @@ def declare(
       keys: the node's caches.
       position: where a row's stream stands in them.
       pad: declare padding rows (False on a mesh, where the caches pad each data shard themselves).
+      steps: the one-token steps of a decode block (`BoundedKVStep.steps`; 1: one step).
 
     Returns:
       (the declared step, the rows in bucket order).
@@ -111,6 +113,7 @@ def declare(
         tuple(Segment(row.stream.request_id, "main", row.span) for row in ordered),
         {row.stream.request_id: position(row.stream) for row in ordered},
         {row.stream.request_id: row.span for row in ordered},
+        steps=steps,
     )
     sizes = [(len(group), size) for group, size in groups]
     return transaction.declare(keys, step, bucket, groups=sizes, pad=pad), ordered
@@ -120,7 +123,8 @@ def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None)
     """The program's inputs after `(params, cache, bank, plan)` (and a talker's `prev_codes`), padded
     to the bucket (host numpy).
 
-    Talker walks: `feed i32[B], tokens i32[B, T], lengths i32[B], seeds u32[B]`; the combined walk: its
+    Talker walks: `feed i32[B], tokens i32[B, T], lengths i32[B], seeds u32[B]` (T = 1 for a decode
+    block, whose one input token a row starts K steps); the combined walk: its
     decode rows' feed, tokens and lengths, its prefill rows' tokens and lengths, then every row's seed;
     the flow: `codes i32[B, T], seeds u32[B]`. `feed` is each row's `TalkerRow.feed` (-1 for padding).
     With a `layout` (a mesh), `B` is its row count and each request's row is where it says.
@@ -151,7 +155,7 @@ def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None)
         d_feed, d_ids, d_len, d_seeds = block(decode, d, 1)
         _, p_ids, p_len, p_seeds = block(prefill, p, bucket.num_tokens)
         return d_feed, d_ids, d_len, p_ids, p_len, np.concatenate([d_seeds, p_seeds])
-    return block(*groups[0], bucket.num_tokens)
+    return block(*groups[0], 1 if bucket.graph_walk == TALKER_DECODE else bucket.num_tokens)
 
 
 def row_indices(bucket: BucketKey, rows: Sequence, layout: Layout | None = None) -> list[int]:

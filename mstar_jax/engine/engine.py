@@ -90,6 +90,12 @@ class ServingEngine:
             raise ValueError(
                 f"max_batch={settings.max_batch!r} must be an int in [1, {largest}] (the largest bucket)"
             )
+        if settings.decode_steps != served.decode_steps:
+            raise ValueError(
+                f"decode_steps={settings.decode_steps!r} must be {served.decode_steps}, the decode steps a "
+                "program runs in the programs given; capture them for the setting (it is part of the "
+                "decode walk's bucket)"
+            )
         self.settings, self.history, self.clock = settings, history, clock
         # The settings the loop reads on every step, by name.
         self.pipelined, self.max_batch = settings.pipelined, settings.max_batch

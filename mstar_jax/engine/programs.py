@@ -2,12 +2,14 @@
 
 Walks and their buckets (`B` the batch sizes):
 
-- `talker_decode`: B x (1,);
+- `talker_decode`: B x (K,): a block of K one-token decode steps per program (`decode_steps`,
+  `mstar_jax.serving.steps`; K = 1 is one step);
 - `talker_prefill`: B x (the largest token count,): prompts are read in chunks of that many tokens,
   a shorter last chunk padded (one program per batch size rather than one per token count: on a
   CPU each costs seconds to compile);
 - `talker_mixed`: the combined walk, B x the prefill token counts, each bucket with room for
-  `max_prefill_rows(B)` prefill rows beside its B decode rows;
+  `max_prefill_rows(B)` prefill rows beside its B decode rows (only with K = 1: a block's K steps and a
+  prefill chunk do not share a program);
 - `flow_chunk`: B x (the smallest token count holding a whole flow chunk,).
 
 Every program takes `(params, cache, bank, plan, *inputs)` with the cache donated, and is compiled for
@@ -16,11 +18,12 @@ any engine whose managers have that geometry and whose model has those settings 
 engine refuses programs captured for other settings (`SettingsMismatchError`).
 
 The talker programs take the previous talker step's codes as they are on the device, so a pipelined
-engine can dispatch step t + 1 before it reads step t: their inputs begin `prev_codes i32[C], feed
+engine can dispatch step t + 1 before it reads step t: their inputs begin `prev_codes i32[C, K], feed
 i32[B]` (for the combined walk `feed i32[Bd]`, its decode rows), and a decode row with `feed[b] >= 0`
-reads its input token from `prev_codes[feed[b]]` instead of its host token. Every talker program returns
-its codes padded to the same `C` (`codes_width`), whatever its bucket, so any program's codes feed any
-other's (on a mesh, whose engine never feeds, they stay as they are).
+reads its input token from `prev_codes` flattened, at `feed[b]`, instead of its host token. Every talker
+program returns its codes padded to the same `[C, K]` (`codes_width`; a prefill row's code in column 0,
+a block row's K codes in order), whatever its bucket, so any program's codes feed any other's (on a
+mesh, whose engine never feeds, they stay as they are).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mstar_jax.checks import check_int
 from mstar_jax.compile import (
     Buckets,
     BucketSet,
@@ -62,6 +66,7 @@ from mstar_jax.resources.kv.bounded.sharding import DATA
 from mstar_jax.resources.step import BucketKey
 from mstar_jax.serving import feed
 from mstar_jax.serving.abstract import abstract, shaped
+from mstar_jax.serving.steps import decode_block
 
 __all__ = ["SettingsMismatchError", "TTSPrograms", "codes_width", "fed", "tts_buckets"]
 
@@ -75,6 +80,7 @@ def tts_buckets(
     flow_chunk: int,
     max_prefill_rows_in_combined: int | None = 1,
     combined: bool = True,
+    decode_steps: int = 1,
 ) -> Buckets:
     """The buckets of the four walks (three without the combined walk).
 
@@ -85,10 +91,18 @@ def tts_buckets(
       max_prefill_rows_in_combined: prefill rows a combined step makes room for (None: as many as it
         has rows).
       combined: whether to capture the combined walk (a mesh runs decode and prefill as separate steps).
+      decode_steps: K, the one-token decode steps a decode program runs (`EngineSettings.decode_steps`);
+        the combined walk needs K = 1.
 
     Raises:
-      ValueError: when no token count holds a flow chunk.
+      ValueError: when no token count holds a flow chunk, or for a combined walk with K > 1.
     """
+    check_int("decode_steps", decode_steps, minimum=1)
+    if combined and decode_steps > 1:
+        raise ValueError(
+            f"decode_steps={decode_steps} runs a decode block of its own program; the combined walk needs "
+            "decode_steps=1 (pass combined=False)"
+        )
     prefill_tokens = (max(token_counts),)
     flow_tokens = [t for t in token_counts if t >= flow_chunk]
     if not flow_tokens:
@@ -104,7 +118,7 @@ def tts_buckets(
     )
     return Buckets(
         (
-            BucketSet(graph_walk=TALKER_DECODE, batch_sizes=tuple(batch_sizes), token_counts=(1,)),
+            BucketSet(graph_walk=TALKER_DECODE, batch_sizes=tuple(batch_sizes), token_counts=(decode_steps,)),
             BucketSet(graph_walk=TALKER_PREFILL, batch_sizes=tuple(batch_sizes), token_counts=prefill_tokens),
             *((mixed,) if combined else ()),
             BucketSet(graph_walk=FLOW_CHUNK, batch_sizes=tuple(batch_sizes), token_counts=(flow_tokens[0],)),
@@ -112,14 +126,15 @@ def tts_buckets(
     )
 
 
-def fed(step, *, width: int | None):
+def fed(step, *, width: int | None, steps: int = 1):
     """`step` (a talker step function) reading fed decode tokens from `prev_codes`, its codes padded to
-    `width` (None: as they are, sharded like its rows, for a mesh engine, which never feeds).
+    `[width, steps]` (`width` None: as many rows as it has, sharded like them, for a mesh engine, which
+    never feeds).
 
     A fed row's token is `text_vocab_size + prev_codes[feed]`, as the scheduler would have written it
     (`mstar_jax.serving.feed.fed`).
     """
-    return feed.fed(step, width=width, offset=_code_token_offset)
+    return feed.fed(step, width=width, offset=_code_token_offset, steps=steps)
 
 
 def _code_token_offset(*, settings: StreamingTTSSettings) -> int:
@@ -174,6 +189,11 @@ class TTSPrograms:
     codes_width: int
     settings: StreamingTTSSettings
 
+    @property
+    def decode_steps(self) -> int:
+        """K: the one-token steps each decode program runs (its bucket's tokens)."""
+        return self.buckets.max_tokens(TALKER_DECODE)
+
     def check(self, settings: StreamingTTSSettings) -> None:
         """Raise `SettingsMismatchError` unless the programs were captured for `settings`."""
         if settings != self.settings:
@@ -206,6 +226,8 @@ class TTSPrograms:
         # On a mesh a bucket's rows are per data shard: its arrays hold every shard's, split on `data`.
         shards = 1 if mesh is None else mesh.shape[DATA]
         rows_sharding = None if mesh is None else NamedSharding(mesh, P(DATA))
+        block_sharding = None if mesh is None else NamedSharding(mesh, P(None, DATA))  # [K, rows, ...]
+        steps = buckets.max_tokens(TALKER_DECODE)
         talker_state = tuple(
             abstract(x, sharded=sharded) for x in (model.talker_params, talker.cache, talker.bank)
         )
@@ -219,13 +241,21 @@ class TTSPrograms:
             return shaped((shards * bs, *shape), dtype, rows_sharding)
 
         width = codes_width(buckets, shards)
-        prev_codes = shaped((width,), i32, None if mesh is None else NamedSharding(mesh, P()))
+        prev_codes = shaped((width, steps), i32, None if mesh is None else NamedSharding(mesh, P()))
 
         def plain(key: BucketKey) -> tuple:
             bs, t = key.bs, key.num_tokens
             return (
                 *talker_state, plan(bs, key), prev_codes, rows_of(bs),
                 rows_of(bs, t), rows_of(bs), rows_of(bs, dtype=u32),
+            )  # fmt: skip
+
+        def block(key: BucketKey) -> tuple:  # K one-token steps: one table each, one input token a row
+            bs = key.bs
+            table = BoundedKVPlan.abstract(shards * bs, 1, block_sharding, steps=key.num_tokens)
+            return (
+                *talker_state, table, prev_codes, rows_of(bs), rows_of(bs, 1), rows_of(bs),
+                rows_of(bs, dtype=u32),
             )  # fmt: skip
 
         def mixed(key: BucketKey) -> tuple:
@@ -241,9 +271,14 @@ class TTSPrograms:
             return (*flow_state, plan(bs, key), rows_of(bs, t), rows_of(bs, dtype=u32))
 
         fed_width = None if mesh is not None else width
+        decode = (
+            (fed(talker_step, width=fed_width), plain) if steps == 1 else
+            (fed(decode_block(talker_step, steps=steps, offset=_code_token_offset), width=fed_width,
+                 steps=steps), block)
+        )  # fmt: skip
         plans = {
-            TALKER_DECODE: (fed(talker_step, width=fed_width), plain),
-            TALKER_PREFILL: (fed(talker_step, width=fed_width), plain),
+            TALKER_DECODE: decode,
+            TALKER_PREFILL: (fed(talker_step, width=fed_width, steps=steps), plain),
             TALKER_MIXED: (fed(talker_combined_step, width=fed_width), mixed),
             FLOW_CHUNK: (flow_step, chunk),
         }

@@ -55,6 +55,7 @@ def talker_rows(
     bos: int,
     text_vocab: int,
     in_flight: int | None = None,
+    decode_steps: int = 1,
 ) -> tuple[list[TalkerRow], list[TalkerRow]]:
     """The next talker step's decode rows and prefill rows.
 
@@ -67,6 +68,8 @@ def talker_rows(
       bos: the token after the text.
       text_vocab: offset of codec tokens among the talker's input tokens.
       in_flight: the talker step dispatched but not read back (`Stream.feed`), if any.
+      decode_steps: K, the one-token steps of a decode program: a decode row takes as many of them as
+        its stream has frames left, at most K.
 
     Returns:
       (decode rows, prefill rows); prefill rows are capped at `prefill_room` only when decode rows run.
@@ -75,10 +78,11 @@ def talker_rows(
     for stream in streams:
         if not _runnable(stream, now) or stream.talker_done or stream.phase is Phase.FLUSH:
             continue
+        steps = min(decode_steps, stream.request.frames - stream.codes_scheduled)
         if stream.phase is Phase.DECODE and stream.feed is not None and stream.feed[0] == in_flight:
-            decode.append(TalkerRow(stream, (text_vocab,), decode=True, feed=stream.feed[1]))
+            decode.append(TalkerRow(stream, (text_vocab,), decode=True, feed=stream.feed[1], steps=steps))
         elif stream.phase is Phase.DECODE:
-            decode.append(TalkerRow(stream, (text_vocab + stream.codes[-1],), decode=True))
+            decode.append(TalkerRow(stream, (text_vocab + stream.codes[-1],), decode=True, steps=steps))
         else:
             prompt = (*stream.request.text, bos)
             chunk = prompt[stream.prefilled : stream.prefilled + prefill_tokens]

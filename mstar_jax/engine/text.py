@@ -75,7 +75,8 @@ def build_text_engine(
 def text_engine(streams: Gemma3Streams, settings: EngineSettings, *, progress: bool = True) -> ServingEngine:
     """`streams` (a `Gemma3Streams`) served by the engine under `settings` (`EngineSettings`): every
     bucket's program captured (or loaded from `streams`' executable store), the engine warmed up."""
-    served = Gemma3Serving(streams, Gemma3Programs.capture(streams, progress=progress))
+    programs = Gemma3Programs.capture(streams, progress=progress, decode_steps=settings.decode_steps)
+    served = Gemma3Serving(streams, programs)
     engine = ServingEngine(served, settings=settings)
     engine.warm_up()
     return engine

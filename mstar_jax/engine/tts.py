@@ -84,7 +84,8 @@ class TTSServing(ServedModel):
         self.model, self.programs, self.mesh = model, programs, model.mesh
         self.talker, self.flow = talker, flow
         replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
-        no_codes = jax.device_put(jnp.zeros((programs.codes_width,), jnp.int32), replicated)
+        self.decode_steps = programs.decode_steps
+        no_codes = jax.device_put(jnp.zeros((programs.codes_width, self.decode_steps), jnp.int32), replicated)
         talker_walks = tuple(walk for walk in programs.buckets.walks if walk != FLOW_CHUNK)
         self.nodes = (
             Node(
@@ -132,6 +133,7 @@ class TTSServing(ServedModel):
         rows = {
             "now": now, "max_batch": max_batch, "prefill_tokens": self._prefill_tokens,
             "bos": self.model.bos, "text_vocab": self.model.text_vocab, "in_flight": in_flight,
+            "decode_steps": self.decode_steps,
         }  # fmt: skip
         decode, prefill = talker_rows(streams, prefill_room=self._prefill_room, **rows)
         if self._prefill_room:
@@ -149,6 +151,9 @@ class TTSServing(ServedModel):
     def position(self, node: Node, stream: Stream) -> StreamPosition:
         return stream.request.voice.position(stream.written_in(node.name))
 
+    def block_steps(self, bucket) -> int:
+        return bucket.num_tokens if bucket.graph_walk == TALKER_DECODE else 1
+
     def inputs(self, node: Node, bucket, rows: Sequence, layout) -> tuple:
         return batch.step_inputs(bucket, rows, layout)
 
@@ -160,7 +165,7 @@ class TTSServing(ServedModel):
                 row.stream.flow_written += row.span
                 row.stream.last_step_at = now
             return
-        emits = []
+        emits, steps = [], self.decode_steps
         for row, index in zip(step.rows, step.indices, strict=True):
             stream = row.stream
             stream.talker_written += row.span
@@ -168,10 +173,11 @@ class TTSServing(ServedModel):
             if not row.decode:
                 stream.prefilled += row.span
                 stream.phase = Phase.PREFILL
-            emits.append(row.decode or stream.prefilled == stream.prompt_len)
+            # A decode row's block gives a code per step; a prompt's last chunk gives the first code.
+            emits.append(row.steps if row.decode else int(stream.prefilled == stream.prompt_len))
             if emits[-1]:
-                stream.codes_in_flight += 1
-                stream.feed = (step.serial, index)
+                stream.codes_in_flight += emits[-1]
+                stream.feed = (step.serial, index * steps + emits[-1] - 1)  # its newest code, flattened
                 stream.phase = Phase.DECODE
             if stream.codes_scheduled >= stream.request.frames:
                 stream.phase = Phase.FLUSH  # its talker slot is freed once its last code is read
@@ -185,25 +191,27 @@ class TTSServing(ServedModel):
             stream = row.stream
             if stream.phase.finished or not emits:
                 continue
-            if stream.feed == (step.serial, index):
+            if stream.feed == (step.serial, index * self.decode_steps + emits - 1):
                 stream.feed = None
-            stream.codes_in_flight -= 1
+            stream.codes_in_flight -= emits
             stream.faults = 0
-            if self._append_code(stream, int(outputs[index]), ops) and stream.talker_done:
+            if self._append_codes(stream, outputs[index, :emits].tolist(), ops) and stream.talker_done:
                 # Held until now, so a fault that loses a step in flight still finds the stream among
                 # the cache's holders, and rewinds it.
                 ops.release(stream, TALKER)
 
-    def _append_code(self, stream: Stream, code: int, ops: StreamOps) -> bool:
-        """Add a generated code; after a rewind it must be the code generated there before."""
-        index = len(stream.codes)
-        if index < len(stream.replay_codes) and stream.replay_codes[index] != code:
-            ops.fail(stream, ReplayMismatchError(
-                f"request {stream.request_id!r}: replaying after a fault generated code {code} at frame "
-                f"{index}, where it had generated {stream.replay_codes[index]}"
-            ))  # fmt: skip
-            return False
-        stream.codes.append(code)
+    def _append_codes(self, stream: Stream, codes: list[int], ops: StreamOps) -> bool:
+        """Add generated codes, in order; after a rewind each must be the code generated there before."""
+        start = len(stream.codes)
+        replayed = stream.replay_codes[start : start + len(codes)]
+        for index, (code, before) in enumerate(zip(codes, replayed, strict=False), start):  # replaying only
+            if code != before:
+                ops.fail(stream, ReplayMismatchError(
+                    f"request {stream.request_id!r}: replaying after a fault generated code {code} at "
+                    f"frame {index}, where it had generated {before}"
+                ))  # fmt: skip
+                return False
+        stream.codes.extend(codes)
         return True
 
     def _flow_read(self, step: InFlight, outputs: tuple, now: float, ops: StreamOps) -> None:

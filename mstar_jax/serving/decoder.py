@@ -34,9 +34,21 @@ from mstar_jax.resources.step import BucketKey
 from mstar_jax.serving.abstract import abstract, shaped
 from mstar_jax.serving.feed import fed
 from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps, notify
+from mstar_jax.serving.steps import decode_block
 from mstar_jax.serving.stream import Phase, ReplayMismatchError, Stream
 
-__all__ = ["DecodeRow", "DecoderPrograms", "DecoderStream", "GreedyDecoder", "capture_decoder", "fed_width"]
+__all__ = [
+    "MAX_STOP_TOKENS",
+    "DecodeRow",
+    "DecoderPrograms",
+    "DecoderStream",
+    "GreedyDecoder",
+    "capture_decoder",
+    "fed_width",
+]
+
+MAX_STOP_TOKENS = 16
+"""The most stop tokens a request may name: a decode block checks each row's on the device."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -77,16 +89,19 @@ class DecoderStream(Stream):
 @dataclasses.dataclass(frozen=True)
 class DecodeRow:
     """One stream's part of a step: `tokens` written at its end; `feed` >= 0: the token is the step in
-    flight's output at that row (`tokens` is then a placeholder)."""
+    flight's output there (its index in them, flattened; `tokens` is then a placeholder). A decode row
+    of a block (`serving/steps.py`) takes `steps` one-token steps from its one input token."""
 
     stream: Stream
     tokens: tuple[int, ...]
     decode: bool
     feed: int = -1
+    steps: int = 1
 
     @property
     def span(self) -> int:
-        return len(self.tokens)
+        """Entries the row writes: a decode row's steps, a prefill row's tokens."""
+        return self.steps if self.decode else len(self.tokens)
 
 
 def fed_width(buckets: Buckets, shards: int = 1) -> int:
@@ -101,15 +116,23 @@ class DecoderPrograms:
 
     Attributes:
       buckets: its buckets, of one walk or more.
-      steps: walk -> `CapturedStep`; each takes `(params, caches, banks, plans, prev_tokens i32[C],
-        feed i32[B], tokens i32[B, T], lengths i32[B], *extra)` and returns the caches and every row's
-        next token, padded to `C` (on a mesh: as they are, sharded like the rows).
+      steps: walk -> `CapturedStep`; each takes `(params, caches, banks, plans, prev_tokens i32[C, K],
+        feed i32[B], tokens i32[B, T], lengths i32[B], *extra)` (a decode block's also `stop_tokens
+        i32[B, MAX_STOP_TOKENS]` last) and returns the caches and every row's tokens, padded to `[C, K]`
+        (on a mesh: as many rows as it has, sharded like them).
       shards: data shards of the mesh they were captured for (1: one device).
+      decode_walk: the walk whose programs are decode blocks when its tokens are K > 1 (None: no block).
     """
 
     buckets: Buckets
     steps: dict[str, CapturedStep]
     shards: int = 1
+    decode_walk: str | None = None
+
+    @property
+    def decode_steps(self) -> int:
+        """K, the one-token steps a decode program runs (1 without a decode block)."""
+        return 1 if self.decode_walk is None else self.buckets.max_tokens(self.decode_walk)
 
     @property
     def width(self) -> int:
@@ -129,6 +152,7 @@ def capture_decoder(
     mesh: Any = None,
     fingerprint: Any = None,
     progress: bool = False,
+    decode_walk: str | None = None,
     **options: Any,
 ) -> dict[str, CapturedStep]:
     """`fed(step)` captured for every bucket of every walk, from abstract arguments of the arrays given.
@@ -146,6 +170,8 @@ def capture_decoder(
         one data shard's rows, and its arrays hold every shard's.
       fingerprint: what `step` closes over (`capture`); the padding width is added to it.
       progress: show a progress bar per walk.
+      decode_walk: the walk whose buckets of K > 1 tokens run K one-token steps (`decode_block`, with
+        the rows' stop tokens); None: every program is one step.
       options: the rest of `capture`'s keywords (`static_kwargs`, `store`).
 
     Returns:
@@ -153,29 +179,39 @@ def capture_decoder(
     """
     shards = 1 if mesh is None else mesh.shape[DATA]
     width = fed_width(buckets, shards)
+    k = 1 if decode_walk is None else buckets.max_tokens(decode_walk)
     several = isinstance(caches, tuple)
     split = None if mesh is None else NamedSharding(mesh, P(DATA))
+    block_split = None if mesh is None else NamedSharding(mesh, P(None, DATA))  # [K, rows, ...]
     whole = None if mesh is None else NamedSharding(mesh, P())
 
-    def arguments(bucket: BucketKey) -> tuple:
-        size, span = shards * bucket.bs, bucket.num_tokens
+    def arguments(bucket: BucketKey, block: bool) -> tuple:
+        size, span = shards * bucket.bs, (1 if block else bucket.num_tokens)
         rows, ids = shaped((size,), jnp.int32, split), shaped((size, span), jnp.int32, split)
-        plan = BoundedKVPlan.abstract(size, span, split)
+        if block:
+            plan = BoundedKVPlan.abstract(size, 1, block_split, steps=bucket.num_tokens)
+        else:
+            plan = BoundedKVPlan.abstract(size, span, split)
         plans = (plan,) * len(caches) if several else plan
         sharded = mesh is not None
         head = tuple(abstract(x, sharded=sharded) for x in (params, caches, banks))
         extras = () if extra is None else extra(size, span)
+        extras += (shaped((size, MAX_STOP_TOKENS), jnp.int32),) if block else ()
         extras = tuple(shaped(x.shape, x.dtype, split) for x in extras)
-        return (*head, plans, shaped((width,), jnp.int32, whole), rows, ids, rows, *extras)
+        return (*head, plans, shaped((width, k), jnp.int32, whole), rows, ids, rows, *extras)
 
     # A mesh's engine never feeds (it is synchronous): its outputs stay sharded like its rows, so each
     # process reads its own rows back (padded to `C`, a row could land on another process's devices).
-    fed_step, steps = fed(step, width=None if mesh is not None else width), {}
+    rows = None if mesh is not None else width
+    one_step = fed(step, width=rows, steps=k)
     fingerprint = ("fed", width, *(() if fingerprint is None else fingerprint))
+    steps = {}
     for walk in buckets.walks:
+        block = walk == decode_walk and k > 1
+        fn = fed(decode_block(step, steps=k, stops=True), width=rows, steps=k) if block else one_step
         steps[walk] = capture(
-            fed_step, buckets[walk].keys(), arguments, donate_argnums=(1,), name=f"{name} {walk}",
-            fingerprint=fingerprint, progress=progress, **options,
+            fn, buckets[walk].keys(), lambda key, block=block: arguments(key, block), donate_argnums=(1,),
+            name=f"{name} {walk}", fingerprint=fingerprint, progress=progress, **options,
         )  # fmt: skip
     return steps
 
@@ -211,8 +247,14 @@ class GreedyDecoder(ServedModel):
         mesh: Any = None,
     ):  # fmt: skip
         self.programs, self.mesh = programs, mesh
+        self.decode_steps = getattr(programs, "decode_steps", 1)
+        if self.decode_steps > 1 and self.decode_walk == self.prefill_walk:
+            raise ValueError(
+                f"programs run decode blocks of {self.decode_steps} steps on {self.decode_walk!r}, the walk "
+                "prefill rows run too; a decode block needs a walk of its own"
+            )
         # Nothing in flight: a program reads no token.
-        no_feed = jnp.zeros((programs.width,), jnp.int32)
+        no_feed = jnp.zeros((programs.width, self.decode_steps), jnp.int32)
         if mesh is not None:
             no_feed = jax.device_put(no_feed, NamedSharding(mesh, P()))
         walks = programs.buckets.walks
@@ -232,8 +274,10 @@ class GreedyDecoder(ServedModel):
         return getattr(stream.request, "stop_tokens", ())
 
     def choose_walk(self, rows: Sequence[DecodeRow]) -> str:
-        """The walk of a program of `rows` (default: rows of one token run the decode walk)."""
-        return self.decode_walk if max(row.span for row in rows) == 1 else self.prefill_walk
+        """The walk of a program of `rows` (default: decode rows and rows of one prompt token run the
+        decode walk, a block's one-token step or the one step it is)."""
+        one = all(row.decode or row.span == 1 for row in rows)
+        return self.decode_walk if one else self.prefill_walk
 
     def extra_inputs(self, rows: Sequence[DecodeRow], places: Sequence[int], size: int, span: int) -> tuple:
         """Host inputs the programs take after `lengths`: `size` rows of `span` tokens, `rows[i]` at row
@@ -275,10 +319,12 @@ class GreedyDecoder(ServedModel):
             if s.phase is not Phase.DECODE:
                 chunk = self.prompt(s)[s.prefilled : s.prefilled + self.chunk]
                 prefill.append(DecodeRow(s, tuple(chunk), decode=False))
-            elif s.feed is not None and s.feed[0] == in_flight:
-                decode.append(DecodeRow(s, (0,), decode=True, feed=s.feed[1]))
+                continue
+            steps = min(self.decode_steps, s.request.max_new_tokens - s.tokens_scheduled)
+            if s.feed is not None and s.feed[0] == in_flight:
+                decode.append(DecodeRow(s, (0,), decode=True, feed=s.feed[1], steps=steps))
             else:
-                decode.append(DecodeRow(s, (s.tokens[s.generated - 1],), decode=True))
+                decode.append(DecodeRow(s, (s.tokens[s.generated - 1],), decode=True, steps=steps))
         decode = decode[:max_batch]  # the rest wait for the next round
         fixed = self.mesh is not None
         if self.decode_walk == self.prefill_walk:
@@ -295,24 +341,36 @@ class GreedyDecoder(ServedModel):
         span = max(row.span for row in rows)
         return self.programs.buckets.bucket_for(self.choose_walk(rows), rows_per_shard or len(rows), span)
 
+    def block_steps(self, bucket: BucketKey) -> int:
+        return bucket.num_tokens if self.decode_steps > 1 and bucket.graph_walk == self.decode_walk else 1
+
     def position(self, node: Node, stream: DecoderStream) -> StreamPosition:
         return StreamPosition(0, stream.written)
 
     def inputs(self, node: Node, bucket: BucketKey, rows: Sequence[DecodeRow], layout: Any) -> tuple:
-        """`feed i32[B]`, `tokens i32[B, T]`, `lengths i32[B]`, then `extra_inputs`; with a `layout` (a
-        mesh), `B` is its row count and each request's row is where it says."""
-        size, span = (bucket.bs if layout is None else layout[0]), bucket.num_tokens
+        """`feed i32[B]`, `tokens i32[B, T]`, `lengths i32[B]`, then `extra_inputs` (and a decode block's
+        `stop_tokens i32[B, MAX_STOP_TOKENS]`, -1 where none; its T is 1, one input token a row); with a
+        `layout` (a mesh), `B` is its row count and each request's row is where it says."""
+        block = self.block_steps(bucket) > 1
+        size, span = (bucket.bs if layout is None else layout[0]), (1 if block else bucket.num_tokens)
         places = range(len(rows)) if layout is None else [layout[1][row.stream.request_id] for row in rows]
         feed, lengths = np.full(size, -1, np.int32), np.zeros(size, np.int32)
         tokens = np.zeros((size, span), np.int32)
         for i, row in zip(places, rows, strict=True):
-            feed[i], lengths[i], tokens[i, : row.span] = row.feed, row.span, row.tokens
-        return feed, tokens, lengths, *self.extra_inputs(rows, places, size, span)
+            feed[i], lengths[i], tokens[i, : len(row.tokens)] = row.feed, len(row.tokens), row.tokens
+        extras = self.extra_inputs(rows, places, size, span)
+        if not block:
+            return feed, tokens, lengths, *extras
+        stops = np.full((size, MAX_STOP_TOKENS), -1, np.int32)
+        for i, row in zip(places, rows, strict=True):
+            ids = tuple(self.stop_tokens(row.stream))[:MAX_STOP_TOKENS]  # the rest are checked at read
+            stops[i, : len(ids)] = ids
+        return feed, tokens, lengths, *extras, stops
 
     # -- outputs ------------------------------------------------------------------------------------
 
     def dispatched(self, step: InFlight, now: float) -> None:
-        emits = []
+        emits, steps = [], self.decode_steps
         for row, index in zip(step.rows, step.indices, strict=True):
             stream = row.stream
             stream.written += row.span
@@ -320,10 +378,11 @@ class GreedyDecoder(ServedModel):
             if not row.decode:
                 stream.prefilled += row.span
                 stream.phase = Phase.PREFILL
-            emits.append(row.decode or stream.prefilled == len(self.prompt(stream)))
+            # A decode row's block gives a token per step; a prompt's last chunk gives the first token.
+            emits.append(row.steps if row.decode else int(stream.prefilled == len(self.prompt(stream))))
             if emits[-1]:
-                stream.tokens_in_flight += 1
-                stream.feed = (step.serial, index)
+                stream.tokens_in_flight += emits[-1]
+                stream.feed = (step.serial, index * steps + emits[-1] - 1)  # its newest token, flattened
                 stream.phase = Phase.DECODE
             if stream.tokens_scheduled >= stream.request.max_new_tokens:
                 stream.phase = Phase.FLUSH  # its last token is coming: no step needs it as input
@@ -334,26 +393,36 @@ class GreedyDecoder(ServedModel):
             stream = row.stream
             if stream.phase.finished or not emits:
                 continue
-            if stream.feed == (step.serial, index):
+            if stream.feed == (step.serial, index * self.decode_steps + emits - 1):
                 stream.feed = None
-            stream.tokens_in_flight -= 1
+            stream.tokens_in_flight -= emits
             stream.faults = 0
-            token, at = int(outputs[index]), stream.generated
-            stream.generated += 1
-            if at < len(stream.tokens):  # replayed after a fault: the client has it already
-                if stream.tokens[at] != token:
-                    ops.fail(stream, ReplayMismatchError(
-                        f"request {stream.request_id!r}: replaying after a fault generated token {token} "
-                        f"at {at}, where it had generated {stream.tokens[at]}"
-                    ))  # fmt: skip
-                continue
-            stream.tokens.append(token)
-            if stream.first_token_at is None:
-                stream.first_token_at = now
-            if not notify(stream, stream.on_output, token, ops, name="on_output"):
-                continue  # the callback raised, or cancelled its own stream
-            if stream.generated == stream.request.max_new_tokens or token in self.stop_tokens(stream):
-                ops.done(stream)
+            for token in outputs[index, :emits]:  # in order; a block's row may end at any of them
+                if not self._deliver(stream, int(token), now, ops):
+                    break
+
+    def _deliver(self, stream: DecoderStream, token: int, now: float, ops: StreamOps) -> bool:
+        """Hand `stream` its next generated token; False once the stream has ended (done, failed or
+        cancelled), so the tokens after it are dropped."""
+        at = stream.generated
+        stream.generated += 1
+        if at < len(stream.tokens):  # replayed after a fault: the client has it already
+            if stream.tokens[at] != token:
+                ops.fail(stream, ReplayMismatchError(
+                    f"request {stream.request_id!r}: replaying after a fault generated token {token} "
+                    f"at {at}, where it had generated {stream.tokens[at]}"
+                ))  # fmt: skip
+                return False
+            return True
+        stream.tokens.append(token)
+        if stream.first_token_at is None:
+            stream.first_token_at = now
+        if not notify(stream, stream.on_output, token, ops, name="on_output"):
+            return False  # the callback raised, or cancelled its own stream
+        if stream.generated == stream.request.max_new_tokens or token in self.stop_tokens(stream):
+            ops.done(stream)
+            return False
+        return True
 
     # -- recovery -----------------------------------------------------------------------------------
 

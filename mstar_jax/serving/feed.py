@@ -2,8 +2,9 @@
 
 A pipelined engine dispatches a feeding node's step t + 1 before it reads step t back: a decode row of
 t + 1 whose token is step t's output names where that output sits (`feed[b] >= 0`, its row in step t's
-outputs) and the program reads it there, instead of the placeholder the host wrote. Every program of the
-node returns its per-row tokens padded to the same width, so any program's outputs feed any other's.
+outputs, flattened) and the program reads it there, instead of the placeholder the host wrote. Every
+program of the node returns its per-row tokens padded to the same `[C, K]` (K the tokens a decode block
+returns per row, `serving/steps.py`), so any program's outputs feed any other's.
 """
 
 from __future__ import annotations
@@ -16,29 +17,35 @@ import jax.numpy as jnp
 __all__ = ["fed"]
 
 
-def fed(step: Callable, *, width: int | None, offset: Callable[..., Any] | None = None) -> Callable:
-    """`step` reading fed decode tokens from `prev_tokens`, its per-row outputs padded to `width`.
+def fed(
+    step: Callable, *, width: int | None, offset: Callable[..., Any] | None = None, steps: int = 1
+) -> Callable:
+    """`step` reading fed decode tokens from `prev_tokens`, its per-row outputs padded to `[width, steps]`.
 
     Args:
       step: `step(params, caches, banks, plans, tokens i32[B, T], *inputs, **static) -> (caches, out
-        i32[B])`.
-      width: `C`, the width every program of the node pads its outputs to (None: as they are, for a mesh
+        i32[B] or i32[B, steps])`: one token a row, or a block's `steps` (`decode_block`).
+      width: `C`, the rows every program of the node pads its outputs to (None: as they are, for a mesh
         engine, which never feeds).
       offset: `offset(**static)`, added to a fed output to make it an input token (e.g. the TTS talker's
         codes follow its text vocabulary); None adds nothing.
+      steps: K, the tokens a row of the node's decode block returns; a one-token step's output fills
+        column 0 (the rest is zeros).
 
     Returns:
-      `fed_step(params, caches, banks, plans, prev_tokens i32[C], feed i32[B], tokens, *inputs,
-      **static)`.
+      `fed_step(params, caches, banks, plans, prev_tokens i32[C, K], feed i32[B], tokens, *inputs,
+      **static) -> (caches, i32[C, K])`; `feed[b]` indexes `prev_tokens` flattened (`row * K + column`).
     """
 
     def fed_step(params, cache, bank, plan, prev_tokens, feed, tokens, *inputs, **static):
-        from_device = jnp.take(prev_tokens, jnp.maximum(feed, 0), axis=0)
+        from_device = jnp.take(prev_tokens.reshape(-1), jnp.maximum(feed, 0), axis=0)
         if offset is not None:
             from_device = from_device + offset(**static)
         tokens = jnp.where((feed >= 0)[:, None], from_device[:, None], tokens)
         cache, out = step(params, cache, bank, plan, tokens, *inputs, **static)
-        return cache, out if width is None else jnp.pad(out, (0, width - out.shape[0]))
+        out = out[:, None] if out.ndim == 1 else out
+        rows = 0 if width is None else width - out.shape[0]
+        return cache, jnp.pad(out, ((0, rows), (0, steps - out.shape[1])))
 
     inner = getattr(step, "func", step)  # a functools.partial names its function
     fed_step.__qualname__ = f"fed({inner.__qualname__})"  # the executable store tells walks apart by it

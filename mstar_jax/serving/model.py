@@ -91,7 +91,8 @@ class InFlight:
       started: clock time when its rows were formed.
       positions: each real row's stream length (entries written) when the step started.
       compilations: programs compiled during it (0 after warm-up).
-      emits: which rows produce a token the stream reads back (set at dispatch, by the model).
+      emits: how many tokens each row produces that its stream reads back (set at dispatch, by the
+        model): 0, 1, or a decode block's steps.
     """
 
     node: Node
@@ -103,7 +104,7 @@ class InFlight:
     started: float
     positions: tuple[int, ...]
     compilations: int
-    emits: tuple[bool, ...] = ()
+    emits: tuple[int, ...] = ()
 
 
 class StreamOps(Protocol):
@@ -142,11 +143,13 @@ class ServedModel(abc.ABC):
       nodes: its graph nodes, in the order each engine round runs them.
       programs: the captured programs: `buckets` (`Buckets`) and `steps` (graph walk -> `CapturedStep`).
       mesh: the device mesh its arrays live on (None: one device).
+      decode_steps: K, the one-token steps its decode programs run (`block_steps`), as captured.
     """
 
     nodes: tuple[Node, ...]
     programs: Any
     mesh: Any = None
+    decode_steps: int = 1
 
     @abc.abstractmethod
     def new_stream(self, request: Any, *, on_output: Any, now: float) -> Stream:
@@ -209,6 +212,11 @@ class ServedModel(abc.ABC):
         """What the engine's warm-up runs inside: the model registers what a warm-up request reads (the
         TTS model a voice, if it has none) and removes it after; the default does nothing."""
         return contextlib.nullcontext()
+
+    def block_steps(self, bucket: BucketKey) -> int:
+        """The one-token decode steps a program of `bucket` runs (`serving/steps.py`); the default, 1:
+        one step of the bucket's tokens."""
+        return 1
 
     def warm_up_position(self, node: Node) -> StreamPosition:
         """A position a warm-up request may borrow a slot of the node at (default: no source)."""

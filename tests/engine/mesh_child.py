@@ -31,17 +31,19 @@ MESHES = {
     "1x8": (1, 8, "MODEL"), "2x4_replicated_kv": (2, 4, "REPLICATED"),
 }  # fmt: skip
 REQUESTS = 6
+BLOCKS = {"4x2_decode_steps_4": (4, 2, 4)}
+"""Meshes whose engine decodes K steps a dispatch: (data, model, K), against the one-device K = 1 engine."""
 
 
 def serve(
-    data: int, model: int, config: dict, share: tuple[int, int] = (0, 1)
+    data: int, model: int, config: dict, share: tuple[int, int] = (0, 1), decode_steps: int = 1
 ) -> tuple[Engine, dict[str, tuple[list[int], np.ndarray]]]:
     """The workload's requests `i` with `i % count == index` for `share = (index, count)`, served on a
-    `data x model` mesh; each request's codes and audio."""
+    `data x model` mesh decoding `decode_steps` frames a dispatch; each request's codes and audio."""
     deployment = parse_deployment({
         "model": {"name": "streaming_tts", "config": config},
         "compile": {"batch_sizes": [1, 2], "token_counts": [1, 4]},
-        "engine": {"max_batch": 2},
+        "engine": {"max_batch": 2, "decode_steps": decode_steps},
         "mesh": {"data": data, "model": model},
     })  # fmt: skip
     engine = Engine.from_deployment(deployment, progress=False, max_workers=2)
@@ -61,8 +63,10 @@ def main() -> None:
     configs = {"MODEL": MODEL, "REPLICATED": REPLICATED}
     alone = {name: serve(1, 1, config)[1] for name, config in configs.items()}
     results = {}
-    for name, (data, model, config) in MESHES.items():
-        engine, served = serve(data, model, configs[config])
+    cases = {name: (data, model, config, 1) for name, (data, model, config) in MESHES.items()}
+    cases |= {name: (data, model, "MODEL", k) for name, (data, model, k) in BLOCKS.items()}
+    for name, (data, model, config, k) in cases.items():
+        engine, served = serve(data, model, configs[config], decode_steps=k)
         reference = alone[config]
         report = summarize(engine, wall_secs=1.0, capture_secs=1.0, warmup_compilations=0)
         results[name] = {
@@ -73,6 +77,9 @@ def main() -> None:
             ),
             "compilations": engine.compilations,
             "mesh": report["mesh"],
+            "decode_tokens": sorted(
+                {r.bucket.num_tokens for r in engine.records if r.walk == "talker_decode"}
+            ),
         }
     print(json.dumps(results))
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.mesh_child import MESHES, REQUESTS
+from tests.engine.mesh_child import BLOCKS, MESHES, REQUESTS
 from tests.simulated_devices import run_child
 
 CHILD = Path(__file__).with_name("mesh_child.py")
@@ -38,6 +38,18 @@ def test_every_request_hears_what_it_hears_on_one_device(results, mesh):
         assert found["max_audio_diff"] == 0.0
     else:
         assert found["max_audio_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("mesh", list(BLOCKS))
+def test_decode_blocks_on_a_mesh_hear_what_one_device_hears_at_one_step(results, mesh):
+    """A mesh engine decoding K frames a dispatch (`engine.decode_steps`): every request's codes are the
+    one-device K = 1 engine's, its audio within the float rounding of several model shards."""
+    found = results[mesh]
+    assert found["done"] == REQUESTS
+    assert found["codes_equal"]
+    assert found["max_audio_diff"] < 1e-5
+    assert found["compilations"] == 0
+    assert found["decode_tokens"] == [BLOCKS[mesh][2]]
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))

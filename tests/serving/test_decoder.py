@@ -87,7 +87,7 @@ def step_of(model: GreedyDecoder, rows: list, serial: int) -> InFlight:
 def run(model: GreedyDecoder, rows: list, serial: int, outputs: list[int], ops: Ops) -> InFlight:
     step = step_of(model, rows, serial)
     model.dispatched(step, now=1.0)
-    model.read(step, np.asarray(outputs), now=2.0, ops=ops)
+    model.read(step, np.asarray(outputs)[:, None], now=2.0, ops=ops)  # [C, K]: one token a row, K = 1
     return step
 
 
@@ -164,7 +164,7 @@ def test_a_stream_runs_its_prompt_then_generates_to_its_limit_or_a_stop_token():
     model.dispatched(step, now=3.0)
     assert t.phase is Phase.FLUSH
     assert t.feed == (5, 0)
-    model.read(step, np.asarray([6]), now=4.0, ops=ops)
+    model.read(step, np.asarray([[6]]), now=4.0, ops=ops)
     assert t.tokens == [5, 6]
     assert t.feed is None
     assert ops.finished == ["r", "t"]
@@ -218,4 +218,4 @@ def test_new_stream_refuses_another_models_request_and_what_the_check_refuses():
     assert model.outputs(s) is s.tokens
     assert tuple(model.position(model.nodes[0], s)) == (0, 0, 0)  # no source, nothing written
     assert model.nodes[0].feeds
-    assert model.nodes[0].no_feed.shape == (2,)
+    assert model.nodes[0].no_feed.shape == (2, 1)  # [C, K]

@@ -4,9 +4,10 @@
 (`mstar_jax/serving/decoder.py`, which keeps its streams' books): one node, `gemma3`, whose step runs
 both caches (local and global layers, `Gemma3Streams`) and returns each row's next greedy token. It
 feeds: a decode row reads its input token from the previous step's outputs on the device, so a pipelined
-engine dispatches step t + 1 before it reads step t. Each round runs a decode program of one token for
-every stream generating, then prefill programs of prompt chunks (new streams read `chunk` tokens a row);
-a stream's last chunk gives its first token. Served through `mstar_jax.engine.ServingEngine`, every
+engine dispatches step t + 1 before it reads step t. Each round runs a decode program of K one-token
+steps (`EngineSettings.decode_steps`; the stop tokens checked on the device) for every stream
+generating, then prefill programs of prompt chunks (new streams read `chunk` tokens a row); a stream's
+last chunk gives its first token. Served through `mstar_jax.engine.ServingEngine`, every
 stream gets `Gemma3Streams.greedy`'s tokens exactly, alone or in a crowd, synchronous or pipelined.
 """
 
@@ -19,14 +20,17 @@ import numpy as np
 
 from mstar_jax import distributed
 from mstar_jax.checks import check_int, check_number
+from mstar_jax.compile import Buckets
 from mstar_jax.models.gemma3.stream import DECODE, GLOBAL_KV, LOCAL_KV, PREFILL, Gemma3Streams, step_extras
 from mstar_jax.serving.decoder import (
+    MAX_STOP_TOKENS,
     DecodeRow,
     DecoderPrograms,
     DecoderStream,
     GreedyDecoder,
     capture_decoder,
 )
+from mstar_jax.settings import MAX_DECODE_STEPS
 
 __all__ = ["GEMMA3", "Gemma3Programs", "Gemma3Serving", "TextRequest", "TextRow", "TextStream"]
 
@@ -46,7 +50,8 @@ class TextRequest:
       request_id: unique among live requests.
       prompt: i32[tokens] token ids (at least one).
       max_new_tokens: tokens to generate, at most.
-      stop_tokens: generation ends after any of these (it is kept, as the last token).
+      stop_tokens: generation ends after any of these (it is kept, as the last token); at most
+        `MAX_STOP_TOKENS` (16: a decode block checks them on the device).
       temperature: 0 takes the most likely token; above, tokens are drawn from the softmax of the
         logits divided by it (`mstar_jax.serving.sample`).
       seed: the draw's seed; the same request with the same seed gives the same tokens, alone or in a
@@ -73,6 +78,11 @@ class TextRequest:
             object.__setattr__(self, name, tuple(int(t) for t in values))
         if not self.prompt:
             raise ValueError(f"request {self.request_id!r}: prompt is empty; it needs at least one token")
+        if len(self.stop_tokens) > MAX_STOP_TOKENS:
+            raise ValueError(
+                f"request {self.request_id!r}: stop_tokens holds {len(self.stop_tokens)} tokens; at most "
+                f"{MAX_STOP_TOKENS} are allowed"
+            )
         where = f"request {self.request_id!r}: "
         check_int(where + "max_new_tokens", self.max_new_tokens, minimum=1)
         check_number(where + "temperature", self.temperature, minimum=0.0, maximum=MAX_TEMPERATURE)
@@ -103,19 +113,32 @@ class Gemma3Programs(DecoderPrograms):
     """
 
     @classmethod
-    def capture(cls, streams: Gemma3Streams, *, progress: bool = False) -> Gemma3Programs:
+    def capture(
+        cls, streams: Gemma3Streams, *, progress: bool = False, decode_steps: int = 1
+    ) -> Gemma3Programs:
         """Compile every bucket ahead of time (or load it from `streams`' executable store; never on a
-        mesh of many processes, whose programs pair with other processes' devices)."""
+        mesh of many processes, whose programs pair with other processes' devices).
+
+        Args:
+          decode_steps: K, the one-token decode steps each decode program runs
+            (`EngineSettings.decode_steps`); the decode walk's buckets are then of K tokens.
+        """
+        check_int("decode_steps", decode_steps, minimum=1, maximum=MAX_DECODE_STEPS)
         local, global_, mesh = streams.local, streams.global_, streams.mesh
         fingerprint = (streams.config, local.config, global_.config)
         store = None if mesh is not None and distributed.spans_processes(mesh) else streams.store
+        buckets = Buckets(tuple(
+            dataclasses.replace(streams.buckets[walk], token_counts=(decode_steps,)) if walk == DECODE
+            else streams.buckets[walk] for walk in streams.buckets.walks
+        ))  # fmt: skip
         steps = capture_decoder(
-            streams.step_fn, streams.buckets, streams.params, (local.cache, global_.cache),
+            streams.step_fn, buckets, streams.params, (local.cache, global_.cache),
             (local.bank, global_.bank), name="gemma3 fed", extra=step_extras, mesh=mesh,
             static_kwargs={"head": "next"}, progress=progress, store=store, fingerprint=fingerprint,
+            decode_walk=DECODE,
         )  # fmt: skip
         shards = 1 if mesh is None else mesh.shape["data"]
-        return cls(buckets=streams.buckets, steps=steps, shards=shards)
+        return cls(buckets=buckets, steps=steps, shards=shards, decode_walk=DECODE)
 
 
 class Gemma3Serving(GreedyDecoder):

@@ -4,7 +4,9 @@ alone by `Gemma3Streams.greedy`.
 The small random-weight model of `test_model` (whose `greedy` matches the float64 oracle there) serves
 prompts of different lengths, with fewer slots than prompts so one waits, synchronous and pipelined;
 every stream's tokens must be `greedy`'s, after warm-up nothing compiles, and every slot comes back.
-A device fault with snapshots is replayed to the same tokens, each delivered once.
+A device fault with snapshots is replayed to the same tokens, each delivered once. Every engine test
+runs at K = 1, 4, 8 and 32 decode steps per dispatch (`EngineSettings.decode_steps`): the tokens do not
+depend on K.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from mstar_jax.engine import ServingEngine
 from mstar_jax.engine.faults import inject_faults
 from mstar_jax.models.gemma3.model import Gemma3
 from mstar_jax.models.gemma3.serving import GEMMA3, Gemma3Programs, Gemma3Serving, TextRequest
-from mstar_jax.models.gemma3.stream import Gemma3Streams
+from mstar_jax.models.gemma3.stream import DECODE, Gemma3Streams
 from mstar_jax.resources.kv.bounded.config import SinkWindow
 from mstar_jax.serving import gumbel_noise
 from mstar_jax.serving.stream import Phase, StateLostError
@@ -46,10 +48,15 @@ def alone(model, prompts):
     return [streams.greedy(prompt, NEW_TOKENS) for prompt in prompts]
 
 
-@pytest.fixture(scope="module")
-def programs(model):
-    """One capture for every engine of the module (fresh caches each, the same geometry)."""
-    return Gemma3Programs.capture(new_streams(model))
+DECODE_STEPS = (1, 4, 8, 32)
+
+
+@pytest.fixture(scope="module", params=DECODE_STEPS, ids=[f"K={k}" for k in DECODE_STEPS])
+def programs(model, request):
+    """One capture per K for every engine of the module (fresh caches each, the same geometry)."""
+    captured = Gemma3Programs.capture(new_streams(model), decode_steps=request.param)
+    assert captured.decode_steps == request.param
+    return captured
 
 
 def new_streams(model) -> Gemma3Streams:
@@ -60,6 +67,7 @@ def new_streams(model) -> Gemma3Streams:
 
 def engine_for(model, programs, **settings) -> ServingEngine:
     served = Gemma3Serving(new_streams(model), programs)
+    settings = {"decode_steps": programs.decode_steps, **settings}
     engine = ServingEngine(served, settings=EngineSettings(max_batch=SLOTS, **settings))
     engine.warm_up()
     return engine
@@ -80,6 +88,9 @@ def test_a_crowd_gets_each_prompts_greedy_tokens(model, programs, prompts, alone
         assert stream.tokens == want
         assert heard[stream.request_id] == want  # each token once, in order
     assert engine.counters["holds"] >= 1  # four prompts, three slots: one waited
+    decodes = [r for r in engine.records if r.walk == DECODE]
+    assert decodes
+    assert {r.bucket.num_tokens for r in decodes} == {programs.decode_steps}
     assert engine.compilations == 0
     served = engine.served.streams
     assert served.local.free_slots == served.global_.free_slots == SLOTS
@@ -120,7 +131,8 @@ def test_with_snapshots_a_lost_cache_is_restored_and_replayed_to_the_same_tokens
         streams.append(
             engine.submit(TextRequest(f"p{i}", prompt, NEW_TOKENS), on_output=heard[f"p{i}"].append)
         )
-    inject_faults(engine, GEMMA3, lambda n: "after" if n in (7, 16) else None)
+    faults = (7, 16) if programs.decode_steps == 1 else (3, 5)  # a block is one step: fewer of them
+    inject_faults(engine, GEMMA3, lambda n: "after" if n in faults else None)
     delivered = {s.request_id: 0 for s in streams}
     while engine.streams:
         engine.step()
@@ -139,7 +151,9 @@ def test_with_snapshots_a_lost_cache_is_restored_and_replayed_to_the_same_tokens
 def test_without_snapshots_a_lost_cache_fails_its_streams_retryably(model, programs, prompts):
     engine = engine_for(model, programs)
     streams = [engine.submit(TextRequest(f"p{i}", p, NEW_TOKENS)) for i, p in enumerate(prompts[:2])]
-    inject_faults(engine, GEMMA3, lambda n: "after" if n == 4 else None)
+    # While both hold a slot: a block of 32 steps ends p0 by the fourth step.
+    fault = 4 if programs.decode_steps == 1 else 2
+    inject_faults(engine, GEMMA3, lambda n: "after" if n == fault else None)
     engine.run_until_idle()
     for stream in streams:
         assert stream.phase is Phase.FAILED
@@ -261,7 +275,9 @@ def test_a_paused_stream_is_offloaded_from_both_caches_at_once_and_resumes_exact
     model, programs, prompts, alone
 ):
     engine = engine_for(model, programs)
-    streams = [engine.submit(TextRequest(f"p{i}", p, NEW_TOKENS)) for i, p in enumerate(prompts[:SLOTS])]
+    # Long enough that none ends before the late one needs p0's slot, whatever K; alone's tokens are
+    # their first NEW_TOKENS.
+    streams = [engine.submit(TextRequest(f"p{i}", p, 10 * NEW_TOKENS)) for i, p in enumerate(prompts[:SLOTS])]
     while not all(s.tokens for s in streams):
         engine.step()
     engine.pause("p0")
@@ -276,7 +292,7 @@ def test_a_paused_stream_is_offloaded_from_both_caches_at_once_and_resumes_exact
     engine.resume("p0")
     engine.run_until_idle()
     for stream, want in zip([*streams, late], alone, strict=True):
-        assert stream.tokens == want
+        assert stream.tokens[:NEW_TOKENS] == want
     assert served.local.free_slots == served.global_.free_slots == SLOTS
 
 
