@@ -60,9 +60,15 @@ GENERATIONS: dict[str, TpuGeneration] = {
 }
 
 # HLO ops that move a whole buffer: a relayout (copy, transpose) or a memory-space move (copy-start).
+# A move may also come as slices (slice-start, whose result names the whole source): those are found by
+# the memory space they land in, not by their op.
 _MOVING_OPS = ("copy", "transpose", "copy-start")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+(?P<op>[\w\-]+)\(")
-_ARRAY_SHAPE = re.compile(r"\b(?P<dtype>pred|[suf]\d+|bf16|f8\w*)\[(?P<dims>[\d,]*)\]")
+_ARRAY_SHAPE = re.compile(
+    r"\b(?P<dtype>pred|[suf]\d+|bf16|f8\w*)\[(?P<dims>[\d,]*)\](?:\{(?P<layout>[^}]*)\})?"
+)
+# A layout's memory space, `S(n)`; none is HBM. XLA stages small layers in S(1) (VMEM), on v4 in S(3).
+_MEMORY_SPACE = re.compile(r"S\((?P<space>\d+)\)")
 _ITEM_BITS = {"pred": 8, "bf16": 16}
 
 
@@ -117,24 +123,32 @@ def compile_for_tpu(
     return jitted.trace(*placed, **static_kwargs).lower(lowering_platforms=("tpu",)).compile()
 
 
-def _largest_array_bytes(shape: str) -> int:
-    sizes = [0]
+def _arrays(shape: str) -> list[tuple[int, int]]:
+    """(bytes, memory space) of every array in an HLO shape (a tuple holds several)."""
+    arrays = []
     for match in _ARRAY_SHAPE.finditer(shape):
         dtype, dims = match["dtype"], match["dims"]
         bits = _ITEM_BITS.get(dtype) or int(re.sub(r"\D", "", dtype) or 8)
-        sizes.append(int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * bits // 8)
-    return max(sizes)
+        size = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * bits // 8
+        space = _MEMORY_SPACE.search(match["layout"] or "")
+        arrays.append((size, int(space["space"]) if space else 0))
+    return arrays
 
 
 def large_copies(compiled: jax.stages.Compiled, min_bytes: int) -> list[str]:
     """The optimized HLO's copies, transposes and memory-space moves of buffers of at least `min_bytes`.
 
     Scans every computation, fusions included (a relayout usually hides in a `copy` inside a loop fusion),
-    and returns each offending instruction as `"op name: shape"`.
+    and returns each offending instruction as `"op name: shape"`: every copy, transpose and copy-start of
+    such a buffer, and every instruction that holds one outside HBM (a layer that XLA's memory-space
+    assignment staged in VMEM, whichever ops brought it there: copy-start, or slice-start a slice at a time).
     """
     found = []
     for line in compiled.as_text().splitlines():
         match = _INSTRUCTION.match(line)
-        if match and match["op"] in _MOVING_OPS and _largest_array_bytes(match["shape"]) >= min_bytes:
+        if not match:
+            continue
+        large = [space for size, space in _arrays(match["shape"]) if size >= min_bytes]
+        if large and (match["op"] in _MOVING_OPS or any(large)):
             found.append(f"{match['op']} {match['name']}: {match['shape'][:120]}")
     return found
