@@ -6,13 +6,16 @@ Equivalent to `store.store_step_xla` (same arguments, no `after`): for every req
 `table.py`.
 
 The caches stay where they are, in HBM (`memory_space=pl.ANY`), aliased input to output, so a donated
-cache is updated in place and nothing but the written tokens' tiles moves. The wrapper arranges the step's
-keys and values like a slot, `[B, R, G, T, D]` (a request's rows and heads lie together), in the cache's
-dtype and, for a reversed step order, with the token axis flipped once: every write range is then one
-contiguous run of tokens on both sides. The grid walks the requests ("arbitrary"): program `b` starts its
-own write DMAs, then waits for those of request `b - 1`, so consecutive requests' copies overlap (the last
-program also waits for its own). Distinct requests own distinct slots and padding rows write nothing, so
-no two DMAs in flight touch the same bytes.
+cache is updated in place and nothing but the written tokens' tiles moves. Where the libtpu jax loads
+accepts it (`tpu_compiler`: 0.0.50 and later), the caches are also pinned to HBM: without the pin, XLA's
+memory-space assignment moves a layer small enough for VMEM into VMEM and back around the call.
+
+The wrapper arranges the step's keys and values like a slot, `[B, R, G, T, D]` (a request's rows and
+heads lie together), in the cache's dtype and, for a reversed step order, with the token axis flipped
+once: every write range is then one contiguous run of tokens on both sides. The grid walks the requests
+("arbitrary"): program `b` starts its own write DMAs, then waits for those of request `b - 1`, so
+consecutive requests' copies overlap (the last program also waits for its own). Distinct requests own
+distinct slots and padding rows write nothing, so no two DMAs in flight touch the same bytes.
 
 A DMA has a static shape but a range a dynamic length: a run of `n` units is copied as the binary
 decomposition of `n`, one copy of `p` units at offset `n & ~(2p - 1)` for each power of two `p` with
@@ -71,6 +74,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.sink_window_attention import table as tbl
+from kernels_pallas.sink_window_attention import tpu_compiler
 from kernels_pallas.sink_window_attention.store_tpu_kernel import (
     direct_kernel,
     merge_kernel,
@@ -282,6 +286,7 @@ def store_step_tpu(
     *,
     reverse: bool,
     interpret: bool | pltpu.InterpretParams = False,
+    pin_to_hbm: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Stores each request's written step tokens into its slot with DMAs (the Mosaic TPU kernel).
 
@@ -294,17 +299,29 @@ def store_step_tpu(
       table: i32[B, ROW_INTS] the plan table.
       reverse: the config's `reverse_step_order`.
       interpret: False on TPU; True (HLO interpreter) or `pltpu.InterpretParams(...)` elsewhere.
+      pin_to_hbm: pin the caches to HBM for the call, so that XLA never moves a layer small enough for
+        VMEM through VMEM around it; None (the default) pins where the libtpu jax loads accepts the pin
+        on an aliased operand (`tpu_compiler.pins_aliased_operands`) and never when interpreting. True
+        where it does not fails to compile.
 
     Returns:
       The updated (cache_k, cache_v).
 
     Raises:
+      TypeError: `pin_to_hbm` is neither None nor a bool.
+      ValueError: `pin_to_hbm=True` with `interpret` (interpret mode has no memory spaces to pin to).
       NotImplementedError: a cache dtype other than float32 and bfloat16; compiled, a cache that TPU does
         not lay out as the kernel views it (XLA would copy the whole layer around the kernel): `D` a
         multiple of 128 and `C` not a multiple of `TOKEN_TILE`, or `D` not a multiple of 128 and `C` not
         padding to lane tiles less than `D` does (see `tokens_in_lanes`); staged windows too large for
         VMEM.
     """
+    if pin_to_hbm is not None and not isinstance(pin_to_hbm, bool):
+        raise TypeError(f"pin_to_hbm={pin_to_hbm!r} must be None (decided by the libtpu loaded) or a bool")
+    if pin_to_hbm and interpret:
+        raise ValueError(f"pin_to_hbm=True with interpret={interpret!r}: interpret mode refuses the pin")
+    if pin_to_hbm is None:
+        pin_to_hbm = not interpret and tpu_compiler.pins_aliased_operands()
     dtype = jnp.dtype(cache_k.dtype)
     if dtype not in SUPPORTED_DTYPES:
         raise NotImplementedError(
@@ -332,6 +349,9 @@ def store_step_tpu(
     step_k, step_v = (_arranged(x, num_requests, dtype, reverse) for x in (k, v))
     if lanes:  # the free view of TPU's layout: tokens in lanes (see tpu_blocks)
         cache_k, cache_v = (jnp.swapaxes(x, 3, 4) for x in (cache_k, cache_v))
+    if pin_to_hbm:  # the very operands the call aliases
+        cache_k, cache_v = (pltpu.with_memory_space_constraint(x, pltpu.HBM) for x in (cache_k, cache_v))
+    if lanes:
         new = _store_merged(
             cache_k, cache_v, step_k, step_v, table, lanes=True, reverse=reverse, interpret=interpret
         )

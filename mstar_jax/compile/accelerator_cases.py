@@ -134,7 +134,8 @@ CASES = (
     ),
     # A 24-frame voice: its bank keeps D = 64 in lanes while the slots (1,004 tokens, allocated 1,024)
     # keep tokens in lanes, so the kernel reads its two stores in different orientations. 256 slots keep
-    # the layer out of reach of XLA's memory-space assignment (see test_tpu_offline's known gap).
+    # the layer out of reach of XLA's memory-space assignment where the store is not pinned to HBM (libtpu
+    # before 0.0.50: see test_tpu_offline's known gap).
     AttentionCase(
         name="decode_d64_short_voice",
         batch=32,

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.sink_window_attention import store, store_step, store_tpu, tpu_blocks
+from kernels_pallas.sink_window_attention import store, store_step, store_tpu, tpu_blocks, tpu_compiler
 from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.compile import offline_tpu
 from mstar_jax.resources.kv.bounded import attention as bounded_attention
@@ -502,6 +502,39 @@ def test_settings_errors():
         store_step(*arrays, reverse=1)
     with pytest.raises(ValueError, match="implementation='mosaic'"):
         store_step(*arrays, reverse=False, implementation="mosaic")
+
+
+@pytest.mark.parametrize(
+    ("settings", "error", "match"),
+    [
+        ({"pin_to_hbm": 1}, TypeError, "pin_to_hbm=1 must be None .* or a bool"),
+        ({"pin_to_hbm": "yes"}, TypeError, "pin_to_hbm='yes' must be None"),
+        ({"pin_to_hbm": True, "interpret": True}, ValueError, "interpret mode refuses the pin"),
+        ({"pin_to_hbm": True, "interpret": pltpu.InterpretParams()}, ValueError, "refuses the pin"),
+    ],
+    ids=["int", "str", "interpret", "interpret_params"],
+)
+def test_tpu_pin_setting_errors(settings, error, match):
+    arrays = [np.zeros(s.shape, s.dtype) for s in _specs()]
+    with pytest.raises(error, match=match):
+        store_tpu.store_step_tpu(*arrays, reverse=False, **settings)
+
+
+@pytest.mark.parametrize(
+    ("settings", "pinned"),
+    [
+        ({}, tpu_compiler.pins_aliased_operands()),
+        ({"pin_to_hbm": True}, True),
+        ({"pin_to_hbm": False}, False),
+        ({"interpret": True}, False),  # whatever the libtpu: interpret mode refuses the pin
+    ],
+    ids=["default", "true", "false", "interpret"],
+)
+@pytest.mark.parametrize("dim", [128, 64], ids=["rows", "lanes"])
+def test_tpu_pin_follows_the_setting_and_the_libtpu(settings, pinned, dim):
+    fn = functools.partial(store_tpu.store_step_tpu, reverse=False, **settings)
+    jaxpr = str(jax.make_jaxpr(fn)(*_specs(dim=dim, capacity=256)))
+    assert jaxpr.count("with_memory_space_constraint") == (2 if pinned else 0)
 
 
 # --- the real TPU compiler (libtpu, compile-only devices) ---------------------------------------------------
