@@ -10,14 +10,17 @@ from one run, for a closed workload of `--streams` requests arriving at once at 
   2. the host's own time: per step and per row (the step's wall time less the time it waits on the
      device, which is what a faster device would not shorten), and the host's share of each step;
   3. the fraction of the synchronous engine's host time the pipelined one hides behind the device:
-     (synchronous step time - pipelined step time) / synchronous host time per step.
+     (synchronous step time - pipelined step time) / synchronous host time per step;
+  4. with decode blocks of K steps a dispatch (`--steps`, default 1 and 8; `EngineSettings.decode_steps`):
+     frames/s and time to first audio at each K ÷ K = 1's, each way.
 
-Both engines get the same requests and must give every request the same codes (checked). Runs are
+Every engine (each way, each K) gets the same requests and must give every request the same codes
+(checked). Runs are
 interleaved in a fresh random order every repeat (`benchmarks.timing`); figures are medians with their
 min–max over the repeats. On a CPU host the "device" is the same two cores the host runs on, so the
 overlap is far smaller than on an accelerator, which computes while the host plans.
 
-Run: python -m benchmarks.engine [--quick] [--repeats N] [--batch B] [--streams N]
+Run: python -m benchmarks.engine [--quick] [--repeats N] [--batch B] [--streams N] [--steps K ...]
 """
 
 from __future__ import annotations
@@ -95,10 +98,10 @@ def requests(config: StreamingTTSConfig, voices, streams: int, seed: int = 0) ->
 
 
 def serve(model, programs, config, *, batch: int, streams: int, pipelined: bool) -> Served:
-    """A fresh engine serving the workload to the end."""
+    """A fresh engine serving the workload to the end (decoding as many steps a dispatch as `programs`)."""
     specs = {s.resource_key: s for s in config.resource_specs()}
     talker, flow = (BoundedKVManager(specs[k], num_sources=VOICES) for k in ("talker_kv", "flow_kv"))
-    settings = EngineSettings(max_batch=batch, pipelined=pipelined)
+    settings = EngineSettings(max_batch=batch, pipelined=pipelined, decode_steps=programs.decode_steps)
     engine = Engine(model, talker=talker, flow=flow, programs=programs, settings=settings)
     engine.warm_up()
     voices = [engine.add_voice(i, frames=8 + 4 * i, seed=i) for i in range(VOICES)]
@@ -128,43 +131,58 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="runs each way (default 7, quick 3)")
     parser.add_argument("--batch", type=int, default=None, help="rows per step (default 64, quick 16)")
     parser.add_argument("--streams", type=int, default=None, help="requests (default 4 x batch)")
+    parser.add_argument(
+        "--steps", type=int, nargs="+", default=[8], help="decode steps per dispatch K besides 1 (default 8)"
+    )
     args = parser.parse_args(argv)
+    ks = sorted({1, *args.steps})
     batch = args.batch or (16 if args.quick else 64)
     streams = args.streams or (2 if args.quick else 4) * batch
     repeats = args.repeats or (3 if args.quick else 7)
-    label = quick_label(args.quick, f"batch {batch}, {streams} streams, {repeats} repeats")
+    label = quick_label(args.quick, f"batch {batch}, K {ks}, {streams} streams, {repeats} repeats")
     config = config_for(batch)
     model = StreamingTTSModel(config)
     specs = {s.resource_key: s for s in config.resource_specs()}
     talker, flow = (BoundedKVManager(specs[k], num_sources=VOICES) for k in ("talker_kv", "flow_kv"))
-    buckets = tts_buckets(
-        batch_sizes=cap_batch_sizes((1, 2, 4, 8, 16, 32, 64, 128), batch),
-        token_counts=TOKEN_COUNTS,
-        flow_chunk=config.flow_chunk,
-    )
     print(f"benchmarks/engine.py{label}")
     print(f"backend: {jax.default_backend()}; batch {batch}, {streams} streams of 24..96 frames, all at once")
     print(f"timing: {ORDER_NOTE}; {repeats} repeats; median (min–max)")
-    started = time.perf_counter()
-    programs = TTSPrograms.capture(model, buckets, talker=talker, flow=flow, progress=False, max_workers=2)
-    count = sum(len(s) for s in programs.steps.values())
-    print(f"captured {count} programs in {time.perf_counter() - started:.0f} s")
+    programs = {}
+    for k in ks:
+        buckets = tts_buckets(
+            batch_sizes=cap_batch_sizes((1, 2, 4, 8, 16, 32, 64, 128), batch),
+            token_counts=TOKEN_COUNTS, flow_chunk=config.flow_chunk, combined=k == 1, decode_steps=k,
+        )  # fmt: skip
+        started = time.perf_counter()
+        programs[k] = TTSPrograms.capture(
+            model, buckets, talker=talker, flow=flow, progress=False, max_workers=2
+        )
+        count = sum(len(s) for s in programs[k].steps.values())
+        print(f"captured {count} programs for K={k} in {time.perf_counter() - started:.0f} s")
 
-    runs: dict[str, list[Served]] = {"synchronous": [], "pipelined": []}
+    every: dict[tuple[str, int], list[Served]] = {
+        (m, k): [] for k in ks for m in ("synchronous", "pipelined")
+    }
 
-    def case(name: str):
+    def case(mode: str, k: int):
         def run() -> float:
-            pipelined = name == "pipelined"
-            served = serve(model, programs, config, batch=batch, streams=streams, pipelined=pipelined)
-            runs[name].append(served)
+            served = serve(
+                model, programs[k], config, batch=batch, streams=streams, pipelined=mode == "pipelined"
+            )
+            every[mode, k].append(served)
             return served.wall
 
         return run
 
-    wall = interleaved_times({name: case(name) for name in runs}, repeats, self_timed=True)
-    for sync, pipe in zip(runs["synchronous"], runs["pipelined"], strict=False):
-        if sync.codes != pipe.codes:
-            raise RuntimeError("the pipelined engine generated other codes than the synchronous one")
+    walls = interleaved_times({key: case(*key) for key in every}, repeats, self_timed=True)
+    first = every["synchronous", 1][0].codes
+    for key, served in every.items():
+        if any(r.codes != first for r in served):
+            raise RuntimeError(
+                f"the {key[0]} engine at K={key[1]} generated other codes than synchronous K=1"
+            )
+    runs = {mode: every[mode, 1] for mode in ("synchronous", "pipelined")}
+    wall = {mode: walls[mode, 1] for mode in runs}
     per_step = {n: [r.wall / r.steps for r in rs[-repeats:]] for n, rs in runs.items()}
     host = {n: [(r.wall - r.waited) / r.steps for r in rs[-repeats:]] for n, rs in runs.items()}
 
@@ -191,6 +209,20 @@ def main(argv=None) -> None:
     hidden = [(s - p) / h for s, p, h in zip(sync, pipe, host["synchronous"], strict=True)]
     print(f"\n3. host time hidden behind the device by pipelining{label}")
     print(f"   (synchronous - pipelined step time) ÷ synchronous host time: {describe(hidden, '.2f')}")
+
+    print(f"\n4. K decode steps per dispatch, against K = 1 the same way{label}")
+    for (mode, k), served in every.items():
+        served, base = served[-repeats:], every[mode, 1][-repeats:]
+        frames_s = describe([r.frames / r.wall for r in served], ".0f", repeats=False)
+        ttfa = describe([statistics.median(r.first_audio) for r in served], ".1f", scale=1e3, repeats=False)
+        speed = describe(ratios(walls[mode, 1], walls[mode, k]), ".3f", repeats=False)
+        waits = [statistics.median(r.first_audio) for r in served]
+        base_waits = [statistics.median(r.first_audio) for r in base]
+        later = describe(ratios(waits, base_waits), ".3f", repeats=False)
+        print(
+            f"   {mode:<12} K={k:<3} {frames_s} frames/s (× K=1 {speed}), first audio {ttfa} ms "
+            f"(÷ K=1 {later})"
+        )
 
 
 if __name__ == "__main__":

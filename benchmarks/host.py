@@ -8,12 +8,13 @@ parts; "rest" is the step's wall time outside them (the step transaction, the re
 reading outputs back, the loop). A row-token is one codec frame of one stream, the talker's token:
 all host work, the flow decoder's included, is charged to the frames.
 
-Prints, per batch (1, 64 and 256 unless `--batch`), synchronous and pipelined: microseconds per
-row-token in all and per phase, median (min–max) over the repeats, the cases run in a fresh random
-order each repeat (`benchmarks.timing`). One decode step per dispatch (K = 1) is today's engine:
-these figures are the baseline K steps per dispatch (issue 23) are to be measured against.
+Prints, per batch (1, 64 and 256 unless `--batch`) and decode steps per dispatch K (1, 8 and 32 unless
+`--steps`), synchronous and pipelined: microseconds per row-token in all and per phase, median
+(min–max) over the repeats, the cases run in a fresh random order each repeat (`benchmarks.timing`),
+and each K's total as a ratio to K = 1's at the same batch and mode, from the same run. K = 1 is one
+decode step per dispatch, the engine before decode blocks (`EngineSettings.decode_steps`).
 
-Run: python -m benchmarks.host [--quick] [--repeats N] [--batch B ...] [--frames F]
+Run: python -m benchmarks.host [--quick] [--repeats N] [--batch B ...] [--steps K ...] [--frames F]
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ class InstantStep:
     """A captured step's stand-in whose replay returns at once: the caches as given, and outputs of
     the bucket's shapes made beforehand (zeros: codec frame 0, silent audio)."""
 
-    def __init__(self, walk: str, keys, width: int, mel_bins: int):
+    def __init__(self, walk: str, keys, width: int, mel_bins: int, steps: int):
         def outputs(bucket):
             if walk != FLOW_CHUNK:
-                return jnp.zeros((width,), jnp.int32)
+                return jnp.zeros((width, steps), jnp.int32)
             mel = jnp.zeros((bucket.bs, bucket.num_tokens, mel_bins), jnp.float32)
             return mel, jnp.zeros((bucket.bs, bucket.num_tokens * SAMPLES_PER_FRAME), jnp.float32)
 
@@ -57,15 +58,20 @@ class InstantStep:
         return caches, self.outputs[bucket]
 
 
-def instant_programs(model: StreamingTTSModel, batch: int) -> TTSPrograms:
-    """Every walk's buckets up to `batch` rows, each program an `InstantStep`."""
+def instant_programs(model: StreamingTTSModel, batch: int, decode_steps: int = 1) -> TTSPrograms:
+    """Every walk's buckets up to `batch` rows, decode blocks of `decode_steps`, each program an
+    `InstantStep`."""
     buckets = tts_buckets(
         batch_sizes=cap_batch_sizes((1, 2, 4, 8, 16, 32, 64, 128, 256), batch),
         token_counts=TOKEN_COUNTS,
         flow_chunk=model.config.flow_chunk,
+        combined=decode_steps == 1,
+        decode_steps=decode_steps,
     )
     width, bins = codes_width(buckets), model.config.mel_bins
-    steps = {walk: InstantStep(walk, buckets[walk].keys(), width, bins) for walk in buckets.walks}
+    steps = {
+        walk: InstantStep(walk, buckets[walk].keys(), width, bins, decode_steps) for walk in buckets.walks
+    }
     return TTSPrograms(buckets=buckets, steps=steps, codes_width=width, settings=model.settings)
 
 
@@ -80,13 +86,15 @@ def timed(phases: collections.Counter, name: str, fn):
     return wrapper
 
 
-def serve(model, config, *, batch: int, frames: int, pipelined: bool) -> tuple[float, dict[str, float]]:
-    """A fresh engine on instant programs serving `2 * batch` streams of `frames` frames, all at once;
-    returns (microseconds per row-token, per phase)."""
+def serve(
+    model, config, *, batch: int, frames: int, pipelined: bool, decode_steps: int = 1
+) -> tuple[float, dict[str, float]]:
+    """A fresh engine on instant programs, decoding `decode_steps` frames a dispatch, serving `2 * batch`
+    streams of `frames` frames, all at once; returns (microseconds per row-token, per phase)."""
     specs = {s.resource_key: s for s in config.resource_specs()}
     talker, flow = (BoundedKVManager(specs[k], num_sources=VOICES) for k in ("talker_kv", "flow_kv"))
-    settings = EngineSettings(max_batch=batch, pipelined=pipelined)
-    programs = instant_programs(model, batch)
+    settings = EngineSettings(max_batch=batch, pipelined=pipelined, decode_steps=decode_steps)
+    programs = instant_programs(model, batch, decode_steps)
     engine = Engine(model, talker=talker, flow=flow, programs=programs, settings=settings)
     voices = [engine.add_voice(i, frames=8 + 4 * i, seed=i) for i in range(VOICES)]
     rng = np.random.default_rng(0)
@@ -127,38 +135,48 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--repeats", type=int, default=None, help="runs of each case (default 5, quick 2)")
     parser.add_argument("--batch", type=int, nargs="+", default=None, help="batches (default 1 64 256)")
+    parser.add_argument(
+        "--steps", type=int, nargs="+", default=None, help="decode steps per dispatch K (default 1 8 32)"
+    )
     parser.add_argument("--frames", type=int, default=None, help="frames per stream (default 64, quick 16)")
     args = parser.parse_args(argv)
     batches = args.batch or ([1, 8] if args.quick else [1, 64, 256])
+    ks = sorted({1, *(args.steps or ([1, 8] if args.quick else [1, 8, 32]))})  # K = 1: the baseline
     frames = args.frames or (16 if args.quick else 64)
     repeats = args.repeats or (2 if args.quick else 5)
-    label = quick_label(args.quick, f"batches {batches}, {frames} frames, {repeats} repeats")
+    label = quick_label(args.quick, f"batches {batches}, K {ks}, {frames} frames, {repeats} repeats")
     print(f"benchmarks/host.py{label}")
-    print(f"backend: {jax.default_backend()}; every program replaced by one that returns at once; K = 1")
+    print(f"backend: {jax.default_backend()}; every program replaced by one that returns at once")
     print(f"timing: {ORDER_NOTE}; {repeats} repeats; median (min–max); 2 x batch streams of {frames} frames")
     config = config_for(max(batches) * 2)
     model = StreamingTTSModel(config)
-    results: dict[tuple[int, bool], list[dict[str, float]]] = collections.defaultdict(list)
+    results: dict[tuple[int, bool, int], list[dict[str, float]]] = collections.defaultdict(list)
 
-    def case(batch: int, pipelined: bool):
+    def case(batch: int, pipelined: bool, k: int):
         def run() -> float:
-            total, phases = serve(model, config, batch=batch, frames=frames, pipelined=pipelined)
-            results[batch, pipelined].append({"total": total, **phases})
+            total, phases = serve(
+                model, config, batch=batch, frames=frames, pipelined=pipelined, decode_steps=k
+            )
+            results[batch, pipelined, k].append({"total": total, **phases})
             return total
 
         return run
 
-    cases = {(b, p): case(b, p) for b in batches for p in (False, True)}
+    cases = {(b, p, k): case(b, p, k) for b in batches for p in (False, True) for k in ks}
     interleaved_times(cases, repeats, self_timed=True)
     print(f"\nmicroseconds of host work per row-token{label}")
-    print(f"   phases (medians): {', '.join(PHASES)}, and the rest of the step")
-    for (batch, pipelined), runs in results.items():
-        runs = runs[-repeats:]
+    print(f"   phases (medians): {', '.join(PHASES)}, and the rest of the step; ÷ K=1: the median total")
+    print("   over K = 1's at the same batch and mode")
+    for batch, pipelined, k in sorted(results):
+        runs = results[batch, pipelined, k][-repeats:]
         total = describe([r["total"] for r in runs], ".2f", repeats=False)
+        base = statistics.median(r["total"] for r in results[batch, pipelined, 1][-repeats:])
+        ratio = statistics.median(r["total"] for r in runs) / base
         phases = ", ".join(
             f"{name} {statistics.median(r[name] for r in runs):.2f}" for name in (*PHASES, "rest")
         )
-        print(f"   batch {batch:>3} {'pipelined' if pipelined else 'synchronous':<11} {total}: {phases}")
+        mode = "pipelined" if pipelined else "synchronous"
+        print(f"   batch {batch:>3} {mode:<11} K={k:<3} {total} (÷ K=1 {ratio:.3f}): {phases}")
 
 
 if __name__ == "__main__":

@@ -272,7 +272,7 @@ def reference_engine(engine: Engine) -> Engine:
         talker=talker,
         flow=flow,
         programs=engine.programs,
-        settings=EngineSettings(max_batch=engine.max_batch),
+        settings=EngineSettings(max_batch=engine.max_batch, decode_steps=engine.settings.decode_steps),
         history=1,
     )
     reference.warm_up()

@@ -113,7 +113,8 @@ def test_bad_config_exits_2_with_the_message_and_no_traceback(tmp_path, capsys):
     assert out == ""
     assert err == (
         f"mstar-jax check: error: {path}: unknown key 'max_batchh' in 'engine'; "
-        "allowed: ['max_batch', 'hold_backoff_s', 'offload_idle_after_s', 'snapshot_every', 'pipelined']\n"
+        "allowed: ['max_batch', 'hold_backoff_s', 'offload_idle_after_s', 'snapshot_every', 'pipelined', "
+        "'decode_steps']\n"
     )
 
 
