@@ -116,6 +116,29 @@ def random_config(rng: np.random.Generator) -> BoundedKVConfig:
     )
 
 
+def declared_step(cfg, bucket, batch, spans, positions, tokens, steps: int = 1):
+    """The step of `batch` (its `spans` and `tokens`), padded to the cache's slots, and its context."""
+    padding = [f"pad{i}" for i in range(cfg.max_slots - len(batch))]
+    ctx = StepContext(batch, "decode", 0, capture=False, slot_lease=SlotLease(0, bucket))
+    ctx.set_padded_rids(batch + padding)
+    step = BoundedKVStep(
+        tuple(Segment(rid, "main", spans[rid]) for rid in batch)
+        + tuple(Segment(p, "main", 0) for p in padding),
+        positions={rid: positions[rid] for rid in batch},
+        step_tokens=tokens,
+        steps=steps,
+    )
+    return step, ctx
+
+
+def assert_only_these_slots_changed(before, after, touched, cfg, label: str = "") -> None:
+    """Every slot but `touched` holds the same keys and values `after` as `before`."""
+    for layer in range(cfg.num_layers):
+        for old, new in ((before.k[layer], after.k[layer]), (before.v[layer], after.v[layer])):
+            for slot in set(range(cfg.max_slots + 1)) - touched:
+                np.testing.assert_array_equal(old[slot], new[slot], err_msg=f"{label}slot {slot} changed")
+
+
 def run_random_streams(seed: int, steps: int = 60, implementation: str = "xla") -> int:
     """Drive random streams through the manager and compare every output with the oracle."""
     rng = np.random.default_rng(seed)
@@ -161,15 +184,7 @@ def run_random_streams(seed: int, steps: int = 60, implementation: str = "xla") 
         rng.shuffle(batch)
         tokens = {rid: int(rng.integers(1, T + 1)) for rid in batch}
         spans = {rid: int(rng.integers(0, tokens[rid] + 1)) for rid in batch}
-        padding = [f"pad{i}" for i in range(cfg.max_slots - len(batch))]
-        ctx = StepContext(batch, "decode", 0, capture=False, slot_lease=SlotLease(0, bucket))
-        ctx.set_padded_rids(batch + padding)
-        step = BoundedKVStep(
-            tuple(Segment(rid, "main", spans[rid]) for rid in batch)
-            + tuple(Segment(p, "main", 0) for p in padding),
-            positions={rid: positions[rid] for rid in batch},
-            step_tokens=tokens,
-        )
+        step, ctx = declared_step(cfg, bucket, batch, spans, positions, tokens)
         assert manager.admit(step, ctx).ok
         plan = manager.plan(step, ctx)
         rows = cfg.max_slots * R
@@ -183,10 +198,7 @@ def run_random_streams(seed: int, steps: int = 60, implementation: str = "xla") 
         manager.commit(step, ctx)
         out, after = np.asarray(out), jax.device_get(manager.cache)
         touched = {manager.slot_of(rid) for rid in batch} | {manager.padding_slot}
-        for layer in range(L):
-            for old, new in ((before.k[layer], after.k[layer]), (before.v[layer], after.v[layer])):
-                for slot in set(range(cfg.max_slots + 1)) - touched:
-                    np.testing.assert_array_equal(old[slot], new[slot], err_msg=f"slot {slot} changed")
+        assert_only_these_slots_changed(before, after, touched, cfg)
         for b, rid in enumerate(batch):
             rows_b = slice(b * R, (b + 1) * R)
             q_b = q[:, rows_b].astype(np.float64)
@@ -249,16 +261,8 @@ def run_random_blocks(seed: int, blocks: int = 20) -> int:
         if not batch:
             continue
         spans = {rid: int(rng.integers(0, K + 1)) for rid in batch}  # 0: a row taking none of the steps
-        padding = [f"pad{i}" for i in range(cfg.max_slots - len(batch))]
-        ctx = StepContext(batch, "decode", 0, capture=False, slot_lease=SlotLease(0, bucket))
-        ctx.set_padded_rids(batch + padding)
-        step = BoundedKVStep(
-            tuple(Segment(rid, "main", spans[rid]) for rid in batch)
-            + tuple(Segment(p, "main", 0) for p in padding),
-            positions={rid: positions[rid] for rid in batch},
-            step_tokens={rid: max(spans[rid], 1) for rid in batch},
-            steps=K,
-        )
+        tokens = {rid: max(spans[rid], 1) for rid in batch}
+        step, ctx = declared_step(cfg, bucket, batch, spans, positions, tokens, steps=K)
         assert manager.admit(step, ctx).ok
         plan = manager.plan(step, ctx)
         assert plan.steps == K
@@ -276,10 +280,7 @@ def run_random_blocks(seed: int, blocks: int = 20) -> int:
             out, after = np.asarray(out), jax.device_get(manager.cache)
             taking = [rid for rid in batch if j < spans[rid]]
             touched = {manager.slot_of(rid) for rid in taking} | {manager.padding_slot}
-            for layer in range(L):
-                for old, new in ((before.k[layer], after.k[layer]), (before.v[layer], after.v[layer])):
-                    for slot in set(range(cfg.max_slots + 1)) - touched:
-                        np.testing.assert_array_equal(old[slot], new[slot], err_msg=f"step {j}: slot {slot}")
+            assert_only_these_slots_changed(before, after, touched, cfg, f"step {j}: ")
             for i, rid in enumerate(batch):
                 if rid not in taking:
                     continue
