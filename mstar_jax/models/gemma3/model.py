@@ -16,6 +16,12 @@ each head's queries and keys (QK-norm), RoPE at absolute stream positions, a GeG
 embeddings scaled by sqrt(d_model), the output projection tied to the embedding. Norm weights are used
 as stored (`x * w`): the GGUF conversion stores Gemma's `1 + w` already (see `gguf.py`).
 
+The tied embedding is held transposed, `[E, V]`, in the output projection's layout: a decode step's
+logits are a matrix-vector product over all 262,144 words, the largest read of the step (671 MB in
+float32, more than every layer together), and XLA:CPU streams `h @ W[E, V]` about twice as fast as
+`W[V, E] @ h` (measured on a 2-core AMD EPYC: 25 against 45 ms). The lookup then gathers a column per
+token, 640 scattered reads (40 KB of cache lines), nothing beside the projection.
+
 Shape legend: B requests, T step tokens, E d_model, H query heads, G K/V heads, D head dim, F MLP width,
 V vocabulary.
 """
@@ -47,7 +53,7 @@ layer's queries meet their keys; `index` counts layers of its kind (local or glo
 # A parameter's path (its attribute names) -> (its GGUF tensor name, whether to transpose it): GGUF and
 # PyTorch hold a linear weight as [out, in], nnx.Linear as [in, out]. Block tensors are `blk.{i}.` + name.
 _GGUF_NAMES = {
-    ("embed",): ("token_embd.weight", False),
+    ("embed_t",): ("token_embd.weight", True),
     ("norm", "scale"): ("output_norm.weight", False),
     **{
         ("blocks", attr, "scale"): (f"{name}.weight", False)
@@ -116,7 +122,7 @@ class Gemma3(nnx.Module):
 
     def __init__(self, config: Gemma3Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
-        self.embed = nnx.Param(jnp.zeros((config.vocab_size, config.d_model), dtype))
+        self.embed_t = nnx.Param(jnp.zeros((config.d_model, config.vocab_size), dtype))
         self.blocks = ModuleList(
             [
                 Gemma3Block(config, is_global=config.is_global(i), dtype=dtype, rngs=rngs)
@@ -164,7 +170,9 @@ class Gemma3(nnx.Module):
         Returns:
           (hidden [B, T, E] after the final norm, state).
         """
-        x = self.embed[...][tokens] * jnp.asarray(math.sqrt(self.config.d_model), self.embed[...].dtype)
+        table = self.embed_t[...]
+        x = jnp.moveaxis(jnp.take(table, tokens, axis=1), 0, -1)  # [E, B, T] -> [B, T, E]
+        x = x * jnp.asarray(math.sqrt(self.config.d_model), table.dtype)
         counts = {False: 0, True: 0}
         for block in self.blocks:
             q, k, v = block.project(x, positions)
@@ -174,5 +182,5 @@ class Gemma3(nnx.Module):
         return self.norm(x), state
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden [..., E] -> f32[..., V] (the output projection is the embedding, transposed)."""
-        return jnp.einsum("...e,ve->...v", hidden, self.embed[...], preferred_element_type=jnp.float32)
+        """hidden [..., E] -> f32[..., V] (the output projection is the tied embedding, held `[E, V]`)."""
+        return jnp.einsum("...e,ev->...v", hidden, self.embed_t[...], preferred_element_type=jnp.float32)
