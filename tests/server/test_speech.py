@@ -203,18 +203,23 @@ def test_the_sdk_raises_bad_request_for_an_unknown_voice(sdk):
         sdk.audio.speech.create(model="streaming_tts", voice="nova", input="hi")
 
 
-def test_a_websocket_message_refused_closes_with_1007(served):
-    url, host, _ = served
+def refused_frame(url: str, frame: str | bytes) -> tuple[dict, int]:
+    """The error message and close code a WebSocket session answers `frame`, its first frame, with."""
 
     async def talk():
         async with websockets.connect(url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
-            await ws.send(json.dumps({"type": "start", "voice": "nobody"}))
+            await ws.send(frame)
             error = json.loads(await ws.recv())
             with pytest.raises(websockets.ConnectionClosed):
                 await ws.recv()
             return error, ws.close_code
 
-    error, code = asyncio.run(asyncio.wait_for(talk(), 30))
+    return asyncio.run(asyncio.wait_for(talk(), 30))
+
+
+def test_a_websocket_message_refused_closes_with_1007(served):
+    url, host, _ = served
+    error, code = refused_frame(url, json.dumps({"type": "start", "voice": "nobody"}))
     assert code == 1007
     assert error["error"]["param"] == "voice"
     assert_nothing_leaked(host)
@@ -222,16 +227,7 @@ def test_a_websocket_message_refused_closes_with_1007(served):
 
 def test_a_binary_websocket_frame_is_refused_with_1007(served):
     url, host, _ = served
-
-    async def talk():
-        async with websockets.connect(url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
-            await ws.send(b'{"type": "text", "text": "hi. "}')
-            error = json.loads(await ws.recv())
-            with pytest.raises(websockets.ConnectionClosed):
-                await ws.recv()
-            return error, ws.close_code
-
-    error, code = asyncio.run(asyncio.wait_for(talk(), 30))
+    error, code = refused_frame(url, b'{"type": "text", "text": "hi. "}')
     assert code == 1007
     assert "must be a JSON text frame, not binary" in error["error"]["message"]
     assert_nothing_leaked(host)
