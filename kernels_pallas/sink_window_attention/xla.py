@@ -24,6 +24,8 @@ from kernels_pallas.sink_window_attention.ordered import ordered_sum
 
 # f32 inputs keep f32 products on TPU/GPU (the default would round them to bf16 / TF32); bf16 is exact.
 _PRECISION = lax.Precision.HIGHEST
+SCORES_KEYS_LEFT = 16
+"""Queries per KV head in a step up to which the scores' product takes the keys on its left (`_scores`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +142,25 @@ def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, precision=_PRECISION, preferred_element_type=jnp.float32)
 
 
+def _scores(qg: jax.Array, keys: jax.Array) -> jax.Array:
+    """f32[N, G, T, I, P]: each query's product with each key.
+
+    A few queries per KV head (a decode step) take the keys as the left operand: their head dim is then
+    its contracting dim, minor as stored, and nothing lays the keys out again (with the queries on the
+    left, XLA:CPU transposed every layer's gathered keys each step, 4 ms of Gemma 3's 43). Many queries
+    (a prefill chunk) keep them on the right, where the product's output needs no transpose.
+    """
+    n_rows, steps, groups, per_group, dim = qg.shape
+    if steps * per_group > SCORES_KEYS_LEFT:
+        return _dot("ntgid,ngpd->ngtip", qg, keys)
+    queries = qg.transpose(0, 2, 1, 3, 4).reshape(n_rows, groups, steps * per_group, dim)
+    s = lax.dot_general(
+        keys, queries, (((3,), (3,)), ((0, 1), (0, 1))), precision=_PRECISION,
+        preferred_element_type=jnp.float32,
+    )  # [N, G, P, T * I]  # fmt: skip
+    return s.reshape(n_rows, groups, -1, steps, per_group).transpose(0, 1, 3, 4, 2)
+
+
 def _visible(rows: jax.Array, part: _Part, steps: int, query_window: int | None) -> jax.Array:
     """bool[N, T, P]: which keys of `part` each step token sees (validity and the query window)."""
     visible = jnp.broadcast_to(part.valid[:, None, :], (part.valid.shape[0], steps, part.valid.shape[1]))
@@ -211,7 +232,7 @@ def sink_window_attention_xla(
             qg = q.reshape(n_rows, steps, groups, heads // groups, dim)  # [N, T, G, I, D]
             scores = []  # [N, G, T, I, P] per part: (n, g) lead, as the dots batch them
             for part in parts:
-                s = _dot("ntgid,ngpd->ngtip", qg, part.keys)
+                s = _scores(qg, part.keys)
                 if rel_bias is not None:
                     s = s + _rel_bias_scores(rel_bias, rows, part, groups)
                 s = s * scale
