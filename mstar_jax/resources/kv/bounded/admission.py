@@ -6,7 +6,7 @@ and changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from mstar_jax.checks import is_int
@@ -19,7 +19,7 @@ from mstar_jax.resources.step import (
     StepContext,
 )
 
-__all__ = ["check_segment", "refuse", "step_tokens_of"]
+__all__ = ["check_rows", "check_segment", "refuse", "step_tokens_of"]
 
 
 def refuse(reason) -> AdmitOutcome:
@@ -116,3 +116,36 @@ def check_segment(
             f"{lease.bucket.num_tokens} per row"
         )
     return None
+
+
+def check_rows(
+    step: BoundedKVStep,
+    ctx: StepContext,
+    *,
+    padding: Callable[[str, StepContext], bool],
+    config: BoundedKVConfig,
+    requests: Mapping[str, Any],
+    num_sources: int,
+    source_lengths: Mapping[int, int],
+) -> tuple[AdmitOutcome | None, list[str]]:
+    """`check_segment` row by row over the step's real rows (those `padding` leaves): the refusal of the
+    first row refused (None: none is), and the rows whose requests need a slot."""
+    need_slot: list[str] = []
+    seen: set[str] = set()
+    for seg in step.segments or ():
+        if padding(seg.request_id, ctx):
+            continue
+        if seg.request_id in seen:  # two rows would share one slot and one write range
+            return refuse(AdmitRuntimeError(
+                f"bounded KV step declares {seg.request_id!r} twice; a request adds one segment per step"
+            )), need_slot  # fmt: skip
+        reason = check_segment(
+            seg, step.positions.get(seg.request_id), step_tokens_of(step, seg), ctx, config=config,
+            requests=requests, num_sources=num_sources, source_lengths=source_lengths,
+        )  # fmt: skip
+        if reason is not None:
+            return refuse(reason), need_slot
+        seen.add(seg.request_id)
+        if requests[seg.request_id].slot is None:
+            need_slot.append(seg.request_id)
+    return None, need_slot

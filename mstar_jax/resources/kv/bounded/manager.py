@@ -16,8 +16,9 @@ import jax
 
 from mstar_jax.checks import check_int
 from mstar_jax.resources.base import Resource
+from mstar_jax.resources.kv.bounded import columns as cols
 from mstar_jax.resources.kv.bounded import planning
-from mstar_jax.resources.kv.bounded.admission import check_segment, refuse, step_tokens_of
+from mstar_jax.resources.kv.bounded.admission import check_rows, refuse
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, BoundedKVStep, StreamPosition
 from mstar_jax.resources.kv.bounded.host import BoundedKVSnapshot, HostCopies, RequestRecord
@@ -28,7 +29,6 @@ from mstar_jax.resources.spec import NodeResourceSpec, ResourceReqConfig
 from mstar_jax.resources.step import (
     ADMIT_OK,
     AdmitOutcome,
-    AdmitRuntimeError,
     AllocationFailed,
     ResourceStep,
     Segment,
@@ -87,6 +87,9 @@ class BoundedKVManager(Resource):
         self._source_lengths: dict[int, int] = {}
         self._readers: Counter[int] = Counter()
         self._claimed_in_step: list[str] = []
+        # The last admitted step's rows as columns (`columns`): its plan and commit read them, until
+        # anything else changes a record.
+        self._columns: cols.StepColumns | None = None
         # Its parts, given the state they share with it (the records, slots and counters are the same
         # objects: a part updates them in place).
         bank = SourceBank.create(self._storage, num_sources)
@@ -168,10 +171,12 @@ class BoundedKVManager(Resource):
 
     def offload(self, request_id: str) -> int:
         """Copy the request's slot to host memory and free the slot; return the device bytes reclaimed."""
+        self._columns = None
         return self._host.offload(request_id)
 
     def reload(self, request_id: str) -> bool:
         """Bring an offloaded request back into a free slot, bit-exactly; False while none is free."""
+        self._columns = None
         return self._host.reload(request_id)
 
     def cache_lost(self) -> bool:
@@ -185,7 +190,7 @@ class BoundedKVManager(Resource):
     def recover(self, snapshot: BoundedKVSnapshot | None = None, restore: Collection[str] = ()) -> list[str]:
         """Rebuild the device cache after a fault lost it; return the requests whose state was lost
         (`HostCopies.recover`)."""
-        self._claimed_in_step = []
+        self._claimed_in_step, self._columns = [], None
         return self._host.recover(snapshot, restore)
 
     # Introspection.
@@ -245,6 +250,7 @@ class BoundedKVManager(Resource):
         self._requests.setdefault(request_id, RequestRecord())
 
     def remove_request(self, request_id: str) -> None:
+        self._columns = None
         request = self._requests.pop(request_id, None)
         if request is None:
             return
@@ -254,6 +260,7 @@ class BoundedKVManager(Resource):
             self._readers[request.source] -= 1
 
     def reset_request(self, request_id: str, free: bool = False) -> None:
+        self._columns = None
         if free:
             self.remove_request(request_id)
         elif request_id in self._requests:
@@ -275,28 +282,21 @@ class BoundedKVManager(Resource):
         ctx = ctx or StepContext.for_step(step)
         if ctx.capture:
             return ADMIT_OK
-        need_slot: list[str] = []
-        admitted: dict[str, tuple[StreamPosition, int]] = {}
-        for seg in step.segments or ():
-            if self._is_padding(seg.request_id, ctx):
-                continue
-            if seg.request_id in admitted:  # two rows would share one slot and one write range
-                return refuse(
-                    AdmitRuntimeError(
-                        f"bounded KV step declares {seg.request_id!r} twice; "
-                        "a request adds one segment per step"
-                    )
-                )
-            pos = step.positions.get(seg.request_id)
-            reason = check_segment(
-                seg, pos, step_tokens_of(step, seg), ctx, config=self.config, requests=self._requests,
+        self._columns = None
+        columns = cols.gather(step, ctx, self._requests, padding=self._is_padding)
+        if columns is not None and cols.admissible(
+            columns, ctx, config=self.config, num_sources=self.bank.num_sources,
+            source_lengths=self._source_lengths,
+        ):  # fmt: skip
+            pairs = zip(columns.segments, columns.records, strict=True)
+            need_slot = [seg.request_id for seg, record in pairs if record.slot is None]
+        else:  # row by row: the first row refused says why
+            columns, (refusal, need_slot) = None, check_rows(
+                step, ctx, padding=self._is_padding, config=self.config, requests=self._requests,
                 num_sources=self.bank.num_sources, source_lengths=self._source_lengths,
             )  # fmt: skip
-            if reason is not None:
-                return refuse(reason)
-            admitted[seg.request_id] = (pos, seg.span)
-            if self._requests[seg.request_id].slot is None:
-                need_slot.append(seg.request_id)
+            if refusal is not None:
+                return refusal
         free = len(self._slots)
         if len(need_slot) > free:
             rid = need_slot[free]
@@ -319,9 +319,18 @@ class BoundedKVManager(Resource):
             request.policy = policies[rid]
             if pos.source_len > 0:  # a request with no source prefix holds no claim on the bank
                 self._readers[request.source] += 1
-        for rid, (pos, span) in admitted.items():
-            self._requests[rid].admitted = (StreamPosition(*map(int, pos)), int(span))
-        self._claimed_in_step = need_slot
+        if columns is None:  # admitted row by row: each request's values as ints
+            for seg in step.segments or ():
+                if not self._is_padding(seg.request_id, ctx):
+                    pos = StreamPosition(*map(int, step.positions[seg.request_id]))
+                    self._requests[seg.request_id].admitted = (pos, int(seg.span))
+        else:
+            for record, source_len, written, source, span in zip(
+                columns.records, columns.source_len.tolist(), columns.written.tolist(),
+                columns.source.tolist(), columns.span.tolist(), strict=True,
+            ):  # fmt: skip
+                record.admitted = (StreamPosition(source_len, written, source), span)
+        self._claimed_in_step, self._columns = need_slot, columns
         return ADMIT_OK
 
     def _real_segments(self, step: BoundedKVStep, ctx: StepContext, call: str) -> list[Segment]:
@@ -369,11 +378,15 @@ class BoundedKVManager(Resource):
         """
         step = _as_bounded_step(step)
         ctx = ctx or StepContext.for_step(step)
-        segments = step.segments or ()
-        real = [seg.request_id for seg in segments if not self._is_padding(seg.request_id, ctx)]
+        real = [seg.request_id for seg in step.segments or () if not self._is_padding(seg.request_id, ctx)]
+        return self._table_rows(step, ctx, real)
+
+    def _table_rows(self, step: BoundedKVStep, ctx: StepContext, real: list[str]) -> tuple[int, dict]:
         lease = ctx.slot_lease
         bucket_rows = lease.bucket.bs if lease is not None and lease.bucket is not None else None
-        return planning.table_rows(segments, real, bucket_rows, slots=self._slots, requests=self._requests)
+        return planning.table_rows(
+            step.segments or (), real, bucket_rows, slots=self._slots, requests=self._requests
+        )
 
     def plan(self, step: ResourceStep, ctx: StepContext | None = None) -> BoundedKVPlan:
         """The plan table for `step`'s requests, laid out by `plan_rows` (padding rows plan empty, on
@@ -385,13 +398,26 @@ class BoundedKVManager(Resource):
         """
         step = _as_bounded_step(step)
         ctx = ctx or StepContext.for_step(step)
-        real = self._real_segments(step, ctx, "plan")
-        rows, row_of = self.plan_rows(step, ctx)
+        columns, fields = self._columns_of(step), None
+        if columns is None:
+            real = self._real_segments(step, ctx, "plan")
+        else:  # admitted as columns, nothing changed since: every row holds its slot
+            real = list(columns.segments)
+            fields = planning.row_fields(
+                columns.records, self._slots, source=columns.source, source_len=columns.source_len,
+                written=columns.written,
+            )  # fmt: skip
+        rows, row_of = self._table_rows(step, ctx, [seg.request_id for seg in real])
         bucket = None if ctx.slot_lease is None else ctx.slot_lease.bucket
         return planning.plan(
             step, real, rows, row_of, bucket, requests=self._requests, slots=self._slots,
-            padding_slot=self.padding_slot, config=self.config,
+            padding_slot=self.padding_slot, config=self.config, fields=fields,
         )  # fmt: skip
+
+    def _columns_of(self, step: BoundedKVStep) -> cols.StepColumns | None:
+        """The columns admit read of `step` itself, while no record changed since (else None)."""
+        columns = self._columns
+        return columns if columns is not None and columns.step is step else None
 
     def commit(self, step: ResourceStep, ctx: StepContext | None = None) -> None:
         """Record that the step ran: each request's `written` becomes its declared position plus span.
@@ -404,17 +430,22 @@ class BoundedKVManager(Resource):
         ctx = ctx or StepContext.for_step(step)
         if ctx.capture:
             return
-        for seg in self._admitted_segments(step, ctx):
-            request = self._requests[seg.request_id]
+        columns = self._columns_of(step)
+        if columns is None:
+            records = [self._requests[seg.request_id] for seg in self._admitted_segments(step, ctx)]
+        else:  # the step admit accepted: every row's admission is its own
+            records = columns.records
+        for request in records:
             position, span = request.admitted
             if position.written == 0:  # its first step: count where it runs
                 self.placed[self._slots.shard_of(request.slot)] += 1
             request.written = position.written + span
             request.admitted = None
-        self._claimed_in_step = []
+        self._claimed_in_step, self._columns = [], None
 
     def abort_step(self, step: ResourceStep, ctx: StepContext | None = None) -> None:
         """Forget the step's admission; return the slots it claimed for requests that have written nothing."""
+        self._columns = None
         for seg in step.segments or ():
             request = self._requests.get(seg.request_id)
             if request is not None:
@@ -429,6 +460,7 @@ class BoundedKVManager(Resource):
         self._claimed_in_step = []
 
     def cleanup(self) -> None:
+        self._columns = None
         self._requests.clear()
         self._readers.clear()
         self._slots.reset()

@@ -15,7 +15,7 @@ from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVStep
 from mstar_jax.resources.kv.bounded.slots import SlotPools
 from mstar_jax.resources.step import BucketKey, Segment
 
-__all__ = ["block_tables", "plan", "table_rows"]
+__all__ = ["block_tables", "plan", "row_fields", "table_rows"]
 
 
 def table_rows(
@@ -70,24 +70,25 @@ def plan(
     slots: SlotPools,
     padding_slot: int,
     config: BoundedKVConfig,
+    fields: Mapping[str, np.ndarray] | None = None,
 ) -> BoundedKVPlan:
     """The plan table of `step`'s real rows `real`, at their rows `row_of` of a `rows`-row table (padding
     rows plan empty, on each shard's padding slot); slots are local to each request's data shard.
 
     The plan's `num_tokens` is the bucket's token count for a bucketed step (its arrays are the bucket's
     width), else the most step tokens a row declares (None with no real rows). A block of one-token
-    steps (`step.steps` > 1) plans one table per step (`block_tables`), each of width 1.
+    steps (`step.steps` > 1) plans one table per step (`block_tables`), each of width 1. `fields`: the
+    real rows' `row_fields`, where the caller has them (else read from the records and the step).
     """
     if step.steps > 1:
         table = block_tables(
-            step, real, rows, row_of, requests=requests, slots=slots, padding_slot=padding_slot, config=config
-        )
+            step, real, rows, row_of, requests=requests, slots=slots, padding_slot=padding_slot,
+            config=config, fields=fields,
+        )  # fmt: skip
         return BoundedKVPlan(table, num_tokens=1, steps=step.steps)
     table = layout.padding_rows(rows, padding_slot)
     if real:
-        records = [requests[seg.request_id] for seg in real]
-        positions = [step.positions[seg.request_id] for seg in real]
-        fields = _row_fields(records, positions, real, slots)
+        fields = fields or _fields_of(step, real, requests, slots)
         table[[row_of[seg.request_id] for seg in real]] = layout.plan_table(
             **fields, span=_ints(seg.span for seg in real),
             step_tokens=_ints(step_tokens_of(step, seg) for seg in real),
@@ -112,6 +113,7 @@ def block_tables(
     slots: SlotPools,
     padding_slot: int,
     config: BoundedKVConfig,
+    fields: Mapping[str, np.ndarray] | None = None,
 ) -> np.ndarray:
     """i32[steps, rows, ROW_INTS]: the tables of a block's one-token steps. A request of span `s` takes
     the first `s` steps, step `j` planned as a one-token step after `written + j` entries; in the others
@@ -125,9 +127,7 @@ def block_tables(
     if not spans.sum():
         table.setflags(write=False)
         return table
-    records = [requests[seg.request_id] for seg in real]
-    positions = [step.positions[seg.request_id] for seg in real]
-    fields = _row_fields(records, positions, real, slots)
+    fields = fields or _fields_of(step, real, requests, slots)
     owner = np.repeat(np.arange(len(real)), spans)  # each (request, step) pair's request
     nth = np.arange(owner.size) - np.repeat(np.cumsum(spans) - spans, spans)  # and its step
     fields = {name: values[owner] for name, values in fields.items()}
@@ -142,20 +142,36 @@ def block_tables(
     return table
 
 
+def _fields_of(step: BoundedKVStep, real: Sequence[Segment], requests: Mapping[str, Any], slots: SlotPools):
+    """`row_fields` of the real rows `real`, read from their records and the step's positions."""
+    positions = [step.positions[seg.request_id] for seg in real]
+    return row_fields(
+        [requests[seg.request_id] for seg in real], slots, source=_ints(p.source for p in positions),
+        source_len=_ints(p.source_len for p in positions), written=_ints(p.written for p in positions),
+    )  # fmt: skip
+
+
 def _ints(values) -> np.ndarray:
     return np.fromiter(values, np.int32)
 
 
-def _row_fields(records: Sequence[Any], positions: Sequence[Any], real: Sequence[Segment], slots: SlotPools):
-    """The per-request fields `plan_table` takes besides the step's spans and tokens."""
+def row_fields(
+    records: Sequence[Any],
+    slots: SlotPools,
+    *,
+    source: np.ndarray,
+    source_len: np.ndarray,
+    written: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """`plan_table`'s per-request fields of requests holding slots, their positions given as arrays."""
+    slot = np.fromiter((r.slot for r in records), np.int64, len(records))
+    policies = [r.policy for r in records]
     return {
-        "slot": _ints(slots.local(r.slot) for r in records),
-        "source": _ints(p.source for p in positions),
-        "source_len": _ints(p.source_len for p in positions),
-        "written": _ints(p.written for p in positions),
-        "sink": _ints(r.policy.sink for r in records),
-        "window": _ints(r.policy.window for r in records),
-        "window_includes_step": np.fromiter(
-            (r.policy.window_includes_step for r in records), bool, len(real)
-        ),
+        "slot": (slot % (slots.per_shard + 1)).astype(np.int32),  # local to its data shard
+        "source": source.astype(np.int32, copy=False),
+        "source_len": source_len.astype(np.int32, copy=False),
+        "written": written.astype(np.int32, copy=False),
+        "sink": _ints(p.sink for p in policies),
+        "window": _ints(p.window for p in policies),
+        "window_includes_step": np.fromiter((p.window_includes_step for p in policies), bool, len(records)),
     }

@@ -1,0 +1,170 @@
+"""The columns fast path of `BoundedKVManager` (`columns.py`) against its row-by-row rules: for random steps,
+valid and broken in every field, `admissible` says yes exactly when `check_rows` refuses no row, and a
+step admitted as columns plans the same tables and commits the same positions as the same step taken
+row by row (another step object with the same rows)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mstar_jax.resources.kv.bounded import columns as cols
+from mstar_jax.resources.kv.bounded.admission import check_rows
+from mstar_jax.resources.kv.bounded.config import BoundedKVStep
+from mstar_jax.resources.kv.bounded.config import StreamPosition as Pos
+from mstar_jax.resources.step import ADMIT_OK, UnknownRequestError
+from tests.resources.kv.bounded.test_manager import SOURCE_LENGTHS, declare, new_manager
+
+
+@pytest.fixture
+def manager():
+    return new_manager()
+
+
+# Field values a row may declare: plain ones, and every kind `check_segment` refuses.
+BROKEN = {
+    "source_len": [-1, 0, 5, 2.0, True, np.int64(3), None],
+    "written": [-1, 7, 1.5, np.int32(0)],
+    "source": [-1, 2, 3, np.int64(1)],
+    "span": [-1, 3, 2.0, False, np.int64(1)],
+    "tokens": [0, 3, 1.0, np.int64(2)],
+}
+
+
+def _manager_with_history(rng: np.random.Generator):
+    """A manager where request a holds a slot (source 0, 3 tokens, 2 written), b is offloaded and c is
+    new; every other id was never ingested."""
+    manager = new_manager()
+    for rid in ("a", "b", "c"):
+        manager.ingest_request(rid)
+    for rid, pos in (("a", Pos(3, 0, 0)), ("b", Pos(4, 0, 1))):
+        step, ctx = declare([(rid, pos, 2)])
+        assert manager.admit(step, ctx) == ADMIT_OK
+        manager.commit(step, ctx)
+    manager.offload("b")
+    return manager
+
+
+def _random_row(rng: np.random.Generator, rid: str) -> tuple[str, Pos | None, int, int | None]:
+    base = {"a": (3, 2, 0), "b": (4, 2, 1), "c": (int(rng.integers(1, 5)), 0, int(rng.integers(0, 2)))}
+    source_len, written, source = base.get(rid, (3, 0, 0))
+    if rid == "c" and source == 0:
+        source_len = min(source_len, SOURCE_LENGTHS[0])
+    fields = {"source_len": source_len, "written": written, "source": source, "span": 1, "tokens": None}
+    if rng.random() < 0.4:  # break (or merely retype) one field
+        field = list(BROKEN)[rng.integers(len(BROKEN))]
+        choices = BROKEN[field]
+        fields[field] = choices[rng.integers(len(choices))]
+    if fields["source_len"] is None:
+        return rid, None, fields["span"], fields["tokens"]
+    position = Pos(fields["source_len"], fields["written"], fields["source"])
+    return rid, position, fields["span"], fields["tokens"]
+
+
+SEEDS = range(60)
+
+
+def _case(seed: int) -> tuple[bool, bool]:
+    """One random step checked both ways; returns (admissible as columns, admitted)."""
+    rng = np.random.default_rng(seed)
+    manager = _manager_with_history(rng)
+    ids = ["a", "c"][: int(rng.integers(1, 3))]
+    if rng.random() < 0.25:  # an offloaded or unknown request, or one declared twice
+        ids.append(["b", "ghost", "a"][rng.integers(3)])
+    rows = [_random_row(rng, rid) for rid in ids]
+    tokens = {rid: t for rid, _, _, t in rows if t is not None}
+    step, ctx = declare([(rid, pos, span) for rid, pos, span, _ in rows], padding=1, tokens=tokens)
+    refusal, _ = check_rows(
+        step, ctx, padding=manager._is_padding, config=manager.config, requests=manager._requests,
+        num_sources=manager.bank.num_sources, source_lengths=manager._source_lengths,
+    )  # fmt: skip
+    columns = cols.gather(step, ctx, manager._requests, padding=manager._is_padding)
+    fast = columns is not None and cols.admissible(
+        columns, ctx, config=manager.config, num_sources=manager.bank.num_sources,
+        source_lengths=manager._source_lengths,
+    )  # fmt: skip
+    if fast:
+        assert refusal is None
+    # Every row of plain ints is read as columns; only a refusal's row may send the step row by row.
+    plain = all(
+        pos is not None and all(type(v) in (int, np.int32, np.int64) for v in (*pos, span))
+        for _, pos, span, _ in rows
+    )
+    if refusal is None and plain and len(set(ids)) == len(ids):
+        assert fast
+    outcome = manager.admit(step, ctx)
+    assert outcome.ok == (refusal is None)
+    return fast, refusal is None
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_admissible_exactly_when_no_row_is_refused(seed):
+    _case(seed)
+
+
+def test_the_random_steps_are_admitted_and_refused_alike_often():
+    outcomes = [_case(seed) for seed in SEEDS]
+    assert sum(admitted for _, admitted in outcomes) >= len(outcomes) // 4
+    assert sum(not admitted for _, admitted in outcomes) >= len(outcomes) // 4
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_a_step_admitted_as_columns_plans_and_commits_as_row_by_row(steps):
+    fast, slow = new_manager(), new_manager()
+    for manager in (fast, slow):
+        for rid in ("a", "c"):
+            manager.ingest_request(rid)
+    written = {"a": 0, "c": 0}
+    for turn in range(4):
+        rows = [("a", Pos(3, written["a"], 0), steps), ("c", Pos(4, written["c"], 1), 1 + turn % steps)]
+        step, ctx = declare(rows, padding=1)
+        step = dataclasses.replace(step, steps=steps)
+        twin = dataclasses.replace(step)  # another object: the manager reads it row by row
+        assert fast.admit(step, ctx) == ADMIT_OK
+        assert slow.admit(twin, ctx) == ADMIT_OK
+        assert fast._columns is not None
+        assert fast._columns.step is step
+        plans = fast.plan(step, ctx), slow.plan(twin, ctx)
+        slow._columns = None  # plan the twin of an admitted step row by row too
+        np.testing.assert_array_equal(plans[0].table, slow.plan(twin, ctx).table)
+        np.testing.assert_array_equal(plans[0].table, plans[1].table)
+        fast.commit(step, ctx)
+        slow.commit(twin, ctx)
+        for rid, _, span in rows:
+            written[rid] += span
+            assert fast.written(rid) == slow.written(rid) == written[rid]
+        assert fast.placed == slow.placed
+
+
+def test_a_request_removed_after_admission_is_not_planned_from_stale_columns(manager):
+    manager.ingest_request("a")
+    step, ctx = declare([("a", Pos(3, 0, 0), 1)])
+    assert manager.admit(step, ctx) == ADMIT_OK
+    manager.remove_request("a")
+    with pytest.raises(UnknownRequestError, match="'a' was never ingested"):
+        manager.plan(step, ctx)
+
+
+def test_gather_leaves_a_step_with_a_value_beyond_int64_to_the_rows(manager):
+    manager.ingest_request("a")
+    step, ctx = declare([("a", Pos(3, 2**70, 0), 1)])
+    assert cols.gather(step, ctx, manager._requests, padding=manager._is_padding) is None
+    outcome = manager.admit(step, ctx)
+    assert not outcome.ok
+    assert f"declares {2**70} written tokens; 0 were committed" in outcome.reason.message
+
+
+def test_columns_read_the_declared_step_tokens_and_their_defaults(manager):
+    for rid in ("a", "c"):
+        manager.ingest_request(rid)
+    step = BoundedKVStep(
+        declare([("a", Pos(3, 0, 0), 2), ("c", Pos(4, 0, 1), 0)])[0].segments,
+        positions={"a": Pos(3, 0, 0), "c": Pos(4, 0, 1)},
+        step_tokens={"a": 2},
+    )
+    _, ctx = declare([("a", Pos(3, 0, 0), 2), ("c", Pos(4, 0, 1), 0)])
+    columns = cols.gather(step, ctx, manager._requests, padding=manager._is_padding)
+    assert columns.step_tokens.tolist() == [2, 1]  # c brings max(span, 1)
+    assert columns.request_ids == ["a", "c"]
