@@ -103,12 +103,6 @@ class Deployment:
                 f"{given} has no bucket of >= model.config.flow_chunk={chunk} frames, so no flow chunk "
                 f"could run; {fix}"
             )
-        if self.engine.pipelined and self.mesh.devices > 1:
-            raise ValueError(
-                f"engine.pipelined=true needs one device; the mesh has {self.mesh.devices} (data "
-                f"{self.mesh.data} x model {self.mesh.model}), whose engine runs its steps synchronously: "
-                "set engine.pipelined: false"
-            )
         for spec in self.specs:
             if not isinstance(spec, BoundedKVSpec):
                 continue

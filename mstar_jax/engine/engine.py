@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from mstar_jax import distributed
 from mstar_jax.checks import check_int
 from mstar_jax.engine import batch, recovery
 from mstar_jax.engine.admission import Admission
@@ -382,11 +383,12 @@ class ServingEngine:
 
 
 def check_pipelined(settings: EngineSettings, mesh: Any) -> None:
-    """Refuse `pipelined=True` on a mesh (an engine of one process or many runs its steps synchronously)."""
-    if settings.pipelined and mesh is not None:
-        raise ValueError(
-            "pipelined=True needs an engine on one device; a mesh engine (one process or many) runs "
-            "its steps synchronously"
+    """Refuse `pipelined=True` on a mesh of several processes (`lockstep`), which runs its steps
+    synchronously; one device, or a mesh in one process, pipelines."""
+    if settings.pipelined and mesh is not None and distributed.spans_processes(mesh):
+        raise MultiProcessError(
+            "pipelined=True needs an engine in one process; a mesh spanning processes runs its steps "
+            "synchronously (every process agrees on each step's bucket before it dispatches)"
         )
 
 

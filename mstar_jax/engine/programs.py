@@ -126,15 +126,14 @@ def tts_buckets(
     )
 
 
-def fed(step, *, width: int | None, steps: int = 1):
+def fed(step, *, width: int, steps: int = 1, sharding=None):
     """`step` (a talker step function) reading fed decode tokens from `prev_codes`, its codes padded to
-    `[width, steps]` (`width` None: as many rows as it has, sharded like them, for a mesh engine, which
-    never feeds).
+    `[width, steps]` and placed by `sharding` (on a mesh: replicated, where every program reads them).
 
     A fed row's token is `text_vocab_size + prev_codes[feed]`, as the scheduler would have written it
     (`mstar_jax.serving.feed.fed`).
     """
-    return feed.fed(step, width=width, offset=_code_token_offset, steps=steps)
+    return feed.fed(step, width=width, offset=_code_token_offset, steps=steps, sharding=sharding)
 
 
 def _code_token_offset(*, settings: StreamingTTSSettings) -> int:
@@ -270,16 +269,17 @@ class TTSPrograms:
             bs, t = key.bs, key.num_tokens
             return (*flow_state, plan(bs, key), rows_of(bs, t), rows_of(bs, dtype=u32))
 
-        fed_width = None if mesh is not None else width
+        # Every talker program returns its codes [C, K] where the next one reads them (`feed.fed`).
+        feeding = {"width": width, "sharding": None if mesh is None else NamedSharding(mesh, P())}
         decode = (
-            (fed(talker_step, width=fed_width), plain) if steps == 1 else
-            (fed(decode_block(talker_step, steps=steps, offset=_code_token_offset), width=fed_width,
-                 steps=steps), block)
+            (fed(talker_step, **feeding), plain) if steps == 1 else
+            (fed(decode_block(talker_step, steps=steps, offset=_code_token_offset), steps=steps, **feeding),
+             block)
         )  # fmt: skip
         plans = {
             TALKER_DECODE: decode,
-            TALKER_PREFILL: (fed(talker_step, width=fed_width, steps=steps), plain),
-            TALKER_MIXED: (fed(talker_combined_step, width=fed_width), mixed),
+            TALKER_PREFILL: (fed(talker_step, steps=steps, **feeding), plain),
+            TALKER_MIXED: (fed(talker_combined_step, **feeding), mixed),
             FLOW_CHUNK: (flow_step, chunk),
         }
         steps = {}

@@ -12,13 +12,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 __all__ = ["fed"]
 
 
 def fed(
-    step: Callable, *, width: int | None, offset: Callable[..., Any] | None = None, steps: int = 1
+    step: Callable,
+    *,
+    width: int | None,
+    offset: Callable[..., Any] | None = None,
+    steps: int = 1,
+    sharding: Any = None,
 ) -> Callable:
     """`step` reading fed decode tokens from `prev_tokens`, its per-row outputs padded to `[width, steps]`.
 
@@ -31,6 +37,8 @@ def fed(
         codes follow its text vocabulary); None adds nothing.
       steps: K, the tokens a row of the node's decode block returns; a one-token step's output fills
         column 0 (the rest is zeros).
+      sharding: where the padded outputs live (None: where XLA puts them). On a mesh every program's
+        `prev_tokens` is compiled for one sharding, so the outputs that feed them must be given it.
 
     Returns:
       `fed_step(params, caches, banks, plans, prev_tokens i32[C, K], feed i32[B], tokens, *inputs,
@@ -45,7 +53,8 @@ def fed(
         cache, out = step(params, cache, bank, plan, tokens, *inputs, **static)
         out = out[:, None] if out.ndim == 1 else out
         rows = 0 if width is None else width - out.shape[0]
-        return cache, jnp.pad(out, ((0, rows), (0, steps - out.shape[1])))
+        out = jnp.pad(out, ((0, rows), (0, steps - out.shape[1])))
+        return cache, out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
 
     inner = getattr(step, "func", step)  # a functools.partial names its function
     fed_step.__qualname__ = f"fed({inner.__qualname__})"  # the executable store tells walks apart by it

@@ -33,17 +33,25 @@ MESHES = {
 REQUESTS = 6
 BLOCKS = {"4x2_decode_steps_4": (4, 2, 4)}
 """Meshes whose engine decodes K steps a dispatch: (data, model, K), against the one-device K = 1 engine."""
+PIPELINED = {"4x2_pipelined": (4, 2, 1), "8x1_pipelined_decode_steps_4": (8, 1, 4)}
+"""Meshes whose engine is pipelined: (data, model, K), against the one-device synchronous K = 1 engine."""
 
 
 def serve(
-    data: int, model: int, config: dict, share: tuple[int, int] = (0, 1), decode_steps: int = 1
+    data: int,
+    model: int,
+    config: dict,
+    share: tuple[int, int] = (0, 1),
+    decode_steps: int = 1,
+    pipelined: bool = False,
 ) -> tuple[Engine, dict[str, tuple[list[int], np.ndarray]]]:
     """The workload's requests `i` with `i % count == index` for `share = (index, count)`, served on a
-    `data x model` mesh decoding `decode_steps` frames a dispatch; each request's codes and audio."""
+    `data x model` mesh decoding `decode_steps` frames a dispatch (`pipelined` or not); each request's
+    codes and audio."""
     deployment = parse_deployment({
         "model": {"name": "streaming_tts", "config": config},
         "compile": {"batch_sizes": [1, 2], "token_counts": [1, 4]},
-        "engine": {"max_batch": 2, "decode_steps": decode_steps},
+        "engine": {"max_batch": 2, "decode_steps": decode_steps, "pipelined": pipelined},
         "mesh": {"data": data, "model": model},
     })  # fmt: skip
     engine = Engine.from_deployment(deployment, progress=False, max_workers=2)
@@ -63,10 +71,11 @@ def main() -> None:
     configs = {"MODEL": MODEL, "REPLICATED": REPLICATED}
     alone = {name: serve(1, 1, config)[1] for name, config in configs.items()}
     results = {}
-    cases = {name: (data, model, config, 1) for name, (data, model, config) in MESHES.items()}
-    cases |= {name: (data, model, "MODEL", k) for name, (data, model, k) in BLOCKS.items()}
-    for name, (data, model, config, k) in cases.items():
-        engine, served = serve(data, model, configs[config], decode_steps=k)
+    cases = {name: (data, model, config, 1, False) for name, (data, model, config) in MESHES.items()}
+    cases |= {name: (data, model, "MODEL", k, False) for name, (data, model, k) in BLOCKS.items()}
+    cases |= {name: (data, model, "MODEL", k, True) for name, (data, model, k) in PIPELINED.items()}
+    for name, (data, model, config, k, pipelined) in cases.items():
+        engine, served = serve(data, model, configs[config], decode_steps=k, pipelined=pipelined)
         reference = alone[config]
         report = summarize(engine, wall_secs=1.0, capture_secs=1.0, warmup_compilations=0)
         results[name] = {
@@ -80,6 +89,7 @@ def main() -> None:
             "decode_tokens": sorted(
                 {r.bucket.num_tokens for r in engine.records if r.walk == "talker_decode"}
             ),
+            "overlap": dict(engine.overlap),
         }
     print(json.dumps(results))
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.mesh_child import BLOCKS, MESHES, REQUESTS
+from tests.engine.mesh_child import BLOCKS, MESHES, PIPELINED, REQUESTS
 from tests.simulated_devices import run_child
 
 CHILD = Path(__file__).with_name("mesh_child.py")
@@ -50,6 +50,21 @@ def test_decode_blocks_on_a_mesh_hear_what_one_device_hears_at_one_step(results,
     assert found["max_audio_diff"] < 1e-5
     assert found["compilations"] == 0
     assert found["decode_tokens"] == [BLOCKS[mesh][2]]
+
+
+@pytest.mark.parametrize("mesh", list(PIPELINED))
+def test_a_pipelined_mesh_hears_what_one_synchronous_device_hears(results, mesh):
+    """A pipelined engine on a mesh in one process: each talker step dispatched before the last is read,
+    its codes fed on the device (replicated, where every program reads them), and every request's codes
+    the one-device synchronous K = 1 engine's, its audio within the rounding of several model shards."""
+    found = results[mesh]
+    assert found["done"] == REQUESTS
+    assert found["codes_equal"]
+    assert found["max_audio_diff"] < 1e-5
+    assert found["compilations"] == 0
+    assert found["decode_tokens"] == [PIPELINED[mesh][2]]
+    assert found["overlap"]["rows_fed_on_device"] > 0
+    assert found["overlap"]["talker_steps_read_behind"] > 0
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
