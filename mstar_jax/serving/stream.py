@@ -59,7 +59,10 @@ class Phase(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (Phase.DONE, Phase.FAILED, Phase.CANCELLED)
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({Phase.DONE, Phase.FAILED, Phase.CANCELLED})
 
 
 @dataclasses.dataclass(eq=False)

@@ -352,11 +352,14 @@ class BoundedKVStep(ResourceStep):
         check_int("steps", self.steps, minimum=1)
         positions = _as_dict("positions", self.positions)
         for rid, pos in positions.items():
+            if type(pos) is StreamPosition:  # what the engine declares: nothing to convert
+                continue
             if not isinstance(pos, tuple | list) or len(pos) not in (2, 3):  # the values are checked at admit
                 raise TypeError(
                     f"positions[{rid!r}]={pos!r} must be a StreamPosition(source_len, written[, source])"
                 )
-        object.__setattr__(self, "positions", {rid: StreamPosition(*pos) for rid, pos in positions.items()})
+            positions[rid] = StreamPosition(*pos)
+        object.__setattr__(self, "positions", positions)
         object.__setattr__(self, "step_tokens", _as_dict("step_tokens", self.step_tokens))
 
 

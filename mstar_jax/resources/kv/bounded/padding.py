@@ -11,6 +11,7 @@ its own size:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 
@@ -145,5 +146,7 @@ def pad_step(
         for _ in range(size - real if pad else 0):
             padded.append(Segment(f"{PAD}{pads}", label, 0))
             pads += 1
-    step = dataclasses.replace(step, segments=tuple(padded))
+    # The step was checked when it was made; only its segments change, and padding rows are Segments.
+    step = copy.copy(step)
+    object.__setattr__(step, "segments", tuple(padded))
     return PaddedStep(step=step, ctx=StepContext.for_step(step, bucket), bucket=bucket, rows=rows)
