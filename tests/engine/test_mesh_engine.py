@@ -40,16 +40,21 @@ def test_every_request_hears_what_it_hears_on_one_device(results, mesh):
         assert found["max_audio_diff"] < 1e-5
 
 
-@pytest.mark.parametrize("mesh", list(BLOCKS))
-def test_decode_blocks_on_a_mesh_hear_what_one_device_hears_at_one_step(results, mesh):
-    """A mesh engine decoding K frames a dispatch (`engine.decode_steps`): every request's codes are the
-    one-device K = 1 engine's, its audio within the float rounding of several model shards."""
-    found = results[mesh]
+def assert_hears_one_device(found: dict, *, decode_steps: int) -> None:
+    """Every request done with the one-device K = 1 engine's codes and audio (within the rounding of
+    several model shards), nothing compiled, and every decode program a block of `decode_steps`."""
     assert found["done"] == REQUESTS
     assert found["codes_equal"]
     assert found["max_audio_diff"] < 1e-5
     assert found["compilations"] == 0
-    assert found["decode_tokens"] == [BLOCKS[mesh][2]]
+    assert found["decode_tokens"] == [decode_steps]
+
+
+@pytest.mark.parametrize("mesh", list(BLOCKS))
+def test_decode_blocks_on_a_mesh_hear_what_one_device_hears_at_one_step(results, mesh):
+    """A mesh engine decoding K frames a dispatch (`engine.decode_steps`): every request's codes are the
+    one-device K = 1 engine's, its audio within the float rounding of several model shards."""
+    assert_hears_one_device(results[mesh], decode_steps=BLOCKS[mesh][2])
 
 
 @pytest.mark.parametrize("mesh", list(PIPELINED))
@@ -58,11 +63,7 @@ def test_a_pipelined_mesh_hears_what_one_synchronous_device_hears(results, mesh)
     its codes fed on the device (replicated, where every program reads them), and every request's codes
     the one-device synchronous K = 1 engine's, its audio within the rounding of several model shards."""
     found = results[mesh]
-    assert found["done"] == REQUESTS
-    assert found["codes_equal"]
-    assert found["max_audio_diff"] < 1e-5
-    assert found["compilations"] == 0
-    assert found["decode_tokens"] == [PIPELINED[mesh][2]]
+    assert_hears_one_device(found, decode_steps=PIPELINED[mesh][2])
     assert found["overlap"]["rows_fed_on_device"] > 0
     assert found["overlap"]["talker_steps_read_behind"] > 0
 
