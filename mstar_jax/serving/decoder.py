@@ -119,7 +119,7 @@ class DecoderPrograms:
       steps: walk -> `CapturedStep`; each takes `(params, caches, banks, plans, prev_tokens i32[C, K],
         feed i32[B], tokens i32[B, T], lengths i32[B], *extra)` (a decode block's also `stop_tokens
         i32[B, MAX_STOP_TOKENS]` last) and returns the caches and every row's tokens, padded to `[C, K]`
-        (on a mesh: as many rows as it has, sharded like them).
+        (on a mesh: replicated).
       shards: data shards of the mesh they were captured for (1: one device).
       decode_walk: the walk whose programs are decode blocks when its tokens are K > 1 (None: no block).
     """
@@ -200,15 +200,15 @@ def capture_decoder(
         extras = tuple(shaped(x.shape, x.dtype, split) for x in extras)
         return (*head, plans, shaped((width, k), jnp.int32, whole), rows, ids, rows, *extras)
 
-    # A mesh's engine never feeds (it is synchronous): its outputs stay sharded like its rows, so each
-    # process reads its own rows back (padded to `C`, a row could land on another process's devices).
-    rows = None if mesh is not None else width
-    one_step = fed(step, width=rows, steps=k)
+    # Every program returns its tokens [C, K] where the next one reads them: on a mesh replicated, the
+    # sharding `prev_tokens` is compiled for (and each process then holds every row it reads back).
+    feeding = {"width": width, "steps": k, "sharding": whole}
+    one_step = fed(step, **feeding)
     fingerprint = ("fed", width, *(() if fingerprint is None else fingerprint))
     steps = {}
     for walk in buckets.walks:
         block = walk == decode_walk and k > 1
-        fn = fed(decode_block(step, steps=k, stops=True), width=rows, steps=k) if block else one_step
+        fn = fed(decode_block(step, steps=k, stops=True), **feeding) if block else one_step
         steps[walk] = capture(
             fn, buckets[walk].keys(), lambda key, block=block: arguments(key, block), donate_argnums=(1,),
             name=f"{name} {walk}", fingerprint=fingerprint, progress=progress, **options,

@@ -21,7 +21,7 @@ __all__ = ["fed"]
 def fed(
     step: Callable,
     *,
-    width: int | None,
+    width: int,
     offset: Callable[..., Any] | None = None,
     steps: int = 1,
     sharding: Any = None,
@@ -31,8 +31,7 @@ def fed(
     Args:
       step: `step(params, caches, banks, plans, tokens i32[B, T], *inputs, **static) -> (caches, out
         i32[B] or i32[B, steps])`: one token a row, or a block's `steps` (`decode_block`).
-      width: `C`, the rows every program of the node pads its outputs to (None: as they are, for a mesh
-        engine, which never feeds).
+      width: `C`, the rows every program of the node pads its outputs to.
       offset: `offset(**static)`, added to a fed output to make it an input token (e.g. the TTS talker's
         codes follow its text vocabulary); None adds nothing.
       steps: K, the tokens a row of the node's decode block returns; a one-token step's output fills
@@ -52,8 +51,7 @@ def fed(
         tokens = jnp.where((feed >= 0)[:, None], from_device[:, None], tokens)
         cache, out = step(params, cache, bank, plan, tokens, *inputs, **static)
         out = out[:, None] if out.ndim == 1 else out
-        rows = 0 if width is None else width - out.shape[0]
-        out = jnp.pad(out, ((0, rows), (0, steps - out.shape[1])))
+        out = jnp.pad(out, ((0, width - out.shape[0]), (0, steps - out.shape[1])))
         return cache, out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
 
     inner = getattr(step, "func", step)  # a functools.partial names its function

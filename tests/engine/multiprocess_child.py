@@ -1,7 +1,8 @@
 """One process of `test_multiprocess_engine.py`'s job: two processes of 4 simulated CPU devices serving one
 workload on one `(data=4, model=2)` mesh, each its own half of the requests (`mesh_child.serve`'s
-workload, request `i` on process `i % 2`). Prints one JSON line: its shards, each of its requests' codes
-and audio, compilations after warm-up, the steps it entered with no rows, and its report's mesh.
+workload, request `i` on process `i % 2`), decoding one frame a dispatch and, again, blocks of 4. Prints
+one JSON line: its shards, each of its requests' codes and audio, compilations after warm-up, the steps
+it entered with no rows, its report's mesh, and the same of the blocks' run.
 
 Run as `python -m tests.engine.multiprocess_child` with the `MSTAR_*` variables set (the test does).
 """
@@ -22,7 +23,10 @@ def main() -> dict:
     from mstar_jax.engine.report import summarize
     from tests.engine.mesh_child import MODEL, serve
 
-    engine, served = serve(4, 2, MODEL, share=(jax.process_index(), jax.process_count()))
+    share = (jax.process_index(), jax.process_count())
+    # Decode blocks of 4: the processes agree on one bucket a block, not one a token.
+    block_engine, block_served = serve(4, 2, MODEL, share=share, decode_steps=4)
+    engine, served = serve(4, 2, MODEL, share=share)
     report = summarize(engine, wall_secs=1.0, capture_secs=1.0, warmup_compilations=0)
     errors = sorted({s.error for s in engine.finished.values() if s.error})
     refusals = []  # what needs one process alone to touch the whole cache
@@ -48,6 +52,15 @@ def main() -> dict:
         "empty_steps": engine.counters["lockstep_empty_steps"],
         "mesh": report["mesh"],
         "refusals": refusals,
+        "blocks": {
+            "served": {rid: [codes, audio.tolist()] for rid, (codes, audio) in block_served.items()},
+            "compilations": block_engine.compilations,
+            "decode_tokens": sorted(
+                {r.bucket.num_tokens for r in block_engine.records if r.walk == "talker_decode"}
+            ),
+            "decode_dispatches": sum(r.walk == "talker_decode" for r in block_engine.records),
+            "decode_dispatches_one_step": sum(r.walk == "talker_decode" for r in engine.records),
+        },
     }
 
 

@@ -61,12 +61,31 @@ def test_each_process_serves_its_own_requests_on_its_own_shards(served):
     assert sum(result["empty_steps"] for result in served) > 0
 
 
-def test_every_request_hears_what_it_hears_alone_on_one_device(served):
-    _, alone = serve(1, 1, MODEL)
+@pytest.fixture(scope="module")
+def alone() -> dict:
+    """Every request's codes and audio from the one-device engine, one frame a dispatch."""
+    return serve(1, 1, MODEL)[1]
+
+
+def test_every_request_hears_what_it_hears_alone_on_one_device(served, alone):
     for result in served:
         for rid, (codes, audio) in result["served"].items():
             assert codes == alone[rid][0], rid
             np.testing.assert_allclose(np.asarray(audio, np.float32), alone[rid][1], rtol=0, atol=1e-5)
+
+
+def test_decode_blocks_in_lockstep_hear_what_one_device_hears_at_one_step(served, alone):
+    """Two processes decoding 4 frames a dispatch: each request's codes are the one-device K = 1 engine's,
+    and the processes agree on a bucket once a block (fewer decode dispatches than one a frame)."""
+    for result in served:
+        blocks = result["blocks"]
+        assert sorted(blocks["served"]) == sorted(result["served"])
+        for rid, (codes, audio) in blocks["served"].items():
+            assert codes == alone[rid][0], rid
+            np.testing.assert_allclose(np.asarray(audio, np.float32), alone[rid][1], rtol=0, atol=1e-5)
+        assert blocks["compilations"] == 0
+        assert blocks["decode_tokens"] == [4]
+        assert blocks["decode_dispatches"] < blocks["decode_dispatches_one_step"]
 
 
 def test_mstar_jax_run_serves_one_workload_from_two_processes(tmp_path):

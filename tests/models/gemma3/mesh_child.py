@@ -1,7 +1,7 @@
 """Gemma 3 served by the engine on a mesh of simulated CPU devices (`test_mesh.py`).
 
-Run as a script (one process, `run_child`: a deployment with a `(data=2, model=2)` mesh of 4 devices,
-its model read from a GGUF file), or as a module with the `MSTAR_*` variables set (`run_processes`: each
+Run as a script (one process, `run_child`: a pipelined deployment with a `(data=2, model=2)` mesh of 4
+devices, its model read from a GGUF file), or as a module with the `MSTAR_*` variables set (`run_processes`: each
 of 2 processes of 2 devices, one mesh over the 4, each serving every other prompt on its own data
 shard). Prints one JSON line: every request's tokens,
 the process's data shards, compilations after warm-up and the steps it entered with no rows.
@@ -45,7 +45,8 @@ def deployment_engine():
     path = Path(tempfile.mkdtemp()) / "tiny.gguf"
     write_gguf(path)
     settings = mapping(path, max_slots=SLOTS)
-    settings.update(engine={"max_batch": SLOTS, "pipelined": False}, mesh={"data": DATA, "model": MODEL})
+    # Pipelined: one process on a mesh feeds each decode step's tokens to the next on the device.
+    settings.update(engine={"max_batch": SLOTS, "pipelined": True}, mesh={"data": DATA, "model": MODEL})
     return build_text_engine(parse_deployment(settings, "mesh.yaml"), progress=False)
 
 
@@ -88,6 +89,8 @@ def serve(engine, share: tuple[int, int] = (0, 1)) -> dict:
         "empty_steps": engine.counters["lockstep_empty_steps"],
         "placed": [list(m.placed) for m in streams.managers],
         "free_slots": [m.free_slots for m in streams.managers],
+        "pipelined": engine.pipelined,
+        "rows_fed_on_device": engine.overlap["rows_fed_on_device"],
     }
 
 

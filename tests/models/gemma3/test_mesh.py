@@ -45,6 +45,8 @@ def test_one_process_on_a_mesh_gives_every_prompt_its_tokens_alone(alone):
     assert found["errors"] == []
     assert found["compilations"] == 0
     assert not found["lockstep"]
+    assert found["pipelined"]
+    assert found["rows_fed_on_device"] > 0  # decode tokens fed on the device, replicated over the mesh
     assert all(min(placed) > 0 for placed in found["placed"])  # both data shards took prompts
     assert found["free_slots"] == [SLOTS, SLOTS]
 
