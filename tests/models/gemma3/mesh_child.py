@@ -1,10 +1,10 @@
 """Gemma 3 served by the engine on a mesh of simulated CPU devices (`test_mesh.py`).
 
 Run as a script (one process, `run_child`: a pipelined deployment with a `(data=2, model=2)` mesh of 4
-devices, its model read from a GGUF file), or as a module with the `MSTAR_*` variables set (`run_processes`: each
-of 2 processes of 2 devices, one mesh over the 4, each serving every other prompt on its own data
-shard). Prints one JSON line: every request's tokens,
-the process's data shards, compilations after warm-up and the steps it entered with no rows.
+devices, its model read from a GGUF file), or as a module with the `MSTAR_*` variables set
+(`run_processes`: each of 2 processes of 2 devices, one mesh over the 4, each serving every other prompt
+on its own data shard). Prints one JSON line: every request's tokens, the process's data shards,
+compilations after warm-up and the steps it entered with no rows.
 """
 
 from __future__ import annotations
