@@ -73,10 +73,12 @@ class SoakReport:
     device_bytes: tuple[int, ...] = ()
     host_rss: tuple[int, ...] = ()
     wall_s: float = 0.0
+    batch_sizes: set[int] = dataclasses.field(default_factory=set)  # of every step, whatever the history
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["mismatches"] = len(self.mismatches)
+        out["batch_sizes"] = sorted(self.batch_sizes)
         return out
 
 
@@ -243,6 +245,7 @@ def soak(
             pending[node] = FAULT_KINDS[rng.integers(len(FAULT_KINDS))]
             report.faults_injected += 1
         engine.step()
+        report.batch_sizes.update(record.bucket.bs for record in engine.records)  # before they age out
         settle()
     pending.update(talker=None, flow=None)
     for rid in list(engine.streams):

@@ -37,6 +37,7 @@ def test_a_short_soak_serves_everyone_exactly_and_leaks_nothing():
     assert (report.bad_accepted, report.bad_changed_state) == (0, 0)
     start, _, end = report.device_bytes
     assert end == start
-    batch_sizes = {record.bucket.bs for record in engine.records}
-    assert len(batch_sizes) >= 2, batch_sizes  # the same request met different batch sizes
+    # The same request met different batch sizes (over every step: the engine keeps 16 records, and
+    # which those are depends on when a pipelined step's audio copy lands).
+    assert len(report.batch_sizes) >= 2, report.batch_sizes
     assert engine.compilations == 0
