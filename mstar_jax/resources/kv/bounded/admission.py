@@ -17,9 +17,11 @@ from mstar_jax.resources.step import (
     RequestOffloading,
     Segment,
     StepContext,
+    StepNotAdmittedError,
+    UnknownRequestError,
 )
 
-__all__ = ["check_rows", "check_segment", "refuse", "step_tokens_of"]
+__all__ = ["admitted_segments", "check_rows", "check_segment", "real_segments", "refuse", "step_tokens_of"]
 
 
 def refuse(reason) -> AdmitOutcome:
@@ -149,3 +151,56 @@ def check_rows(
         if requests[seg.request_id].slot is None:
             need_slot.append(seg.request_id)
     return None, need_slot
+
+
+def real_segments(
+    step: BoundedKVStep,
+    ctx: StepContext,
+    call: str,
+    *,
+    requests: Mapping[str, Any],
+    padding: Callable[[str, StepContext], bool],
+) -> list[Segment]:
+    """The step's real segments (those `padding` leaves) for a `call` after admit (plan or commit);
+    raises unless each request was ingested and holds a slot."""
+    real = [seg for seg in step.segments or () if not padding(seg.request_id, ctx)]
+    for seg in real:
+        request = requests.get(seg.request_id)
+        if request is None:
+            raise UnknownRequestError(
+                f"bounded KV {call}: request {seg.request_id!r} was never ingested (or was removed)"
+            )
+        if request.slot is None or seg.request_id not in step.positions:
+            raise StepNotAdmittedError(
+                f"bounded KV {call}: {seg.request_id!r} holds no slot or declares no position; "
+                f"{call} only a step admit accepted"
+            )
+    return real
+
+
+def admitted_segments(
+    step: BoundedKVStep,
+    ctx: StepContext,
+    *,
+    requests: Mapping[str, Any],
+    padding: Callable[[str, StepContext], bool],
+) -> list[Segment]:
+    """The step's real segments, each matching its request's pending admission; raises otherwise."""
+    real = real_segments(step, ctx, "commit", requests=requests, padding=padding)
+    for seg in real:
+        request, pos = requests[seg.request_id], step.positions[seg.request_id]
+        if request.admitted is None or (tuple(pos), seg.span) != (
+            tuple(request.admitted[0]),
+            request.admitted[1],
+        ):
+            admitted = "no step" if request.admitted is None else _describe(*request.admitted)
+            raise StepNotAdmittedError(
+                f"bounded KV commit: {seg.request_id!r} declares {_describe(pos, seg.span)}, but "
+                f"admit accepted {admitted} (or it was committed or aborted since); commit only the "
+                "step admit accepted"
+            )
+    return real
+
+
+def _describe(pos: StreamPosition, span: int) -> str:
+    return f"(source={pos.source}, source_len={pos.source_len}, written={pos.written}, span={span})"

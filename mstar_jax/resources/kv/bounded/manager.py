@@ -18,7 +18,7 @@ from mstar_jax.checks import check_int
 from mstar_jax.resources.base import Resource
 from mstar_jax.resources.kv.bounded import columns as cols
 from mstar_jax.resources.kv.bounded import planning
-from mstar_jax.resources.kv.bounded.admission import check_rows, refuse
+from mstar_jax.resources.kv.bounded.admission import admitted_segments, check_rows, real_segments, refuse
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, BoundedKVStep, StreamPosition
 from mstar_jax.resources.kv.bounded.host import BoundedKVSnapshot, HostCopies, RequestRecord
@@ -33,8 +33,6 @@ from mstar_jax.resources.step import (
     ResourceStep,
     Segment,
     StepContext,
-    StepNotAdmittedError,
-    UnknownRequestError,
 )
 
 __all__ = ["DEFAULT_NUM_SOURCES", "BoundedKVManager"]
@@ -334,37 +332,7 @@ class BoundedKVManager(Resource):
         return ADMIT_OK
 
     def _real_segments(self, step: BoundedKVStep, ctx: StepContext, call: str) -> list[Segment]:
-        """The step's real segments; raises unless each request was ingested and holds a slot."""
-        real = [seg for seg in step.segments or () if not self._is_padding(seg.request_id, ctx)]
-        for seg in real:
-            request = self._requests.get(seg.request_id)
-            if request is None:
-                raise UnknownRequestError(
-                    f"bounded KV {call}: request {seg.request_id!r} was never ingested (or was removed)"
-                )
-            if request.slot is None or seg.request_id not in step.positions:
-                raise StepNotAdmittedError(
-                    f"bounded KV {call}: {seg.request_id!r} holds no slot or declares no position; "
-                    f"{call} only a step admit accepted"
-                )
-        return real
-
-    def _admitted_segments(self, step: BoundedKVStep, ctx: StepContext) -> list[Segment]:
-        """The step's real segments, each matching its request's pending admission; raises otherwise."""
-        real = self._real_segments(step, ctx, "commit")
-        for seg in real:
-            request, pos = self._requests[seg.request_id], step.positions[seg.request_id]
-            if request.admitted is None or (tuple(pos), seg.span) != (
-                tuple(request.admitted[0]),
-                request.admitted[1],
-            ):
-                admitted = "no step" if request.admitted is None else _describe(*request.admitted)
-                raise StepNotAdmittedError(
-                    f"bounded KV commit: {seg.request_id!r} declares {_describe(pos, seg.span)}, but "
-                    f"admit accepted {admitted} (or it was committed or aborted since); commit only the "
-                    "step admit accepted"
-                )
-        return real
+        return real_segments(step, ctx, call, requests=self._requests, padding=self._is_padding)
 
     def plan_rows(self, step: ResourceStep, ctx: StepContext | None = None) -> tuple[int, dict[str, int]]:
         """The plan table's row count and each real request's row.
@@ -432,7 +400,10 @@ class BoundedKVManager(Resource):
             return
         columns = self._columns_of(step)
         if columns is None:
-            records = [self._requests[seg.request_id] for seg in self._admitted_segments(step, ctx)]
+            records = [
+                self._requests[seg.request_id]
+                for seg in admitted_segments(step, ctx, requests=self._requests, padding=self._is_padding)
+            ]
         else:  # the step admit accepted: every row's admission is its own
             records = columns.records
         for request in records:
@@ -470,7 +441,3 @@ def _as_bounded_step(step: ResourceStep) -> BoundedKVStep:
     if not isinstance(step, BoundedKVStep):
         raise TypeError(f"the bounded KV cache takes a BoundedKVStep, got {type(step).__name__}")
     return step
-
-
-def _describe(pos: StreamPosition, span: int) -> str:
-    return f"(source={pos.source}, source_len={pos.source_len}, written={pos.written}, span={span})"
