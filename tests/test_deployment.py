@@ -466,7 +466,7 @@ def _on_a_mesh(block: dict) -> dict:
 
 
 def test_a_pipelined_engine_on_a_mesh_parses_and_a_bad_flag_is_refused():
-    """A mesh in one process pipelines (the engine refuses one spanning processes: `check_pipelined`)."""
+    """A deployment on a mesh pipelines (in one process or across them: `test_multiprocess_engine.py`)."""
     assert parse_deployment(_default_mapping()).engine.pipelined
     on_a_mesh = parse_deployment(_with(_default_mapping(), "mesh", {"data": 2, "model": 2}), source="d.yaml")
     assert on_a_mesh.engine.pipelined

@@ -7,7 +7,8 @@ declare the rows' step on the node's bounded caches padded to it, admit it throu
 `ResourceRunner`, plan, replay the bucket's compiled program on the donated caches, commit
 (`mstar_jax.serving.transaction`), and hand each request its outputs (`ServedModel.read`).
 
-A pipelined engine (`EngineSettings(pipelined=True)`, one device) does not wait for a step's outputs
+A pipelined engine (`EngineSettings(pipelined=True)`: one device, a mesh, or one across processes, whose
+processes still agree on every program's bucket before they enter it) does not wait for a step's outputs
 before it forms, admits, plans and dispatches the next: what a step does to its streams' positions is
 known from its rows (`ServedModel.dispatched`), a feeding node's sampled tokens feed its next step on the
 device, and they come back to the host a step later; other nodes' outputs come back with an asynchronous
@@ -36,7 +37,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from mstar_jax import distributed
 from mstar_jax.checks import check_int
 from mstar_jax.engine import batch, recovery
 from mstar_jax.engine.admission import Admission
@@ -50,7 +50,7 @@ from mstar_jax.serving.model import ServedModel
 from mstar_jax.serving.stream import Phase, RequestCancelledError, RequestError, Stream
 from mstar_jax.settings import EngineSettings
 
-__all__ = ["ServingEngine", "StepRecord", "check_pipelined"]
+__all__ = ["ServingEngine", "StepRecord"]
 
 
 class ServingEngine:
@@ -83,7 +83,6 @@ class ServingEngine:
         check_int("history", history, minimum=1, allow_none=True)
         self.served, self.mesh = served, served.mesh
         buckets = served.programs.buckets
-        check_pipelined(settings, self.mesh)
         # On a mesh a bucket's batch size counts one data shard's rows.
         shards = 1 if self.mesh is None else self.mesh.shape["data"]
         largest = shards * min(buckets.max_batch(walk) for walk in buckets.walks)
@@ -380,16 +379,6 @@ class ServingEngine:
         if self.history is not None and len(self.finished) > self.history:
             del self.finished[next(iter(self.finished))]
         self.counters[phase.value] += 1
-
-
-def check_pipelined(settings: EngineSettings, mesh: Any) -> None:
-    """Refuse `pipelined=True` on a mesh of several processes (`lockstep`), which runs its steps
-    synchronously; one device, or a mesh in one process, pipelines."""
-    if settings.pipelined and mesh is not None and distributed.spans_processes(mesh):
-        raise MultiProcessError(
-            "pipelined=True needs an engine in one process; a mesh spanning processes runs its steps "
-            "synchronously (every process agrees on each step's bucket before it dispatches)"
-        )
 
 
 class _StreamOps:

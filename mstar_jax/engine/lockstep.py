@@ -7,7 +7,9 @@ requests into its own data shards; before each of a round's programs (e.g. the T
 decode, talker prefill, flow) the processes agree, over `distributed.most_of_all`, on its bucket: the
 most rows any data shard of any process brings. A process with nothing to run enters the program with
 every row of its shards empty. The loop's end is agreed the same way: a process keeps stepping while
-any process has work.
+any process has work. A pipelined engine agrees the same way: what a process brings is known at
+dispatch (`ServedModel.dispatched`), and reading a step back touches only its own rows, so no read waits
+on another process.
 
 What needs one process alone to touch the whole cache is refused up front: offloading a stream, idle
 offload, and snapshots (each would read a slot through a program only its owner would enter).

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from mstar_jax.compile import count_compilations
 from mstar_jax.engine import batch
 from mstar_jax.engine.build import build_from_deployment
-from mstar_jax.engine.engine import ServingEngine, check_pipelined
+from mstar_jax.engine.engine import ServingEngine
 from mstar_jax.engine.programs import TTSPrograms
 from mstar_jax.engine.request import AudioChunk, ReplayMismatchError, Stream, TTSRequest
 from mstar_jax.engine.scheduler import FlowRow, flow_rows, talker_rows
@@ -311,8 +311,6 @@ class Engine(ServingEngine):
         history: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
-        if isinstance(settings, EngineSettings):  # the engine's own checks first, then the model's
-            check_pipelined(settings, model.mesh)
         served = TTSServing(model, talker=talker, flow=flow, programs=programs)
         super().__init__(served, settings=settings, history=history, clock=clock)
         self.model, self.talker, self.flow, self.voices = model, talker, flow, served.voices

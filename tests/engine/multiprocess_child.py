@@ -1,8 +1,9 @@
 """One process of `test_multiprocess_engine.py`'s job: two processes of 4 simulated CPU devices serving one
 workload on one `(data=4, model=2)` mesh, each its own half of the requests (`mesh_child.serve`'s
-workload, request `i` on process `i % 2`), decoding one frame a dispatch and, again, blocks of 4. Prints
-one JSON line: its shards, each of its requests' codes and audio, compilations after warm-up, the steps
-it entered with no rows, its report's mesh, and the same of the blocks' run.
+workload, request `i` on process `i % 2`), decoding one frame a dispatch, again blocks of 4, and again
+blocks of 4 pipelined. Prints one JSON line: its shards, each of its requests' codes and audio,
+compilations after warm-up, the steps it entered with no rows, its report's mesh, and the same of the
+blocks' runs (the pipelined one's overlap counters too).
 
 Run as `python -m tests.engine.multiprocess_child` with the `MSTAR_*` variables set (the test does).
 """
@@ -26,6 +27,8 @@ def main() -> dict:
     share = (jax.process_index(), jax.process_count())
     # Decode blocks of 4: the processes agree on one bucket a block, not one a token.
     block_engine, block_served = serve(4, 2, MODEL, share=share, decode_steps=4)
+    # Pipelined: each process dispatches a step before it reads the last; the codes feed on the device.
+    piped_engine, piped_served = serve(4, 2, MODEL, share=share, decode_steps=4, pipelined=True)
     engine, served = serve(4, 2, MODEL, share=share)
     report = summarize(engine, wall_secs=1.0, capture_secs=1.0, warmup_compilations=0)
     errors = sorted({s.error for s in engine.finished.values() if s.error})
@@ -60,6 +63,13 @@ def main() -> dict:
             ),
             "decode_dispatches": sum(r.walk == "talker_decode" for r in block_engine.records),
             "decode_dispatches_one_step": sum(r.walk == "talker_decode" for r in engine.records),
+        },
+        "pipelined": {
+            "served": {rid: [codes, audio.tolist()] for rid, (codes, audio) in piped_served.items()},
+            "compilations": piped_engine.compilations,
+            "errors": sorted({s.error for s in piped_engine.finished.values() if s.error}),
+            "overlap": dict(piped_engine.overlap),
+            "in_flight_after": piped_engine.drain(),
         },
     }
 

@@ -88,9 +88,25 @@ def test_decode_blocks_in_lockstep_hear_what_one_device_hears_at_one_step(served
         assert blocks["decode_dispatches"] < blocks["decode_dispatches_one_step"]
 
 
+def test_two_processes_pipelined_hear_what_one_device_hears(served, alone):
+    """Two processes pipelining decode blocks of 4: each dispatches a step before it reads the last, its
+    rows' codes fed on the device, and every request still gets the one-device K = 1 engine's codes."""
+    for result in served:
+        piped = result["pipelined"]
+        assert sorted(piped["served"]) == sorted(result["served"])
+        for rid, (codes, audio) in piped["served"].items():
+            assert codes == alone[rid][0], rid
+            np.testing.assert_allclose(np.asarray(audio, np.float32), alone[rid][1], rtol=0, atol=1e-5)
+        assert piped["compilations"] == 0
+        assert piped["errors"] == []
+        assert piped["overlap"]["rows_fed_on_device"] > 0
+        assert piped["overlap"]["talker_steps_read_behind"] > 0
+        assert piped["in_flight_after"] is False  # nothing left in flight
+
+
 def test_mstar_jax_run_serves_one_workload_from_two_processes(tmp_path):
     """The commands of "Serving on a TPU pod" in docs/guides/devices.md, on one CPU host:
-    `configs/mesh_cpu8.yaml` over two processes of 4 devices, each writing its share's report."""
+    `configs/mesh_cpu8.yaml` over two processes of 4 devices, pipelined, each writing its share's report."""
     config = ROOT / "configs" / "mesh_cpu8.yaml"
     output = tmp_path / "run"
     stdouts = run_processes(
@@ -107,6 +123,8 @@ def test_mstar_jax_run_serves_one_workload_from_two_processes(tmp_path):
         assert report["mesh"]["local_data_shards"] == [2 * p, 2 * p + 1]
         assert report["streams"]["done"] == report["streams"]["submitted"] == 8  # half of 16
         assert report["compile"]["compilations_after_warmup"] == 0
+        assert report["pipeline"]["pipelined"]
+        assert report["pipeline"]["rows_fed_on_device"] > 0
         assert f"process {p} of 2 serves data shards [{2 * p}, {2 * p + 1}]" in stdout
         streams += report["streams"]["done"]
     assert streams == 16

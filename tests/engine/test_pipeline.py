@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mstar_jax import distributed
-from mstar_jax.engine import Engine
-from mstar_jax.engine.lockstep import MultiProcessError
-from mstar_jax.models.streaming_tts.model import StreamingTTSModel
-from mstar_jax.resources.kv.bounded.sharding import make_mesh
-from tests.engine.support import CONFIG, assert_complete, engine_kwargs, managers
+from tests.engine.support import assert_complete
 from tests.engine.test_outputs import Alone, assert_same_output, crowd, fresh_engine, serve
 
 
@@ -40,14 +35,3 @@ def test_the_synchronous_engine_overlaps_nothing(programs, alone):
     engine = fresh_engine(programs)
     serve(engine, crowd("crowd"))
     assert sum(engine.overlap.values()) == 0
-
-
-def test_pipelining_is_for_one_process(programs, monkeypatch):
-    """A mesh in one process pipelines (`test_mesh_engine.py` serves 8 devices so); one spanning processes
-    is refused before anything is built."""
-    _, captured = programs
-    talker, flow = managers()
-    on_a_mesh = StreamingTTSModel(CONFIG, mesh=make_mesh(1, 1))
-    monkeypatch.setattr(distributed, "spans_processes", lambda mesh: True)
-    with pytest.raises(MultiProcessError, match=r"pipelined=True needs an engine in one process"):
-        Engine(on_a_mesh, talker=talker, flow=flow, programs=captured, **engine_kwargs(pipelined=True))

@@ -3,7 +3,7 @@
 Run as a script (one process, `run_child`: a pipelined deployment with a `(data=2, model=2)` mesh of 4
 devices, its model read from a GGUF file), or as a module with the `MSTAR_*` variables set
 (`run_processes`: each of 2 processes of 2 devices, one mesh over the 4, each serving every other prompt
-on its own data shard). Prints one JSON line: every request's tokens, the process's data shards,
+on its own data shard, pipelined). Prints one JSON line: every request's tokens, the process's data shards,
 compilations after warm-up and the steps it entered with no rows.
 """
 
@@ -50,7 +50,7 @@ def deployment_engine():
     return build_text_engine(parse_deployment(settings, "mesh.yaml"), progress=False)
 
 
-def direct_engine():
+def direct_engine(*, pipelined: bool):
     """The engine of a `Gemma3Streams` built on the mesh (`text_engine`)."""
     from mstar_jax.engine.text import text_engine
     from mstar_jax.models.gemma3.model import Gemma3
@@ -65,7 +65,7 @@ def direct_engine():
         CONFIG, model, global_retention=RETENTION, max_slots=SLOTS, chunk=8, batch_sizes=(1, 2),
         mesh=make_mesh(DATA, MODEL),
     )  # fmt: skip
-    return text_engine(streams, EngineSettings(max_batch=SLOTS), progress=False)
+    return text_engine(streams, EngineSettings(max_batch=SLOTS, pipelined=pipelined), progress=False)
 
 
 def serve(engine, share: tuple[int, int] = (0, 1)) -> dict:
@@ -100,7 +100,8 @@ def main_process() -> dict:
     initialize(DistributedSettings.from_env(initialization_timeout_s=60))
     import jax  # after joining: nothing may start a JAX backend before `initialize`
 
-    return serve(direct_engine(), (jax.process_index(), jax.process_count()))
+    # Each process dispatches a decode step before it reads the last, its tokens fed on the device.
+    return serve(direct_engine(pipelined=True), (jax.process_index(), jax.process_count()))
 
 
 if __name__ == "__main__":

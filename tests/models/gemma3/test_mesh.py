@@ -1,6 +1,7 @@
 """Gemma 3 on a `(data=2, model=2)` mesh of simulated CPU devices, served by the one engine: in one
 process (a deployment with a `mesh:` section, as `mstar-jax run` builds it), and as two processes of
-one job in lockstep (`engine/lockstep.py`), each admitting its own prompts into its own data shard.
+one job in lockstep (`engine/lockstep.py`), pipelined, each admitting its own prompts into its own data
+shard.
 Every prompt's tokens must be those it gets served alone on one device (greedy, or the same request's
 sampled tokens), nothing compiles after warm-up and every slot comes back.
 """
@@ -51,7 +52,7 @@ def test_one_process_on_a_mesh_gives_every_prompt_its_tokens_alone(alone):
     assert found["free_slots"] == [SLOTS, SLOTS]
 
 
-def test_two_processes_in_lockstep_each_serve_their_own_prompts_on_their_own_shard(alone, tmp_path):
+def test_two_processes_in_lockstep_pipelined_each_serve_their_own_prompts_on_their_own_shard(alone, tmp_path):
     outputs = run_processes(
         ["-m", "tests.models.gemma3.mesh_child"], tmp_path, processes=2, devices=2, timeout=TIMEOUT_S
     )
@@ -63,6 +64,8 @@ def test_two_processes_in_lockstep_each_serve_their_own_prompts_on_their_own_sha
         assert found["tokens"] == {rid: alone[rid] for rid in alone if int(rid[1:]) % 2 == p}
         assert found["errors"] == []
         assert found["compilations"] == 0
+        assert found["pipelined"]
+        assert found["rows_fed_on_device"] > 0
         assert [placed[1 - p] for placed in found["placed"]] == [0, 0]  # nothing on the other's shard
         assert found["free_slots"] == [SLOTS // 2, SLOTS // 2]  # a process counts its own shard's
     # Prompts differ in length, so a process that is done first keeps entering the other's steps.
