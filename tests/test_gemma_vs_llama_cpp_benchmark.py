@@ -34,19 +34,19 @@ def test_the_table_has_every_length_and_phase(output):
     assert "--quick" in output.splitlines()[0]  # labelled as a quick run
     assert re.search(r"llama\.cpp n_threads=\d+", output)
     rows = [line for line in output.splitlines() if re.match(r"\| [\d,]+ \| (prefill|decode) \|", line)]
-    assert [tuple(row.split(" | ")[:2]) for row in rows] == [
-        ("| 32", "prefill"), ("| 32", "decode"), ("| 64", "prefill"), ("| 64", "decode")
-    ]  # fmt: skip
+    assert [tuple(row.split(" | ")[:3]) for row in rows] == [
+        (f"| {n}", phase, k) for n in (32, 64) for phase in ("prefill", "decode") for k in ("1", "8")
+    ]  # one engine a K
     for row in rows:
         cells = row.strip("| ").split(" | ")
-        assert len(cells) == 5, row
-        for cell in cells[2:]:  # ours, llama.cpp, ours ÷ llama.cpp
+        assert len(cells) == 6, row
+        for cell in cells[3:]:  # ours, llama.cpp, ours ÷ llama.cpp
             assert re.fullmatch(SPREAD, cell), (row, cell)
 
 
 def test_both_engines_generate_the_same_greedy_tokens(output):
-    lines = [line for line in output.splitlines() if re.match(r"\s+[\d,]+: ours \[", line)]
-    assert len(lines) == 2, output
+    lines = [line for line in output.splitlines() if re.match(r"\s+[\d,]+, K = [18]: ours \[", line)]
+    assert len(lines) == 4, output  # each length, at K = 1 and 8
     for line in lines:
         ours, theirs = re.findall(r"\[([\d, ]+)\]", line)
         assert len(ours.split(",")) == 4  # every token of --quick's 4
