@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from mstar_jax.checks import check_int
+from mstar_jax.resources.kv.bounded.host import to_host
 from mstar_jax.resources.kv.bounded.sharding import DATA, MODEL
 
 __all__ = [
@@ -248,16 +249,7 @@ def host_local(tree: Any) -> Any:
     leaves = jax.tree.leaves(tree)
     if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
         return jax.device_get(tree)  # one transfer for the whole tree: the single-process step path
-
-    def fetch(array: Any) -> Any:
-        if not isinstance(array, jax.Array) or array.is_fully_addressable:
-            return jax.device_get(array)
-        out = np.zeros(array.shape, array.dtype)
-        for shard in array.addressable_shards:
-            out[shard.index] = np.asarray(shard.data)
-        return out
-
-    return jax.tree.map(fetch, tree)
+    return jax.tree.map(to_host, tree)
 
 
 def _check_address(address: Any) -> None:

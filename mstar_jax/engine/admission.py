@@ -41,7 +41,6 @@ class Admission:
       counters: the engine's counters (holds, allocation failures, offloads, reloads).
       clock: the engine's time source.
       hold_backoff_s: how long a refused request waits before it is retried.
-      can_offload: whether streams may move to host memory (not in a multi-process deployment).
       fail: ends a stream with a failure (the engine's).
     """
 
@@ -54,16 +53,10 @@ class Admission:
         counters: MutableMapping[str, int],
         clock: Callable[[], float],
         hold_backoff_s: float,
-        can_offload: bool,
         fail: Callable[[Stream, RequestError], None],
     ):
         self._served, self._nodes, self._streams, self._counters = served, nodes, streams, counters
-        self._clock, self._hold_backoff_s, self._can_offload, self._fail = (
-            clock,
-            hold_backoff_s,
-            can_offload,
-            fail,
-        )
+        self._clock, self._hold_backoff_s, self._fail = clock, hold_backoff_s, fail
         self._buckets, self._mesh = served.programs.buckets, served.mesh
 
     def admit(self, node: Node, rows: list, bucket: BucketKey | None = None) -> tuple[Any, list] | None:
@@ -159,11 +152,8 @@ class Admission:
 
     def _evict(self, node: Node, key: str | None, *, exclude: set[str]) -> bool:
         """Offload, from every cache of the node, the least recently stepped paused stream holding a slot
-        of `key`; True if one was (never in a multi-process deployment, which keeps streams on device).
-        A stream holds a slot in each of its node's caches: offloading it from one alone would leave it
-        half on the device, which no step can run."""
-        if not self._can_offload:
-            return False
+        of `key`; True if one was. A stream holds a slot in each of its node's caches: offloading it from
+        one alone would leave it half on the device, which no step can run."""
         manager = node.runner[key or node.key]
         victims = [
             s for s in self._streams.values()

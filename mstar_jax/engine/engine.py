@@ -41,7 +41,7 @@ from mstar_jax.checks import check_int
 from mstar_jax.engine import batch, recovery
 from mstar_jax.engine.admission import Admission
 from mstar_jax.engine.dispatch import Dispatch
-from mstar_jax.engine.lockstep import Lockstep, MultiProcessError
+from mstar_jax.engine.lockstep import Lockstep
 from mstar_jax.engine.records import StepRecord
 from mstar_jax.engine.recovery import Recovery
 from mstar_jax.engine.warmup import warm_up
@@ -112,10 +112,10 @@ class ServingEngine:
         self.overlap: collections.Counter[str] = collections.Counter()
         self.warmup_compilations = 0
         self._lockstep = Lockstep(self.mesh, self.nodes, buckets)
-        self._lockstep.check(settings.offload_idle_after_s, settings.snapshot_every)
+        self._lockstep.check()
         self._admission = Admission(
             served=served, nodes=self.nodes, streams=self.streams, counters=self.counters, clock=self._now,
-            hold_backoff_s=settings.hold_backoff_s, can_offload=not self._lockstep.enabled, fail=self._fail,
+            hold_backoff_s=settings.hold_backoff_s, fail=self._fail,
         )  # fmt: skip
         self._recovery = Recovery(
             served=served, streams=self.streams, counters=self.counters,
@@ -172,7 +172,7 @@ class ServingEngine:
     def busy_anywhere(self, busy: bool) -> bool:
         """Whether any process has work (`busy` itself in one process): a loop driving the engine ends on
         it, so every process steps as often."""
-        return self._lockstep.busy_anywhere(busy)
+        return self._lockstep.anywhere(busy)
 
     def drain(self) -> bool:
         """Read back every step in flight and deliver its outputs (a pipelined engine); True if any was."""
@@ -268,13 +268,8 @@ class ServingEngine:
 
         Raises:
           UnknownRequestError: `request_id` is not live.
-          MultiProcessError: in a multi-process deployment (`lockstep`), which keeps streams on device.
         """
         self._live(request_id)
-        if self.lockstep:
-            raise MultiProcessError(
-                f"offload({request_id!r}): a multi-process deployment keeps every stream on its devices"
-            )
         freed = sum(node.runner.offload(request_id) for node in self.nodes.values())
         self.counters["offloads"] += freed > 0
         return freed
@@ -297,7 +292,8 @@ class ServingEngine:
         return not self.streams
 
     def snapshot(self) -> recovery.EngineSnapshot:
-        """Copy every cache and every live stream's progress to host memory (what a fault restores)."""
+        """Copy every cache and every live stream's progress to host memory (what a fault restores); in a
+        multi-process deployment every process calls it at the same step, each copying its own shards."""
         self.drain()
         managers = {key: node.runner[key] for node in self.nodes.values() for key in node.keys}
         marks = {s.request_id: (s, self.served.mark(s)) for s in self.streams.values()}
@@ -335,13 +331,17 @@ class ServingEngine:
                     ran |= dispatch.read(in_flight)  # nothing behind it: the nodes after wait for its tokens
                 ran |= dispatch.deliver_copied(wait=False)
         ran = ran or self.drain()  # nothing could be dispatched: what is in flight comes back now
+        if self.snapshot_every is None:
+            self.steps_run += ran
+            return ran
+        ran = self._lockstep.anywhere(ran)  # every process counts the same steps, so snapshots together
         if ran:
             self.steps_run += 1
-            due = self.snapshot_every is not None and self.steps_run % self.snapshot_every == 0
-            # A cache already lost (a poisoned buffer) keeps the last good snapshot for its recovery.
-            lost = any(m.cache_lost() for node in self.nodes.values() for m in node.managers)
-            if due and not lost:
-                self.snapshot()
+            if self.steps_run % self.snapshot_every == 0:
+                # A cache already lost (a poisoned buffer) keeps the last good snapshot for its recovery.
+                lost = any(m.cache_lost() for node in self.nodes.values() for m in node.managers)
+                if not self._lockstep.anywhere(lost):
+                    self.snapshot()
         return ran
 
     def run_until_idle(self, *, max_steps: int | None = None) -> int:

@@ -11,8 +11,11 @@ any process has work. A pipelined engine agrees the same way: what a process bri
 dispatch (`ServedModel.dispatched`), and reading a step back touches only its own rows, so no read waits
 on another process.
 
-What needs one process alone to touch the whole cache is refused up front: offloading a stream, idle
-offload, and snapshots (each would read a slot through a program only its owner would enter).
+Snapshots are taken by every process at once (the engine agrees, with `anywhere`, on which steps ran
+and whether any cache is lost, so every process copies its caches at the same steps), each of its own
+shards and requests; after a fault each process restores its own shards from its last one and
+replays its own requests. A process offloads and reloads its own streams through its own shards of the
+cache (`resources/kv/bounded/host.py`), running no program the others would have to enter.
 """
 
 from __future__ import annotations
@@ -52,22 +55,14 @@ class Lockstep:
         self.enabled = mesh is not None and distributed.spans_processes(mesh)
         self._mesh, self._nodes, self._buckets = mesh, nodes, buckets
 
-    def check(self, offload_idle_after_s: float | None, snapshot_every: int | None) -> None:
-        """Refuse what a multi-process engine cannot do, and managers admitting into others' shards.
+    def check(self) -> None:
+        """Refuse managers admitting into another process's data shards.
 
         Raises:
-          MultiProcessError: naming the setting or the manager.
+          MultiProcessError: naming the manager.
         """
         if not self.enabled:
             return
-        settings = {"offload_idle_after_s": offload_idle_after_s, "snapshot_every": snapshot_every}
-        for name, value in settings.items():
-            if value is not None:
-                raise MultiProcessError(
-                    f"engine.{name}={value!r}: a multi-process deployment keeps every stream on its devices "
-                    "(offloads and snapshots read slots through programs only their owner would run); "
-                    f"set {name}: null"
-                )
         local = distributed.local_data_shards(self._mesh)
         for node in self._nodes.values():
             for name, manager in zip(node.keys, node.managers, strict=True):
@@ -88,7 +83,8 @@ class Lockstep:
         most = distributed.most_of_all(width)
         return buckets.bucket_for(walk, most, buckets.max_tokens(walk)) if most else None
 
-    def busy_anywhere(self, busy: bool) -> bool:
-        """Whether any process says it has work (`busy` itself in one process); loops that drive the
-        engine end on it, so every process steps as often."""
-        return bool(distributed.most_of_all(int(busy))) if self.enabled else busy
+    def anywhere(self, flag: bool) -> bool:
+        """Whether any process says `flag` (`flag` itself in one process): that it has work (loops that
+        drive the engine end on it, so every process steps as often), that a step ran, that a cache is
+        lost."""
+        return bool(distributed.most_of_all(int(flag))) if self.enabled else flag

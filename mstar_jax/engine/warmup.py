@@ -38,11 +38,10 @@ def warm_up(
             if not node.runner.admit(sub).ok:
                 raise RuntimeError(f"warm_up could not borrow a {node.key} slot; is the engine idle?")
             node.runner.commit(sub)
-            if not lockstep.enabled:  # a multi-process engine never offloads (lockstep.py)
-                node.runner.offload(rid)
-                node.runner.reload(rid)
+            node.runner.offload(rid)  # in a multi-process engine, through this process's own shards
+            node.runner.reload(rid)
             node.runner.remove_request(rid)
-        lockstep.busy_anywhere(False)  # compiles the processes' agreement (lockstep.py)
+        lockstep.anywhere(False)  # compiles the processes' agreement (lockstep.py)
         if snapshot is not None:
             snapshot()  # compiles the cache copies a snapshot reads through
     for manager in (m for node in nodes.values() for m in node.managers):

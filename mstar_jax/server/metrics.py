@@ -88,7 +88,7 @@ class ServerMetrics(HostObserver):
         self.live.set(host.live)
         self.waiting.set(host.waiting)
         self.paused.set(sum(s.paused for s in engine.streams.values()))
-        self.offloaded.set(sum(engine.is_offloaded(rid) for rid in streams) if not engine.lockstep else 0)
+        self.offloaded.set(sum(engine.is_offloaded(rid) for rid in streams))
         self.compilations.set(engine.compilations)
         self.faults.set(engine.counters["faults"])
 

@@ -24,8 +24,8 @@ class ServerSettings:
         until its client has read half of them (a slow reader); steps already dispatched may add one
         or two more.
       offload_paused_after_s: seconds a stream paused for its reader keeps its device slots before the
-        host offloads them to host memory (None: never; a multi-process engine keeps every stream on
-        its devices), so a client that stops reading holds no device memory for long.
+        host offloads them to host memory (None: never), so a client that stops reading holds no
+        device memory for long.
       shutdown_grace_s: after `SIGTERM`, seconds in-flight streams have to finish before they are
         cancelled, each with a typed, retryable error.
       max_input_bytes: the longest speech input, in UTF-8 bytes (each is one text token).

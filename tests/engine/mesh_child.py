@@ -8,11 +8,13 @@ Run with `XLA_FLAGS=--xla_force_host_platform_device_count=8` (the parent sets i
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import numpy as np
 
 from mstar_jax.deployment import parse_deployment
 from mstar_jax.engine import Engine, TTSRequest
+from mstar_jax.engine.faults import inject_faults
 from mstar_jax.engine.report import summarize
 
 # Eight KV heads in both caches and eight slots, so every split of 8 devices divides them.
@@ -44,17 +46,27 @@ def serve(
     share: tuple[int, int] = (0, 1),
     decode_steps: int = 1,
     pipelined: bool = False,
+    snapshot_every: int | None = None,
+    faults: tuple[str, Callable[[int], str | None]] | None = None,
+    offload_at: int | None = None,
 ) -> tuple[Engine, dict[str, tuple[list[int], np.ndarray]]]:
     """The workload's requests `i` with `i % count == index` for `share = (index, count)`, served on a
-    `data x model` mesh decoding `decode_steps` frames a dispatch (`pipelined` or not); each request's
-    codes and audio."""
+    `data x model` mesh decoding `decode_steps` frames a dispatch (`pipelined` or not), snapshotting every
+    `snapshot_every` steps, with `faults = (node, schedule)` injected (`inject_faults`), and after
+    `offload_at` steps its first request still holding a talker slot offloaded (reloaded when it is
+    next admitted); each request's codes and audio."""
     deployment = parse_deployment({
         "model": {"name": "streaming_tts", "config": config},
         "compile": {"batch_sizes": [1, 2], "token_counts": [1, 4]},
-        "engine": {"max_batch": 2, "decode_steps": decode_steps, "pipelined": pipelined},
+        "engine": {
+            "max_batch": 2, "decode_steps": decode_steps, "pipelined": pipelined,
+            "snapshot_every": snapshot_every,
+        },
         "mesh": {"data": data, "model": model},
     })  # fmt: skip
     engine = Engine.from_deployment(deployment, progress=False, max_workers=2)
+    if faults is not None:
+        inject_faults(engine, *faults)
     voices = [engine.add_voice(i, frames=3 + i, seed=10 + i) for i in range(2)]
     rng = np.random.default_rng(0)
     streams = []
@@ -63,7 +75,13 @@ def serve(
         frames = int(rng.integers(5, 15))
         if i % share[1] == share[0]:
             streams.append(engine.submit(TTSRequest(f"r{i}", text, voices[i % 2], frames, seed=i)))
-    engine.run_until_idle()
+    steps = 0  # `run_until_idle`'s loop, every process stepping as often (`busy_anywhere`)
+    while engine.busy_anywhere(bool(engine.streams)):
+        engine.step()
+        steps += 1
+        if steps == offload_at:  # this process's own: nothing the others take part in
+            held = [s for s in streams if engine.nodes["talker"].holds(s.request_id)]
+            engine.offload(held[0].request_id)
     return engine, {s.request_id: (s.codes, s.audio) for s in streams}
 
 

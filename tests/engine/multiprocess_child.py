@@ -1,9 +1,11 @@
 """One process of `test_multiprocess_engine.py`'s job: two processes of 4 simulated CPU devices serving one
 workload on one `(data=4, model=2)` mesh, each its own half of the requests (`mesh_child.serve`'s
-workload, request `i` on process `i % 2`), decoding one frame a dispatch, again blocks of 4, and again
-blocks of 4 pipelined. Prints one JSON line: its shards, each of its requests' codes and audio,
-compilations after warm-up, the steps it entered with no rows, its report's mesh, and the same of the
-blocks' runs (the pipelined one's overlap counters too).
+workload, request `i` on process `i % 2`): one frame a dispatch; blocks of 4; blocks of 4 pipelined; one
+frame a dispatch with snapshots and a fault in process 0; and with a stream of each process offloaded
+and reloaded. Prints one JSON line: its shards, each of its requests' codes and audio, compilations
+after warm-up, the steps it entered with no rows, its report's mesh, and the same of the other runs
+(the pipelined one's overlap counters, the faulty one's fault and snapshot counters, the offloading
+one's offloads and reloads).
 
 Run as `python -m tests.engine.multiprocess_child` with the `MSTAR_*` variables set (the test does).
 """
@@ -19,8 +21,6 @@ def main() -> dict:
     # Imported after joining: nothing may start a JAX backend before `initialize`.
     import jax
 
-    from mstar_jax.engine import TTSRequest
-    from mstar_jax.engine.lockstep import MultiProcessError
     from mstar_jax.engine.report import summarize
     from tests.engine.mesh_child import MODEL, serve
 
@@ -29,21 +29,18 @@ def main() -> dict:
     block_engine, block_served = serve(4, 2, MODEL, share=share, decode_steps=4)
     # Pipelined: each process dispatches a step before it reads the last; the codes feed on the device.
     piped_engine, piped_served = serve(4, 2, MODEL, share=share, decode_steps=4, pipelined=True)
+    # Snapshots every 3 steps, taken by both processes at once; process 0's 5th talker step fails after
+    # consuming its caches, and it restores its own shards from its last snapshot and replays.
+    schedule = (lambda n: "after" if n == 5 else None) if share[0] == 0 else (lambda n: None)
+    faulty_engine, faulty_served = serve(
+        4, 2, MODEL, share=share, snapshot_every=3, faults=("talker", schedule)
+    )  # fmt: skip
+    # Each process offloads one of its own streams after 4 steps, through its own shards; it comes
+    # back when next admitted.
+    moved_engine, moved_served = serve(4, 2, MODEL, share=share, offload_at=4)
     engine, served = serve(4, 2, MODEL, share=share)
     report = summarize(engine, wall_secs=1.0, capture_secs=1.0, warmup_compilations=0)
     errors = sorted({s.error for s in engine.finished.values() if s.error})
-    refusals = []  # what needs one process alone to touch the whole cache
-    for offload_idle_after_s, snapshot_every in ((1.0, None), (None, 2)):
-        try:
-            engine._lockstep.check(offload_idle_after_s, snapshot_every)
-        except MultiProcessError as error:
-            refusals.append(str(error))
-    engine.submit(TTSRequest("late", [1, 2], next(iter(engine.voices.voices.values())), 4))
-    try:
-        engine.offload("late")
-    except MultiProcessError as error:
-        refusals.append(str(error))
-    engine.cancel("late")
     return {
         "process": jax.process_index(),
         "lockstep": engine.lockstep,
@@ -54,7 +51,6 @@ def main() -> dict:
         "compilations": engine.compilations,
         "empty_steps": engine.counters["lockstep_empty_steps"],
         "mesh": report["mesh"],
-        "refusals": refusals,
         "blocks": {
             "served": {rid: [codes, audio.tolist()] for rid, (codes, audio) in block_served.items()},
             "compilations": block_engine.compilations,
@@ -70,6 +66,23 @@ def main() -> dict:
             "errors": sorted({s.error for s in piped_engine.finished.values() if s.error}),
             "overlap": dict(piped_engine.overlap),
             "in_flight_after": piped_engine.drain(),
+        },
+        "offloaded": {
+            "served": {rid: [codes, audio.tolist()] for rid, (codes, audio) in moved_served.items()},
+            "errors": sorted({s.error for s in moved_engine.finished.values() if s.error}),
+            "offloads": moved_engine.counters["offloads"],
+            "reloads": moved_engine.counters["reloads"],
+            "compilations": moved_engine.compilations,
+        },
+        "faulty": {
+            "served": {rid: [codes, audio.tolist()] for rid, (codes, audio) in faulty_served.items()},
+            "errors": sorted({s.error for s in faulty_engine.finished.values() if s.error}),
+            "counters": {
+                name: faulty_engine.counters[name]
+                for name in ("faults", "snapshots", "requests_lost", "requests_restored")
+            },
+            "steps_run": faulty_engine.steps_run,
+            "compilations": faulty_engine.compilations,
         },
     }
 

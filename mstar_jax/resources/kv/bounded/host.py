@@ -3,6 +3,12 @@ its bookkeeping (a snapshot, restored after a device fault).
 
 `HostCopies` is the part of `BoundedKVManager` that moves state between the device and host memory; it
 reads and writes the manager's records, free list and reader counts.
+
+In a multi-process deployment each process copies, and restores, only what its own devices hold
+(`to_host`, `to_devices`): its data shards' slots and its own requests' records. Its snapshot holds
+zeros where another process's shards are, which no step of its own ever reads. A slot is offloaded and
+reloaded there through the process's own shards of each layer (`_read_slot`, `_write_slot`), with no
+program over the global cache, which every process would have to enter.
 """
 
 from __future__ import annotations
@@ -20,7 +26,26 @@ import numpy as np
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache
 from mstar_jax.resources.kv.bounded.config import SinkWindow, StreamPosition
 
-__all__ = ["BoundedKVSnapshot", "HostCopies", "RequestRecord"]
+__all__ = ["BoundedKVSnapshot", "HostCopies", "RequestRecord", "to_devices", "to_host"]
+
+
+def to_host(array: Any) -> np.ndarray:
+    """`array` in host memory at its global shape, holding what this process's devices hold (zeros
+    where only another process's devices do)."""
+    if not isinstance(array, jax.Array) or array.is_fully_addressable:
+        return jax.device_get(array)
+    out = np.zeros(array.shape, array.dtype)
+    for shard in array.addressable_shards:
+        out[shard.index] = np.asarray(shard.data)
+    return out
+
+
+def to_devices(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """`host` placed as `sharding` says; a sharding over other processes' devices too takes only this
+    process's parts of `host` (no program runs, so no other process needs to join)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 @dataclasses.dataclass
@@ -54,6 +79,32 @@ _copy_layer = jax.jit(jnp.copy)
 @jax.jit
 def _load_slot(cache: BoundedKVCache, slot):
     return [layer[slot] for layer in cache.k], [layer[slot] for layer in cache.v]
+
+
+def _holding(layer: jax.Array, slot: int):
+    """This process's shards of `layer` that hold row `slot`, each with the row's index in it."""
+    for shard in layer.addressable_shards:
+        start, stop, _ = shard.index[0].indices(layer.shape[0])
+        if start <= slot < stop:
+            yield shard, slot - start
+
+
+def _read_slot(layer: jax.Array, slot: int) -> np.ndarray:
+    """Row `slot` of a layer whose slot lives on this process's devices, from its own shards."""
+    out = np.zeros(layer.shape[1:], layer.dtype)
+    for shard, row in _holding(layer, slot):
+        out[shard.index[1:]] = np.asarray(shard.data[row])
+    return out
+
+
+def _write_slot(layer: jax.Array, slot: int, new: np.ndarray) -> jax.Array:
+    """`layer` with row `slot` (on this process's devices) set to `new`, shard by shard."""
+    rows = {shard.device: row for shard, row in _holding(layer, slot)}
+    parts = [
+        shard.data.at[rows[shard.device]].set(new[shard.index[1:]]) if shard.device in rows else shard.data
+        for shard in layer.addressable_shards
+    ]  # fmt: skip
+    return jax.make_array_from_single_device_arrays(layer.shape, layer.sharding, parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +157,11 @@ class HostCopies:
         request = self._requests.get(request_id)
         if request is None or request.slot is None:
             return 0
-        k, v = jax.device_get(_load_slot(self._get_cache(), jnp.int32(request.slot)))
+        cache = self._get_cache()
+        if all(layer.is_fully_addressable for layer in cache.k):
+            k, v = jax.device_get(_load_slot(cache, jnp.int32(request.slot)))
+        else:  # another process's devices hold shards too (module doc)
+            k, v = ([_read_slot(layer, request.slot) for layer in layers] for layers in (cache.k, cache.v))
         request.host_copy = (k, v)
         self._slots.give(request.slot)
         request.slot = None
@@ -121,7 +176,14 @@ class HostCopies:
             return False
         slot = self._slots.take()
         k, v = request.host_copy
-        self._set_cache(_store_slot(self._get_cache(), jnp.int32(slot), k, v))
+        cache = self._get_cache()
+        if all(layer.is_fully_addressable for layer in cache.k):
+            self._set_cache(_store_slot(cache, jnp.int32(slot), k, v))
+        else:
+            self._set_cache(BoundedKVCache(
+                k=tuple(_write_slot(layer, slot, new) for layer, new in zip(cache.k, k, strict=True)),
+                v=tuple(_write_slot(layer, slot, new) for layer, new in zip(cache.v, v, strict=True)),
+            ))  # fmt: skip
         request.slot, request.host_copy = slot, None
         return True
 
@@ -134,7 +196,7 @@ class HostCopies:
         records = {rid: dataclasses.replace(r, admitted=None) for rid, r in self._requests.items()}
         # Read through a device copy, a layer at a time: reading the cache's own buffers would pin them to
         # the host array (on CPU), and a pinned buffer is not donated, so every later step would copy it.
-        cache = jax.tree.map(lambda layer: jax.device_get(_copy_layer(layer)), self._get_cache())
+        cache = jax.tree.map(lambda layer: to_host(_copy_layer(layer)), self._get_cache())
         return BoundedKVSnapshot(cache, records)
 
     def recover(self, snapshot: BoundedKVSnapshot | None = None, restore: Collection[str] = ()) -> list[str]:
@@ -152,10 +214,10 @@ class HostCopies:
         if snapshot is None:
             fresh = BoundedKVCache.abstract(self._config, self._slots.shards)
             self._set_cache(
-                jax.tree.map(lambda s, where: jnp.zeros(s.shape, s.dtype, device=where), fresh, shardings)
+                jax.tree.map(lambda s, where: to_devices(np.zeros(s.shape, s.dtype), where), fresh, shardings)
             )
         else:
-            self._set_cache(jax.device_put(snapshot.cache, shardings))
+            self._set_cache(jax.tree.map(to_devices, snapshot.cache, shardings))
         for rid in lost:
             saved = snapshot.requests.get(rid) if snapshot is not None and rid in restore else None
             if saved is None:
