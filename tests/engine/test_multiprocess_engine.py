@@ -61,11 +61,17 @@ def alone() -> dict:
     return serve(1, 1, MODEL)[1]
 
 
+def assert_heard_alone(run: dict, result: dict, alone: dict) -> None:
+    """`run` served the same requests as `result`, each with its one-device codes and audio."""
+    assert sorted(run["served"]) == sorted(result["served"])
+    for rid, (codes, audio) in run["served"].items():
+        assert codes == alone[rid][0], rid
+        np.testing.assert_allclose(np.asarray(audio, np.float32), alone[rid][1], rtol=0, atol=1e-5)
+
+
 def test_every_request_hears_what_it_hears_alone_on_one_device(served, alone):
     for result in served:
-        for rid, (codes, audio) in result["served"].items():
-            assert codes == alone[rid][0], rid
-            np.testing.assert_allclose(np.asarray(audio, np.float32), alone[rid][1], rtol=0, atol=1e-5)
+        assert_heard_alone(result, result, alone)
 
 
 def test_decode_blocks_in_lockstep_hear_what_one_device_hears_at_one_step(served, alone):
@@ -73,10 +79,7 @@ def test_decode_blocks_in_lockstep_hear_what_one_device_hears_at_one_step(served
     and the processes agree on a bucket once a block (fewer decode dispatches than one a frame)."""
     for result in served:
         blocks = result["blocks"]
-        assert sorted(blocks["served"]) == sorted(result["served"])
-        for rid, (codes, audio) in blocks["served"].items():
-            assert codes == alone[rid][0], rid
-            np.testing.assert_allclose(np.asarray(audio, np.float32), alone[rid][1], rtol=0, atol=1e-5)
+        assert_heard_alone(blocks, result, alone)
         assert blocks["compilations"] == 0
         assert blocks["decode_tokens"] == [4]
         assert blocks["decode_dispatches"] < blocks["decode_dispatches_one_step"]
@@ -87,10 +90,7 @@ def test_two_processes_pipelined_hear_what_one_device_hears(served, alone):
     rows' codes fed on the device, and every request still gets the one-device K = 1 engine's codes."""
     for result in served:
         piped = result["pipelined"]
-        assert sorted(piped["served"]) == sorted(result["served"])
-        for rid, (codes, audio) in piped["served"].items():
-            assert codes == alone[rid][0], rid
-            np.testing.assert_allclose(np.asarray(audio, np.float32), alone[rid][1], rtol=0, atol=1e-5)
+        assert_heard_alone(piped, result, alone)
         assert piped["compilations"] == 0
         assert piped["errors"] == []
         assert piped["overlap"]["rows_fed_on_device"] > 0
@@ -104,10 +104,7 @@ def test_a_fault_in_one_process_is_recovered_from_its_snapshot_and_replayed_exac
     every request of both processes still gets the one-device engine's codes and audio, none fails."""
     runs = [result["faulty"] for result in served]
     for p, faulty in enumerate(runs):
-        assert sorted(faulty["served"]) == sorted(served[p]["served"])
-        for rid, (codes, audio) in faulty["served"].items():
-            assert codes == alone[rid][0], rid
-            np.testing.assert_allclose(np.asarray(audio, np.float32), alone[rid][1], rtol=0, atol=1e-5)
+        assert_heard_alone(faulty, served[p], alone)
         assert faulty["errors"] == []
         assert faulty["compilations"] == 0
     first, second = (faulty["counters"] for faulty in runs)
@@ -124,10 +121,7 @@ def test_each_process_offloads_and_reloads_its_own_streams_exactly(served, alone
     the caches; it is reloaded when next admitted, and every request still gets its one-device codes."""
     for result in served:
         moved = result["offloaded"]
-        assert sorted(moved["served"]) == sorted(result["served"])
-        for rid, (codes, audio) in moved["served"].items():
-            assert codes == alone[rid][0], rid
-            np.testing.assert_allclose(np.asarray(audio, np.float32), alone[rid][1], rtol=0, atol=1e-5)
+        assert_heard_alone(moved, result, alone)
         assert moved["errors"] == []
         assert moved["compilations"] == 0
         assert moved["offloads"] == 1
