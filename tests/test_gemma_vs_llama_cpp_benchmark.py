@@ -52,3 +52,12 @@ def test_both_engines_generate_the_same_greedy_tokens(output):
         assert len(ours.split(",")) == 4  # every token of --quick's 4
         assert ours == theirs, line
         assert line.endswith(": equal"), line
+
+
+@pytest.mark.parametrize("value", ["0", "257", "x", "nan", "2.5"])
+def test_a_bad_decode_steps_is_refused_before_anything_loads(value, capsys):
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["--quick", "--decode-steps", "1", value])
+    message = str(refused.value.code) + capsys.readouterr().err
+    assert "--decode-steps" in message
+    assert value in message
