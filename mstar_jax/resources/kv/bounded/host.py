@@ -81,6 +81,11 @@ def _load_slot(cache: BoundedKVCache, slot):
     return [layer[slot] for layer in cache.k], [layer[slot] for layer in cache.v]
 
 
+# One shard's row, read or written; the row traced, so no slot compiles a program of its own.
+_shard_row = jax.jit(lambda shard, row: shard[row])
+_set_shard_row = jax.jit(lambda shard, row, new: shard.at[row].set(new))
+
+
 def _holding(layer: jax.Array, slot: int):
     """This process's shards of `layer` that hold row `slot`, each with the row's index in it."""
     for shard in layer.addressable_shards:
@@ -93,7 +98,7 @@ def _read_slot(layer: jax.Array, slot: int) -> np.ndarray:
     """Row `slot` of a layer whose slot lives on this process's devices, from its own shards."""
     out = np.zeros(layer.shape[1:], layer.dtype)
     for shard, row in _holding(layer, slot):
-        out[shard.index[1:]] = np.asarray(shard.data[row])
+        out[shard.index[1:]] = np.asarray(_shard_row(shard.data, np.int32(row)))
     return out
 
 
@@ -101,7 +106,8 @@ def _write_slot(layer: jax.Array, slot: int, new: np.ndarray) -> jax.Array:
     """`layer` with row `slot` (on this process's devices) set to `new`, shard by shard."""
     rows = {shard.device: row for shard, row in _holding(layer, slot)}
     parts = [
-        shard.data.at[rows[shard.device]].set(new[shard.index[1:]]) if shard.device in rows else shard.data
+        _set_shard_row(shard.data, np.int32(rows[shard.device]), new[shard.index[1:]])
+        if shard.device in rows else shard.data
         for shard in layer.addressable_shards
     ]  # fmt: skip
     return jax.make_array_from_single_device_arrays(layer.shape, layer.sharding, parts)
