@@ -1,8 +1,8 @@
 """Soak: serve a randomized workload for many steps and count what must stay zero.
 
-Arrivals, cancellations, pauses with offloads, malformed requests and injected device faults (see
-`mstar_jax.engine.faults`) are drawn per step from one seeded generator. Once the workload drains, it
-reports:
+Arrivals, cancellations, pauses with offloads and malformed requests are drawn per step from one seeded
+generator, injected device faults (see `mstar_jax.engine.faults`) from a second, drawn alike every step,
+so the faults do not depend on the streams' timing. Once the workload drains, it reports:
 
 - mismatches: finished requests whose codes or audio differ, in any bit, from the same request served
   alone by an idle engine sharing the programs, checked as each finishes (every one, or every Nth
@@ -166,6 +166,9 @@ def soak(
     Both engines must share programs and have the same voices registered; `reference` must be idle.
     """
     rng = np.random.default_rng(seed)
+    # The faults' own generator, drawn the same way every step: how many are injected, and where, never
+    # depends on the draws above it, which follow the streams' timing (a pipelined copy landing late).
+    fault_rng = np.random.default_rng([seed, 1])
     report = SoakReport(steps=steps)
     engine.clock = reference.clock = FakeClock()
     pending: dict[str, str | None] = {"talker": None, "flow": None}
@@ -240,9 +243,9 @@ def soak(
             del resume_at[rid]
             if rid in engine.streams:
                 engine.resume(rid)
-        if rng.random() < rates.fault:
-            node = ("talker", "flow")[rng.integers(2)]
-            pending[node] = FAULT_KINDS[rng.integers(len(FAULT_KINDS))]
+        draw, node, kind = fault_rng.random(), fault_rng.integers(2), fault_rng.integers(len(FAULT_KINDS))
+        if draw < rates.fault:
+            pending[("talker", "flow")[node]] = FAULT_KINDS[kind]
             report.faults_injected += 1
         engine.step()
         report.batch_sizes.update(record.bucket.bs for record in engine.records)  # before they age out
