@@ -106,6 +106,8 @@ class Admission:
         width = None
         if self._mesh is not None:  # a shard's rows beyond the bucket wait for the next step
             placed = node.manager.placement([r.stream.request_id for r in rows])
+            if bucket is not None:  # and rows of another walk than the agreed one
+                rows = batch.fit_bucket(bucket, rows, placed)
             largest = min(self._buckets.max_batch(walk) for walk in self._buckets.walks)
             rows, width = batch.fit_shards(rows, placed, largest if bucket is None else bucket.bs)
         if bucket is None:

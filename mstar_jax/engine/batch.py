@@ -7,8 +7,9 @@ layouts (they read nothing and write nothing), and inputs of zeros. The plan tab
 outputs all follow that order, so the real rows' outputs are read back group by group.
 
 On a mesh the bounded caches lay a step out themselves (`BoundedKVManager.plan_rows`: shard-major, each
-data shard's rows padded to the bucket's rows per shard), and a `Layout` of that places every row's
-inputs and finds its outputs; padding rows are then not declared at all.
+data shard's rows padded to the bucket's rows per shard; a combined bucket's shard holds its decode rows,
+then its prefill rows, each group padded to its size), and a `Layout` of that places every row's inputs
+and finds its outputs; padding rows are then not declared at all.
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ __all__ = [
     "Layout",
     "choose_bucket",
     "declare",
+    "fit_bucket",
     "fit_shards",
     "row_groups",
     "row_indices",
     "row_outputs",
+    "rows_per_shard",
     "step_inputs",
+    "talker_bucket",
 ]
 
 Layout = tuple[int, dict[str, int]]
@@ -44,13 +48,19 @@ Layout = tuple[int, dict[str, int]]
 
 
 def choose_bucket(
-    buckets: Buckets, node: str, rows: Sequence, *, rows_per_shard: int | None = None
+    buckets: Buckets,
+    node: str,
+    rows: Sequence,
+    *,
+    rows_per_shard: int | None = None,
+    prefill_per_shard: int | None = None,
 ) -> tuple[str, BucketKey]:
     """The walk of `rows` and its tightest bucket.
 
     Talker rows run as decode (one token each), prefill (chunks), or both at once on the combined walk;
     flow rows run as chunks. On a mesh, `rows_per_shard` (the most rows any data shard gets) sizes the
-    bucket instead of the row count, and decode and prefill rows never mix.
+    bucket instead of the row count, and `prefill_per_shard` (the most prefill rows any gets) the
+    combined bucket's room.
     """
     size = len(rows) if rows_per_shard is None else rows_per_shard
     if node == "flow":
@@ -58,10 +68,24 @@ def choose_bucket(
     prefill = [r for r in rows if not r.decode]
     if prefill and len(prefill) < len(rows):
         tokens = max(r.span for r in prefill)
-        return TALKER_MIXED, buckets.bucket_for(TALKER_MIXED, len(rows), tokens, prefill_rows=len(prefill))
+        room = len(prefill) if prefill_per_shard is None else prefill_per_shard
+        return TALKER_MIXED, buckets.bucket_for(TALKER_MIXED, size, tokens, prefill_rows=room)
     if not prefill:  # a block's rows take up to its K steps (K = 1: one step)
         return TALKER_DECODE, buckets.bucket_for(TALKER_DECODE, size, max(r.span for r in rows))
     return TALKER_PREFILL, buckets.bucket_for(TALKER_PREFILL, size, max(r.span for r in rows))
+
+
+def talker_bucket(
+    buckets: Buckets, rows_per_shard: int, prefill_per_shard: int, *, decode: bool
+) -> BucketKey:
+    """The talker bucket of the most rows and prefill rows any data shard brings (`decode`: whether any
+    are decode rows), at each walk's largest token count: what the processes of a multi-process mesh
+    run, whatever each brings (`Lockstep.agreed_bucket`)."""
+    if decode and prefill_per_shard:
+        tokens = buckets.max_tokens(TALKER_MIXED)
+        return buckets.bucket_for(TALKER_MIXED, rows_per_shard, tokens, prefill_rows=prefill_per_shard)
+    walk = TALKER_DECODE if decode else TALKER_PREFILL
+    return buckets.bucket_for(walk, rows_per_shard, buckets.max_tokens(walk))
 
 
 def fit_shards(rows: Sequence, placement: dict[str, int], most: int) -> tuple[list, int]:
@@ -74,6 +98,21 @@ def fit_shards(rows: Sequence, placement: dict[str, int], most: int) -> tuple[li
             per_shard[shard] += 1
             kept.append(row)
     return kept, max((n for shard, n in per_shard.items() if shard is not None), default=1)
+
+
+def rows_per_shard(rows: Sequence, placement: Callable[[list[str]], dict[str, int]]) -> int:
+    """The most of `rows` any data shard gets (`placement`: the manager's), 0 for no rows."""
+    shards = collections.Counter(placement([r.stream.request_id for r in rows]).values())
+    return max(shards.values(), default=0)
+
+
+def fit_bucket(bucket: BucketKey, rows: Sequence, placement: dict[str, int]) -> list:
+    """The rows of `rows` that `bucket` holds on a mesh: those of its walk (a talker decode bucket's
+    decode rows, a prefill bucket's prefill rows), at most each row group's size per data shard (the
+    first ones; `fit_shards`)."""
+    if bucket.graph_walk in (TALKER_DECODE, TALKER_PREFILL):
+        rows = [r for r in rows if r.decode == (bucket.graph_walk == TALKER_DECODE)]
+    return [row for group, size in row_groups(bucket, rows) for row in fit_shards(group, placement, size)[0]]
 
 
 def row_groups(bucket: BucketKey, rows: Sequence) -> list[tuple[list, int]]:
@@ -127,34 +166,44 @@ def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None)
     block, whose one input token a row starts K steps); the combined walk: its
     decode rows' feed, tokens and lengths, its prefill rows' tokens and lengths, then every row's seed;
     the flow: `codes i32[B, T], seeds u32[B]`. `feed` is each row's `TalkerRow.feed` (-1 for padding).
-    With a `layout` (a mesh), `B` is its row count and each request's row is where it says.
+    With a `layout` (a mesh), `B` is its row count and each request's row is where it says; the
+    combined walk's decode and prefill arrays then hold each shard's rows of their group, shard-major,
+    and its seeds follow the table's rows.
     """
+    groups = row_groups(bucket, rows)
+    shards = 1 if layout is None else layout[0] // sum(size for _, size in groups)
 
-    def block(group, size, tokens):
-        if layout is not None:
-            size = layout[0]
-        ids = np.zeros((size, tokens), np.int32)
-        lengths = np.zeros(size, np.int32)
-        seeds = np.zeros(size, np.uint32)
-        feed = np.full(size, -1, np.int32)
+    def block(group, size, tokens, offset=0):
+        """One group's arrays, `size` rows a shard (every shard's, shard-major, on a mesh)."""
+
+        def index(i: int, row) -> int:
+            if layout is None:
+                return i
+            shard, within = divmod(layout[1][row.stream.request_id], layout[0] // shards)
+            return shard * size + within - offset  # the group starts `offset` rows into its shard
+
+        ids = np.zeros((shards * size, tokens), np.int32)
+        lengths = np.zeros(shards * size, np.int32)
+        seeds = np.zeros(shards * size, np.uint32)
+        feed = np.full(shards * size, -1, np.int32)
         for i, row in enumerate(group):
             values = row.codes if isinstance(row, FlowRow) else row.tokens
-            i = i if layout is None else layout[1][row.stream.request_id]
+            i = index(i, row)
             ids[i, : len(values)] = values
             lengths[i] = len(values)
             seeds[i] = row.stream.request.seed
             feed[i] = getattr(row, "feed", -1)
         return feed, ids, lengths, seeds
 
-    groups = row_groups(bucket, rows)
     if bucket.graph_walk == FLOW_CHUNK:
         _, ids, _, seeds = block(*groups[0], bucket.num_tokens)
         return ids, seeds
     if bucket.graph_walk == TALKER_MIXED:
         (decode, d), (prefill, p) = groups
         d_feed, d_ids, d_len, d_seeds = block(decode, d, 1)
-        _, p_ids, p_len, p_seeds = block(prefill, p, bucket.num_tokens)
-        return d_feed, d_ids, d_len, p_ids, p_len, np.concatenate([d_seeds, p_seeds])
+        _, p_ids, p_len, p_seeds = block(prefill, p, bucket.num_tokens, offset=d)
+        seeds = np.concatenate([d_seeds.reshape(shards, d), p_seeds.reshape(shards, p)], axis=1)
+        return d_feed, d_ids, d_len, p_ids, p_len, seeds.reshape(-1)
     return block(*groups[0], 1 if bucket.graph_walk == TALKER_DECODE else bucket.num_tokens)
 
 

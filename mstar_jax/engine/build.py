@@ -66,7 +66,7 @@ def build_from_deployment(
         token_counts=deployment.token_counts,
         flow_chunk=config.flow_chunk,
         max_prefill_rows_in_combined=max_prefill_rows_in_combined,
-        combined=mesh is None and deployment.engine.decode_steps == 1,
+        combined=deployment.engine.decode_steps == 1,
         decode_steps=deployment.engine.decode_steps,
     )
     configure_persistent_cache(deployment.compile)

@@ -90,7 +90,7 @@ def tts_buckets(
       flow_chunk: frames per flow chunk; the flow compiles at the smallest token count holding it.
       max_prefill_rows_in_combined: prefill rows a combined step makes room for (None: as many as it
         has rows).
-      combined: whether to capture the combined walk (a mesh runs decode and prefill as separate steps).
+      combined: whether to capture the combined walk (else decode and prefill run as separate steps).
       decode_steps: K, the one-token decode steps a decode program runs (`EngineSettings.decode_steps`);
         the combined walk needs K = 1.
 
@@ -261,8 +261,8 @@ class TTSPrograms:
             rows: CombinedRows = key.cg_key_info
             d, p, t = rows.decode_rows, rows.prefill_rows, key.num_tokens
             return (
-                *talker_state, plan(d + p, key), prev_codes, shaped((d,), i32), shaped((d, 1), i32),
-                shaped((d,), i32), shaped((p, t), i32), shaped((p,), i32), shaped((d + p,), u32),
+                *talker_state, plan(d + p, key), prev_codes, rows_of(d), rows_of(d, 1), rows_of(d),
+                rows_of(p, t), rows_of(p), rows_of(d + p, dtype=u32),
             )  # fmt: skip
 
         def chunk(key: BucketKey) -> tuple:

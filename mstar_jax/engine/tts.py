@@ -3,8 +3,8 @@
 `TTSServing` is the model's part of the protocol (`mstar_jax.serving.ServedModel`): two nodes, the
 talker (a decoder that feeds: its sampled codes are the next talker step's input, on the device) and the
 flow decoder (chunks of codes to mel and samples, copied back asynchronously). Each round runs one
-talker program (decode, prefill, or both on the combined walk; a mesh runs decode and prefill as two
-programs) and one flow program (`scheduler`).
+talker program (decode, prefill, or both on the combined walk, on a mesh too; with decode blocks,
+K > 1, decode and prefill run as two programs) and one flow program (`scheduler`).
 
 Each step has two halves. At dispatch (`dispatched`) what the step will do is known from its rows
 alone: entries written, prompt read, codes coming, the talker done; the next step is formed from that.
@@ -138,14 +138,21 @@ class TTSServing(ServedModel):
         decode, prefill = talker_rows(streams, prefill_room=self._prefill_room, **rows)
         if self._prefill_room:
             return [(decode + prefill, None)]
-        if decode:  # no combined walk (a mesh): prefill runs as its own program
+        if decode:  # no combined walk (decode blocks): prefill runs as its own program
             _, prefill = talker_rows(
                 [s for s in streams if s.phase is not Phase.DECODE], prefill_room=0, **rows
             )
         return [(decode, TALKER_DECODE), (prefill, TALKER_PREFILL)]
 
     def choose_bucket(self, node: Node, rows: Sequence, *, rows_per_shard: int | None = None):
-        _, bucket = batch.choose_bucket(self.programs.buckets, node.name, rows, rows_per_shard=rows_per_shard)
+        room = None  # on a mesh, the most prefill rows any data shard gets: the combined bucket's room
+        if rows_per_shard is not None:
+            room = batch.rows_per_shard(
+                [r for r in rows if not getattr(r, "decode", True)], node.manager.placement
+            )
+        _, bucket = batch.choose_bucket(
+            self.programs.buckets, node.name, rows, rows_per_shard=rows_per_shard, prefill_per_shard=room
+        )
         return bucket
 
     def position(self, node: Node, stream: Stream) -> StreamPosition:

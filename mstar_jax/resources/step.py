@@ -272,6 +272,9 @@ class StepContext:
     slot_lease: SlotLease | None = None
     piecewise_leases: Mapping[str, SlotLease] = dataclasses.field(default_factory=dict)
     _padded_request_ids: Sequence[str] | None = None
+    row_groups: tuple[tuple[int, int], ...] | None = None
+    """The bucket's row groups in order, each (the step's rows in it, the bucket's rows for it), e.g. a
+    combined bucket's decode rows then its prefill rows (`pad_step`); None: one group."""
 
     def __setattr__(self, name, value):
         if name == "request_ids":

@@ -110,6 +110,7 @@ def main() -> None:
                 {r.bucket.num_tokens for r in engine.records if r.walk == "talker_decode"}
             ),
             "overlap": dict(engine.overlap),
+            "walks": sorted({r.walk for r in engine.records}),
         }
     print(json.dumps(results))
 

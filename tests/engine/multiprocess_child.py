@@ -1,16 +1,19 @@
 """One process of `test_multiprocess_engine.py`'s job: two processes of 4 simulated CPU devices serving one
 workload on one `(data=4, model=2)` mesh, each its own half of the requests (`mesh_child.serve`'s
-workload, request `i` on process `i % 2`): one frame a dispatch; blocks of 4; blocks of 4 pipelined; one
-frame a dispatch with snapshots and a fault in process 0; and with a stream of each process offloaded
-and reloaded. Prints one JSON line: its shards, each of its requests' codes and audio, compilations
-after warm-up, the steps it entered with no rows, its report's mesh, and the same of the other runs
-(the pipelined one's overlap counters, the faulty one's fault and snapshot counters, the offloading
-one's offloads and reloads).
+workload, request `i` on process `i % 2`): one frame a dispatch (decode and prefill rows together on the
+combined walk when they meet); blocks of 4; blocks of 4 pipelined; one frame a dispatch with snapshots and
+a fault in process 0; and with a stream of each process offloaded and reloaded. Prints one JSON line: its
+shards, each of its requests' codes and audio, compilations after warm-up, the steps it entered with no
+rows, the walks it ran with rows, its report's mesh, and the same of the other runs (the pipelined one's
+overlap counters, the faulty one's fault and snapshot counters, the offloading one's offloads and
+reloads).
 
 Run as `python -m tests.engine.multiprocess_child` with the `MSTAR_*` variables set (the test does).
 """
 
 from __future__ import annotations
+
+import collections
 
 from mstar_jax.distributed import DistributedSettings, initialize
 from tests.simulated_devices import report_as_process
@@ -50,6 +53,7 @@ def main() -> dict:
         "errors": errors,
         "compilations": engine.compilations,
         "empty_steps": engine.counters["lockstep_empty_steps"],
+        "walks": dict(collections.Counter(r.walk for r in engine.records)),
         "mesh": report["mesh"],
         "blocks": {
             "served": {rid: [codes, audio.tolist()] for rid, (codes, audio) in block_served.items()},
@@ -58,7 +62,9 @@ def main() -> dict:
                 {r.bucket.num_tokens for r in block_engine.records if r.walk == "talker_decode"}
             ),
             "decode_dispatches": sum(r.walk == "talker_decode" for r in block_engine.records),
-            "decode_dispatches_one_step": sum(r.walk == "talker_decode" for r in engine.records),
+            "decode_dispatches_one_step": sum(
+                r.walk in ("talker_decode", "talker_mixed") for r in engine.records
+            ),
         },
         "pipelined": {
             "served": {rid: [codes, audio.tolist()] for rid, (codes, audio) in piped_served.items()},

@@ -1,10 +1,17 @@
-"""`batch.fit_shards`: a mesh step keeps at most a bucket's rows per data shard, the first ones."""
+"""`batch` on a mesh: a step keeps at most a bucket's rows per data shard, the first ones, and of an agreed
+bucket only the rows of its walk; a combined step's inputs hold each shard's rows of each group."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
+from mstar_jax.compile import CombinedRows
 from mstar_jax.engine import batch
+from mstar_jax.models.streaming_tts.model import TALKER_DECODE, TALKER_MIXED, TALKER_PREFILL
+from mstar_jax.resources.step import BucketKey
+from mstar_jax.serving.decoder import DecodeRow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,3 +40,67 @@ def test_the_width_is_the_most_rows_any_shard_keeps():
     assert (len(kept), width) == (2, 1)
     kept, width = batch.fit_shards(rows("a", "x"), {"a": 2}, most=1)  # x: no room, admission refuses it
     assert ([r.stream.request_id for r in kept], width) == (["a", "x"], 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _SeededStream:
+    request_id: str
+    request: _Request
+
+
+def talker_row(rid: str, tokens: tuple[int, ...], *, decode: bool, feed: int = -1) -> DecodeRow:
+    return DecodeRow(_SeededStream(rid, _Request(seed=100 + ord(rid[0]))), tokens, decode=decode, feed=feed)
+
+
+MIXED = BucketKey(TALKER_MIXED, 2, 4, cg_key_info=CombinedRows(decode_rows=2, prefill_rows=1))
+
+
+def test_a_combined_steps_inputs_on_a_mesh_hold_each_shards_rows_of_each_group():
+    """Two shards of 2 decode rows then 1 prefill row: the table's rows are [a, -, p | b, c, q]; the
+    decode arrays hold [a, - | b, c], the prefill arrays [p | q], the seeds follow the table."""
+    a, b, c = (talker_row(r, (7,), decode=True, feed=f) for r, f in (("a", 3), ("b", -1), ("c", 5)))
+    p, q = talker_row("p", (1, 2, 3), decode=False), talker_row("q", (4,), decode=False)
+    layout = (6, {"a": 0, "p": 2, "b": 3, "c": 4, "q": 5})
+    feed, ids, lengths, p_ids, p_lengths, seeds = batch.step_inputs(MIXED, [a, p, b, c, q], layout)
+    np.testing.assert_array_equal(feed, [3, -1, -1, 5])
+    np.testing.assert_array_equal(ids[:, 0], [7, 0, 7, 7])
+    np.testing.assert_array_equal(lengths, [1, 0, 1, 1])
+    np.testing.assert_array_equal(p_ids, [[1, 2, 3, 0], [4, 0, 0, 0]])
+    np.testing.assert_array_equal(p_lengths, [3, 1])
+    np.testing.assert_array_equal(seeds, [100 + ord(r) if r else 0 for r in ("a", "", "p", "b", "c", "q")])
+    assert batch.row_indices(MIXED, [a, p, b, c, q], layout) == [0, 2, 3, 4, 5]
+
+
+def test_one_device_lays_a_combined_step_out_as_its_groups():
+    a, p = talker_row("a", (7,), decode=True), talker_row("p", (1, 2), decode=False)
+    _, _, lengths, _, p_lengths, seeds = batch.step_inputs(MIXED, [a, p])
+    np.testing.assert_array_equal(lengths, [1, 0])
+    np.testing.assert_array_equal(p_lengths, [2])
+    np.testing.assert_array_equal(seeds, [100 + ord("a"), 0, 100 + ord("p")])
+    assert batch.row_indices(MIXED, [p, a]) == [2, 0]
+
+
+def test_an_agreed_bucket_keeps_the_rows_of_its_walk_and_each_groups_rows_per_shard():
+    d1, d2, d3 = (talker_row(r, (0,), decode=True) for r in ("d1", "d2", "d3"))
+    p1, p2 = (talker_row(r, (1, 2), decode=False) for r in ("p1", "p2"))
+    placement = {"d1": 0, "d2": 0, "d3": 0, "p1": 1, "p2": 1}
+    kept = batch.fit_bucket(MIXED, [d1, p1, d2, d3, p2], placement)
+    assert [r.stream.request_id for r in kept] == ["d1", "d2", "p1"]  # d3, p2 beyond their groups' rows
+    decode = BucketKey(TALKER_DECODE, 2, 1)
+    assert [r.stream.request_id for r in batch.fit_bucket(decode, [d1, p1, d2], placement)] == ["d1", "d2"]
+    prefill = BucketKey(TALKER_PREFILL, 2, 4)
+    assert [r.stream.request_id for r in batch.fit_bucket(prefill, [d1, p1, p2], placement)] == ["p1", "p2"]
+
+
+def test_processes_agree_on_the_combined_walk_only_where_both_kinds_meet():
+    from mstar_jax.engine import tts_buckets
+
+    buckets = tts_buckets(batch_sizes=(1, 2), token_counts=(1, 4), flow_chunk=4)
+    assert batch.talker_bucket(buckets, 2, 1, decode=True).graph_walk == TALKER_MIXED
+    assert batch.talker_bucket(buckets, 2, 0, decode=True) == BucketKey(TALKER_DECODE, 2, 1)
+    assert batch.talker_bucket(buckets, 1, 1, decode=False) == BucketKey(TALKER_PREFILL, 1, 4)

@@ -1,6 +1,7 @@
 """The engine on meshes of 8 simulated CPU devices (docs/design.md §10): one workload gives every request
 the codes it gets on one device, the same audio (to the bit with one model shard; within float rounding
-with several, whose row-parallel projections sum in another order), nothing compiles after warm-up, and
+with several, whose row-parallel projections sum in another order), decode and prefill rows meet on the
+combined walk (each shard's decode rows, then its prefill rows), nothing compiles after warm-up, and
 each device holds an even share of every cache.
 
 The meshes need the device-count flag set before jax starts, so they run in a child process
@@ -34,6 +35,7 @@ def test_every_request_hears_what_it_hears_on_one_device(results, mesh):
     assert found["done"] == REQUESTS
     assert found["codes_equal"]
     assert found["compilations"] == 0
+    assert "talker_mixed" in found["walks"]  # decode and prefill rows met on the combined walk
     if MESHES[mesh][1] == 1:
         assert found["max_audio_diff"] == 0.0
     else:
@@ -64,6 +66,8 @@ def test_a_pipelined_mesh_hears_what_one_synchronous_device_hears(results, mesh)
     the one-device synchronous K = 1 engine's, its audio within the rounding of several model shards."""
     found = results[mesh]
     assert_hears_one_device(found, decode_steps=PIPELINED[mesh][2])
+    # At K = 1 a decode row fed on the device may run beside a prefill row, on the combined walk.
+    assert ("talker_mixed" in found["walks"]) == (PIPELINED[mesh][2] == 1)
     assert found["overlap"]["rows_fed_on_device"] > 0
     assert found["overlap"]["talker_steps_read_behind"] > 0
 

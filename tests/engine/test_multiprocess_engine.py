@@ -70,6 +70,12 @@ def assert_heard_alone(run: dict, result: dict, alone: dict) -> None:
 
 
 def test_every_request_hears_what_it_hears_alone_on_one_device(served, alone):
+    """One frame a dispatch: where any process brings decode rows and any prefill rows, both processes
+    run them together on the combined walk (each shard's decode rows, then its prefill rows), and every
+    request still hears what it hears alone."""
+    entered = [sum(result["walks"].values()) + result["empty_steps"] for result in served]
+    assert entered[0] == entered[1]  # as many programs in each process (those with rows, and without)
+    assert any(result["walks"].get("talker_mixed", 0) > 0 for result in served)
     for result in served:
         assert_heard_alone(result, result, alone)
 

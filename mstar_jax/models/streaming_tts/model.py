@@ -326,30 +326,37 @@ def talker_combined_step(
 ) -> tuple[BoundedKVCache, jax.Array]:  # fmt: skip
     """Decode rows and prefill rows in one program, each group on its own attention call.
 
+    On a mesh of D data shards every array holds each shard's rows in turn (shard-major, split on
+    `data`): a shard's `Bd / D` decode rows, then its `Bp / D` prefill rows in the table, the seeds and
+    the outputs, and its rows of each group in the group's arrays. One device is D = 1.
+
     Args:
-      plan: its table i32[Bd + Bp, ROW_INTS] holds the decode rows, then the prefill rows.
+      plan: its table i32[Bd + Bp, ROW_INTS] holds each shard's decode rows, then its prefill rows.
       decode_tokens: i32[Bd, 1]; decode_lengths: i32[Bd].
       prefill_tokens: i32[Bp, T]; prefill_lengths: i32[Bp].
-      seeds: u32[Bd + Bp].
+      seeds: u32[Bd + Bp], in the table's order.
       settings: static; the model's `settings`.
 
     Returns:
-      (cache, i32[Bd + Bp] next frames, decode rows first).
+      (cache, i32[Bd + Bp] next frames, in the table's order).
     """
     talker = nnx.merge(_graphdefs(settings.config)[0], params)
-    bd = decode_tokens.shape[0]
-    tables = (plan.table[:bd], plan.table[bd:])
-    groups = (decode_tokens, prefill_tokens)
+    shards = 1 if settings.mesh is None else settings.mesh.shape["data"]
+    bd, bp = decode_tokens.shape[0] // shards, prefill_tokens.shape[0] // shards
+
+    def split(rows: jax.Array) -> tuple[jax.Array, jax.Array]:  # [D * (bd + bp), ...] -> each group's
+        by_shard = rows.reshape(shards, bd + bp, *rows.shape[1:])
+        return tuple(part.reshape(-1, *rows.shape[1:]) for part in (by_shard[:, :bd], by_shard[:, bd:]))
+
+    tables, groups = split(plan.table), (decode_tokens, prefill_tokens)
     positions = [BoundedKVPlan(t).positions(g.shape[1]) for t, g in zip(tables, groups, strict=True)]
     attends = [_attention(settings, bank, t, settings.talker_kv) for t in tables]
     hiddens, cache = talker(list(groups), positions, cache, attends)
     codes = [
-        _talker_codes(settings, talker, h, t, n, s)
-        for h, t, n, s in zip(
-            hiddens, tables, (decode_lengths, prefill_lengths), (seeds[:bd], seeds[bd:]), strict=True
-        )
+        _talker_codes(settings, talker, h, t, n, s).reshape(shards, -1)
+        for h, t, n, s in zip(hiddens, tables, (decode_lengths, prefill_lengths), split(seeds), strict=True)
     ]
-    return cache, jnp.concatenate(codes)
+    return cache, jnp.concatenate(codes, axis=1).reshape(-1)
 
 
 def flow_noise(mel_bins: int, starts: jax.Array, seeds: jax.Array, frames: int) -> jax.Array:

@@ -353,8 +353,9 @@ class BoundedKVManager(Resource):
         lease = ctx.slot_lease
         bucket_rows = lease.bucket.bs if lease is not None and lease.bucket is not None else None
         return planning.table_rows(
-            step.segments or (), real, bucket_rows, slots=self._slots, requests=self._requests
-        )
+            step.segments or (), real, bucket_rows, slots=self._slots, requests=self._requests,
+            groups=ctx.row_groups,
+        )  # fmt: skip
 
     def plan(self, step: ResourceStep, ctx: StepContext | None = None) -> BoundedKVPlan:
         """The plan table for `step`'s requests, laid out by `plan_rows` (padding rows plan empty, on

@@ -149,4 +149,6 @@ def pad_step(
     # The step was checked when it was made; only its segments change, and padding rows are Segments.
     step = copy.copy(step)
     object.__setattr__(step, "segments", tuple(padded))
-    return PaddedStep(step=step, ctx=StepContext.for_step(step, bucket), bucket=bucket, rows=rows)
+    ctx = StepContext.for_step(step, bucket)
+    ctx.row_groups = groups  # a manager of several data shards lays each shard out by them
+    return PaddedStep(step=step, ctx=ctx, bucket=bucket, rows=rows)

@@ -25,37 +25,57 @@ def table_rows(
     *,
     slots: SlotPools,
     requests: Mapping[str, Any],
+    groups: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[int, dict[str, int]]:
     """The plan table's row count and each real request's row.
 
     On one data shard, row `i` is segment `i`, padded to the bucket's rows. Over several, the table is
     shard-major: shard `d` owns rows `[d * b, (d + 1) * b)`, `b` the bucket's rows per shard (or the
-    most any shard has), its requests in segment order, then its padding rows.
+    most any shard has), its requests in segment order, then its padding rows. With row `groups` (a
+    combined bucket's decode rows, then its prefill rows) each shard's rows are its requests of each
+    group in turn, each group padded to its own rows: shard `d` of `b = sum(sizes)` rows holds group `g`
+    at `[d * b + offset_g, d * b + offset_g + size_g)`.
 
     Args:
       segments: the step's rows, padding included.
       real: the real rows' request ids, in segment order.
       bucket_rows: the bucket's rows (per data shard), or None for an unbucketed step.
       slots, requests: the manager's slot pools and request records.
+      groups: the step's row groups (`StepContext.row_groups`: consecutive segments, each group's
+        count and its rows per shard); None: one group of `bucket_rows`.
 
     Raises:
-      ValueError: a data shard has more of the step's requests than the bucket's rows per shard.
+      ValueError: a data shard has more of a group's requests than the group's rows per shard.
     """
-    if slots.shards == 1:
+    padded = groups is None or len(segments) == sum(size or 0 for _, size in groups)
+    if slots.shards == 1 and padded:  # `pad_step` put every row where it runs
         index = {seg.request_id: i for i, seg in enumerate(segments)}
         return max(len(segments), bucket_rows or 0), {rid: index[rid] for rid in real}
-    by_shard: list[list[str]] = [[] for _ in range(slots.shards)]
-    for rid in real:
-        by_shard[slots.shard_of(requests[rid].slot)].append(rid)
-    width = bucket_rows or max(1, *map(len, by_shard))
-    for shard, rids in enumerate(by_shard):
-        if len(rids) > width:
-            raise ValueError(
-                f"data shard {shard} has {len(rids)} of the step's requests {rids}; the bucket holds "
-                f"{width} rows per shard"
-            )
-    return slots.shards * width, {
-        rid: shard * width + j for shard, rids in enumerate(by_shard) for j, rid in enumerate(rids)
+    real_ids = set(real)
+    if groups is None:
+        groups = ((len(segments), bucket_rows),)
+    offset, start = 0, 0
+    widths = []
+    for count, size in groups:
+        by_shard: list[list[str]] = [[] for _ in range(slots.shards)]
+        for seg in segments[start : start + count]:
+            if seg.request_id in real_ids:
+                by_shard[slots.shard_of(requests[seg.request_id].slot)].append(seg.request_id)
+        start += count
+        width = size or max(1, *map(len, by_shard))
+        for shard, rids in enumerate(by_shard):
+            if len(rids) > width:
+                raise ValueError(
+                    f"data shard {shard} has {len(rids)} of the step's requests {rids}; the bucket holds "
+                    f"{width} rows per shard"
+                )
+        widths.append((offset, by_shard))
+        offset += width
+    return slots.shards * offset, {
+        rid: shard * offset + begin + j
+        for begin, by_shard in widths
+        for shard, rids in enumerate(by_shard)
+        for j, rid in enumerate(rids)
     }
 
 

@@ -12,6 +12,7 @@ from mstar_jax.resources.kv.bounded.cache import BoundedKVCache
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, BoundedKVStep, SinkWindow
 from mstar_jax.resources.kv.bounded.config import StreamPosition as Pos
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+from mstar_jax.resources.kv.bounded.padding import pad_step
 from mstar_jax.resources.kv.bounded.slots import SlotPools
 from mstar_jax.resources.step import AllocationFailed, BucketKey, Segment, SlotLease, StepContext
 
@@ -217,3 +218,61 @@ def test_a_manager_of_a_process_admits_into_its_own_shards_only():
     assert sorted(row_of.values()) == [2, 3]  # shard 0's rows stay padding
     table = m.plan(s, ctx).table
     np.testing.assert_array_equal(table[:2], m.plan(*step([], bucket_rows=2)).table[:2])
+
+
+def test_row_groups_lay_each_shard_out_group_by_group():
+    """A combined step's groups (decode rows, then prefill rows): each shard's part of the table is its
+    rows of each group in turn, each group padded to its size, and plans what an unsharded manager of
+    the shard's size plans of the same rows padded by `pad_step`."""
+    sharded, alone = manager(3), [manager(1, slots=2) for _ in range(3)]
+    for m in (sharded, *alone):
+        for rid in "abcde":
+            m.ingest_request(rid)
+    placed = {0: "ad", 1: "be", 2: "c"}  # least loaded, in arrival order
+    first = [(rid, Pos(3, 0, 0), 1) for rid in "abcde"]
+    assert sharded.admit(*step(first, bucket_rows=2)).ok
+    sharded.commit(*step(first, bucket_rows=2))
+    for m, rids in zip(alone, placed.values(), strict=True):
+        own = step([e for e in first if e[0] in rids], bucket_rows=2)
+        assert m.admit(*own).ok
+        m.commit(*own)
+    decode, prefill = "abc", "de"  # groups of 2 and 1 rows per shard: 3 rows a shard
+    entries = [(rid, Pos(3, 1, 0), 1 if rid in decode else 2) for rid in decode + prefill]
+    s, ctx = step(entries, bucket_rows=2)
+    ctx.row_groups = ((len(decode), 2), (len(prefill), 1))
+    assert sharded.admit(s, ctx).ok
+    rows, row_of = sharded.plan_rows(s, ctx)
+    assert rows == 9
+    assert row_of == {"a": 0, "b": 3, "c": 6, "d": 2, "e": 5}
+    table = sharded.plan(s, ctx).table
+    for shard, rids in placed.items():
+        mine = [e for e in entries if e[0] in rids]
+        groups = [[e for e in mine if e[0] in decode], [e for e in mine if e[0] in prefill]]
+        padded = pad_step(
+            BoundedKVStep(
+                tuple(Segment(rid, "main", span) for rid, _, span in groups[0] + groups[1]),
+                {rid: pos for rid, pos, _ in mine}, {rid: 2 for rid, _, _ in mine},
+            ),
+            BucketKey("walk", 2, 2),
+            groups=[(len(groups[0]), 2), (len(groups[1]), 1)],
+        )  # fmt: skip
+        assert alone[shard].admit(padded.step, padded.ctx).ok
+        np.testing.assert_array_equal(
+            table[3 * shard : 3 * shard + 3], alone[shard].plan(padded.step, padded.ctx).table
+        )
+
+
+def test_a_group_with_more_of_a_shards_rows_than_its_size_is_refused():
+    m = manager(3)
+    for rid in "abcd":
+        m.ingest_request(rid)
+    entries = [(rid, Pos(3, 0, 0), 1) for rid in "abcd"]  # a and d on shard 0
+    s, ctx = step(entries, bucket_rows=2)
+    assert m.admit(s, ctx).ok
+    ctx.row_groups = ((2, 1), (2, 1))  # group 1 (c, d): c on shard 2, d on shard 0 — fits
+    assert m.plan_rows(s, ctx)[1] == {"a": 0, "b": 2, "c": 5, "d": 1}
+    ctx.row_groups = ((3, 1), (1, 1))  # group 0 (a, b, c) fits; so does (d)
+    assert m.plan_rows(s, ctx)[1]["d"] == 1
+    ctx.row_groups = ((4, 1), (0, 1))  # a and d both in group 0 of one row on shard 0
+    with pytest.raises(ValueError, match=r"data shard 0 has 2 of the step's requests \['a', 'd'\]"):
+        m.plan_rows(s, ctx)
