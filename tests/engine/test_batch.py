@@ -14,18 +14,8 @@ from mstar_jax.resources.step import BucketKey
 from mstar_jax.serving.decoder import DecodeRow
 
 
-@dataclasses.dataclass(frozen=True)
-class _Stream:
-    request_id: str
-
-
-@dataclasses.dataclass(frozen=True)
-class _Row:
-    stream: _Stream
-
-
-def rows(*rids: str) -> list[_Row]:
-    return [_Row(_Stream(rid)) for rid in rids]
+def rows(*rids: str) -> list[DecodeRow]:
+    return [talker_row(rid, (0,), decode=True) for rid in rids]
 
 
 def test_rows_beyond_the_largest_bucket_on_one_shard_wait_for_the_next_step():
