@@ -345,14 +345,16 @@ class ServingEngine:
         return ran
 
     def run_until_idle(self, *, max_steps: int | None = None) -> int:
-        """Step until every stream finished (paused ones excepted); return the steps run."""
+        """Step until every stream finished (paused ones excepted), or `max_steps` steps ran; return the
+        steps run. In lockstep every round counts, whether or not this process had rows in it: every
+        process turns the loop as often, so all stop after the same round."""
         steps = 0
         while max_steps is None or steps < max_steps:
             if not self.busy_anywhere(any(not s.paused for s in self.streams.values())):
                 break
-            if self.step():
-                steps += 1
-            else:
+            ran = self.step()
+            steps += ran or self.lockstep
+            if not ran:
                 self._sleep_until_runnable()
         return steps
 

@@ -7,7 +7,9 @@ Run with `XLA_FLAGS=--xla_force_host_platform_device_count=8` (the parent sets i
 
 from __future__ import annotations
 
+import collections
 import json
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -78,6 +80,9 @@ def serve(
             streams.append(engine.submit(TTSRequest(f"r{i}", text, voices[i % 2], frames, seed=i)))
     steps = 0  # `run_until_idle`'s loop, every process stepping as often (`busy_anywhere`)
     while engine.busy_anywhere(bool(engine.streams)):
+        if offload_at is None:  # a few rounds at a time: in lockstep, every process stops after as many
+            steps += engine.run_until_idle(max_steps=3)
+            continue
         engine.step()
         steps += 1
         if steps == offload_at:  # this process's own: nothing the others take part in
@@ -85,6 +90,15 @@ def serve(
             with assert_no_compilations("an offload after warm-up"):  # warm-up compiled what it runs
                 engine.offload(held[0].request_id)
     return engine, {s.request_id: (s.codes, s.audio) for s in streams}
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def collectives(hlo: str) -> dict[str, int]:
+    """How many of each collective a compiled program's HLO holds."""
+    found = re.findall(rf"= \S+ ({'|'.join(COLLECTIVES)})(?:-start)?\(", hlo)
+    return dict(sorted(collections.Counter(found).items()))
 
 
 def main() -> None:
@@ -111,6 +125,10 @@ def main() -> None:
             ),
             "overlap": dict(engine.overlap),
             "walks": sorted({r.walk for r in engine.records}),
+            "collectives": {
+                walk: sorted({json.dumps(collectives(p.as_text())) for p in step.programs.values()})
+                for walk, step in engine.programs.steps.items()
+            },
         }
     print(json.dumps(results))
 

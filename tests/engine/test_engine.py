@@ -54,6 +54,22 @@ def test_streams_complete_and_stream_iterator_yields_chunks_in_order(programs):
     assert engine.compilations == 0
 
 
+def test_run_until_idle_stops_after_max_steps_and_goes_on_where_it_stopped(programs):
+    """`max_steps` rounds, then the streams are where those rounds left them: a second call finishes
+    them with the codes one uninterrupted call gives."""
+    whole, (v0, _) = make_engine(programs)
+    alone = whole.submit(request("r0", v0, 12))
+    whole.run_until_idle()
+    engine, (v0, _) = make_engine(programs)
+    stream = engine.submit(request("r0", v0, 12))
+    assert engine.run_until_idle(max_steps=3) == 3
+    assert engine.steps_run == 3
+    assert not stream.phase.finished
+    assert engine.run_until_idle() > 0
+    assert_complete(stream)
+    assert stream.codes == alone.codes
+
+
 def test_full_caches_offload_a_paused_stream_then_hold_it_until_a_slot_is_released(programs):
     engine, (v0, v1) = make_engine(programs)
     paused = engine.submit(request("paused", v0, 20))
