@@ -38,7 +38,6 @@ __all__ = [
     "row_groups",
     "row_indices",
     "row_outputs",
-    "rows_per_shard",
     "step_inputs",
     "talker_bucket",
 ]
@@ -98,12 +97,6 @@ def fit_shards(rows: Sequence, placement: dict[str, int], most: int) -> tuple[li
             per_shard[shard] += 1
             kept.append(row)
     return kept, max((n for shard, n in per_shard.items() if shard is not None), default=1)
-
-
-def rows_per_shard(rows: Sequence, placement: Callable[[list[str]], dict[str, int]]) -> int:
-    """The most of `rows` any data shard gets (`placement`: the manager's), 0 for no rows."""
-    shards = collections.Counter(placement([r.stream.request_id for r in rows]).values())
-    return max(shards.values(), default=0)
 
 
 def fit_bucket(bucket: BucketKey, rows: Sequence, placement: dict[str, int]) -> list:
@@ -171,7 +164,9 @@ def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None)
     and its seeds follow the table's rows.
     """
     groups = row_groups(bucket, rows)
-    shards = 1 if layout is None else layout[0] // sum(size for _, size in groups)
+
+    table_rows_per_shard = sum(size for _, size in groups)
+    shards = 1 if layout is None else layout[0] // table_rows_per_shard
 
     def block(group, size, tokens, offset=0):
         """One group's arrays, `size` rows a shard (every shard's, shard-major, on a mesh)."""
@@ -179,7 +174,7 @@ def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None)
         def index(i: int, row) -> int:
             if layout is None:
                 return i
-            shard, within = divmod(layout[1][row.stream.request_id], layout[0] // shards)
+            shard, within = divmod(layout[1][row.stream.request_id], table_rows_per_shard)
             return shard * size + within - offset  # the group starts `offset` rows into its shard
 
         ids = np.zeros((shards * size, tokens), np.int32)

@@ -146,10 +146,10 @@ class TTSServing(ServedModel):
 
     def choose_bucket(self, node: Node, rows: Sequence, *, rows_per_shard: int | None = None):
         room = None  # on a mesh, the most prefill rows any data shard gets: the combined bucket's room
-        if rows_per_shard is not None:
-            room = batch.rows_per_shard(
-                [r for r in rows if not getattr(r, "decode", True)], node.manager.placement
-            )
+        if rows_per_shard is not None and node.name != FLOW:
+            prefill = [r for r in rows if not r.decode]
+            placed = node.manager.placement([r.stream.request_id for r in prefill])
+            room = batch.fit_shards(prefill, placed, len(prefill))[1] if prefill else 0
         _, bucket = batch.choose_bucket(
             self.programs.buckets, node.name, rows, rows_per_shard=rows_per_shard, prefill_per_shard=room
         )

@@ -55,7 +55,7 @@ def table_rows(
     if groups is None:
         groups = ((len(segments), bucket_rows),)
     offset, start = 0, 0
-    widths = []
+    placed = []  # per group: its first row in a shard, and its requests on each shard
     for count, size in groups:
         by_shard: list[list[str]] = [[] for _ in range(slots.shards)]
         for seg in segments[start : start + count]:
@@ -69,11 +69,11 @@ def table_rows(
                     f"data shard {shard} has {len(rids)} of the step's requests {rids}; the bucket holds "
                     f"{width} rows per shard"
                 )
-        widths.append((offset, by_shard))
+        placed.append((offset, by_shard))
         offset += width
     return slots.shards * offset, {
         rid: shard * offset + begin + j
-        for begin, by_shard in widths
+        for begin, by_shard in placed
         for shard, rids in enumerate(by_shard)
         for j, rid in enumerate(rids)
     }
