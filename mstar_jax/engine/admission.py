@@ -116,7 +116,7 @@ class Admission:
             bucket,
             rows,
             keys=node.keys,
-            position=lambda s: self._served.position(node, s),
+            positions=lambda streams: self._served.positions(node, streams),
             pad=self._mesh is None,
             steps=self._served.block_steps(bucket),
         )

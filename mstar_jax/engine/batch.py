@@ -22,7 +22,7 @@ import numpy as np
 from mstar_jax.compile import Buckets, CombinedRows
 from mstar_jax.engine.scheduler import FlowRow
 from mstar_jax.models.streaming_tts.model import FLOW_CHUNK, TALKER_DECODE, TALKER_MIXED, TALKER_PREFILL
-from mstar_jax.resources.kv.bounded.config import BoundedKVStep, StreamPosition
+from mstar_jax.resources.kv.bounded.config import BoundedKVStep, PositionColumns, StreamPosition
 from mstar_jax.resources.step import PAD, BucketKey, Segment
 from mstar_jax.serving import transaction
 from mstar_jax.serving.stream import Stream
@@ -122,7 +122,7 @@ def declare(
     rows: Sequence,
     *,
     keys: Sequence[str],
-    position: Callable[[Stream], StreamPosition],
+    positions: Callable[[Sequence[Stream]], Sequence[StreamPosition]],
     pad: bool = True,
     steps: int = 1,
 ) -> tuple[Declared, list]:
@@ -132,7 +132,7 @@ def declare(
       bucket: the bucket the rows run in.
       rows: the model's rows (each with a `stream` and a `span`; a combined bucket's also say `decode`).
       keys: the node's caches.
-      position: where a row's stream stands in them.
+      positions: where each of the rows' streams stands in them (`ServedModel.positions`).
       pad: declare padding rows (False on a mesh, where the caches pad each data shard themselves).
       steps: the one-token steps of a decode block (`BoundedKVStep.steps`; 1: one step).
 
@@ -141,10 +141,10 @@ def declare(
     """
     groups = row_groups(bucket, rows)
     ordered = [row for group, _ in groups for row in group]
+    rids = [row.stream.request_id for row in ordered]
     step = BoundedKVStep(
-        tuple(Segment(row.stream.request_id, "main", row.span) for row in ordered),
-        {row.stream.request_id: position(row.stream) for row in ordered},
-        {row.stream.request_id: row.span for row in ordered},
+        tuple(Segment(rid, "main", row.span) for rid, row in zip(rids, ordered, strict=True)),
+        PositionColumns(rids, positions([row.stream for row in ordered])),
         steps=steps,
     )
     sizes = [(len(group), size) for group, size in groups]
@@ -170,24 +170,28 @@ def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None)
 
     def block(group, size, tokens, offset=0):
         """One group's arrays, `size` rows a shard (every shard's, shard-major, on a mesh)."""
-
-        def index(i: int, row) -> int:
-            if layout is None:
-                return i
-            shard, within = divmod(layout[1][row.stream.request_id], table_rows_per_shard)
-            return shard * size + within - offset  # the group starts `offset` rows into its shard
-
         ids = np.zeros((shards * size, tokens), np.int32)
         lengths = np.zeros(shards * size, np.int32)
         seeds = np.zeros(shards * size, np.uint32)
         feed = np.full(shards * size, -1, np.int32)
-        for i, row in enumerate(group):
-            values = row.codes if isinstance(row, FlowRow) else row.tokens
-            i = index(i, row)
-            ids[i, : len(values)] = values
-            lengths[i] = len(values)
-            seeds[i] = row.stream.request.seed
-            feed[i] = getattr(row, "feed", -1)
+        if not group:
+            return feed, ids, lengths, seeds
+        if layout is None:
+            where = np.arange(len(group))
+        else:  # the group starts `offset` rows into each shard's part of the table
+            placed = np.fromiter((layout[1][row.stream.request_id] for row in group), np.int64, len(group))
+            shard, within = np.divmod(placed, table_rows_per_shard)
+            where = shard * size + within - offset
+        values = [row.codes if isinstance(row, FlowRow) else row.tokens for row in group]
+        counts = [len(v) for v in values]
+        if min(counts) == max(counts):  # a block's rows all bring as many tokens: one assignment
+            ids[where, : counts[0]] = values
+        else:
+            for i, row_values in zip(where.tolist(), values, strict=True):
+                ids[i, : len(row_values)] = row_values
+        lengths[where] = counts
+        seeds[where] = [row.stream.request.seed for row in group]
+        feed[where] = [getattr(row, "feed", -1) for row in group]
         return feed, ids, lengths, seeds
 
     if bucket.graph_walk == FLOW_CHUNK:

@@ -158,6 +158,11 @@ class TTSServing(ServedModel):
     def position(self, node: Node, stream: Stream) -> StreamPosition:
         return stream.request.voice.position(stream.written_in(node.name))
 
+    def positions(self, node: Node, streams: Sequence[Stream]) -> list[tuple[int, int, int]]:
+        if node.name == FLOW:  # `Voice.position`, a batch at once
+            return [(s.request.voice.frames, s.flow_written, s.request.voice.index) for s in streams]
+        return [(s.request.voice.frames, s.talker_written, s.request.voice.index) for s in streams]
+
     def block_steps(self, bucket) -> int:
         return bucket.num_tokens if bucket.graph_walk == TALKER_DECODE else 1
 

@@ -321,12 +321,16 @@ class StepContext:
 
     def is_padding_row(self, request_id: str) -> bool:
         """True for a row added to fill a bucket: in the padded list but not a real request."""
+        return request_id in self.padding_rows()
+
+    def padding_rows(self) -> frozenset[str]:
+        """The ids of the rows added to fill a bucket (`is_padding_row` of each)."""
         # Resources ask once per row and call: a set keeps a step's checks linear in its rows.
         padding = self._padding
         if padding is None:
             padding = frozenset(self.padded_request_ids).difference(self.request_ids)
             object.__setattr__(self, "_padding", padding)
-        return request_id in padding
+        return padding
 
 
 @dataclasses.dataclass(frozen=True)

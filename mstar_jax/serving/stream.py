@@ -59,10 +59,8 @@ class Phase(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
-
-
-_FINISHED = frozenset({Phase.DONE, Phase.FAILED, Phase.CANCELLED})
+        # Identity, not a set: an Enum's __hash__ is Python code, and the loop asks once per stream.
+        return self is Phase.DONE or self is Phase.FAILED or self is Phase.CANCELLED
 
 
 @dataclasses.dataclass(eq=False)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and IDEs
         BoundedKVConfig,
         BoundedKVSpec,
         BoundedKVStep,
+        PositionColumns,
         SinkWindow,
         StreamPosition,
     )
@@ -34,6 +35,7 @@ __all__ = [
     "BoundedKVSpec",
     "BoundedKVStep",
     "PaddedStep",
+    "PositionColumns",
     "SinkWindow",
     "SourceBank",
     "StreamPosition",
@@ -48,7 +50,14 @@ def __getattr__(name: str) -> Any:
     Each submodule is named in an import statement of its own, so the import graph (and
     tests/test_import_graph.py, which reads it) sees every edge this package has.
     """
-    if name in ("BoundedKVConfig", "BoundedKVSpec", "BoundedKVStep", "SinkWindow", "StreamPosition"):
+    if name in (
+        "BoundedKVConfig",
+        "BoundedKVSpec",
+        "BoundedKVStep",
+        "PositionColumns",
+        "SinkWindow",
+        "StreamPosition",
+    ):
         from mstar_jax.resources.kv.bounded import config as module
     elif name in ("BoundedKVCache", "BoundedKVPlan", "SourceBank"):
         from mstar_jax.resources.kv.bounded import cache as module

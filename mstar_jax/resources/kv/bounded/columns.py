@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVStep
+from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVStep, PositionColumns
 from mstar_jax.resources.step import Segment, StepContext
 
 __all__ = ["StepColumns", "admissible", "gather"]
@@ -51,22 +51,37 @@ class StepColumns:
         return [seg.request_id for seg in self.segments]
 
 
-def gather(
-    step: BoundedKVStep, ctx: StepContext, requests: Mapping[str, Any], *, padding: Any
-) -> StepColumns | None:
-    """The real rows of `step` (those `padding(request_id, ctx)` leaves) as columns; None where a row is
-    not a plain case (its request unknown or offloaded, no position, a field not an int, a request
-    twice)."""
-    segments = tuple(seg for seg in step.segments or () if not padding(seg.request_id, ctx))
+def gather(step: BoundedKVStep, ctx: StepContext, requests: Mapping[str, Any]) -> StepColumns | None:
+    """The real rows of `step` (those not `ctx.padding_rows()`) as columns; None where a row is not a
+    plain case (its request unknown or offloaded, no position, a field not an int, a request twice).
+
+    Positions given as `PositionColumns` of exactly the real rows, in order, are read as they are: no
+    Python object per row."""
+    padding = ctx.padding_rows()
+    segments = step.segments or ()
+    if padding:
+        segments = tuple(seg for seg in segments if seg.request_id not in padding)
     rids = [seg.request_id for seg in segments]
     records = [requests.get(rid) for rid in rids]
-    positions = [step.positions.get(rid) for rid in rids]
-    if None in records or None in positions or len(set(rids)) < len(rids):
+    if None in records or any(record.host_copy is not None for record in records):
         return None
-    if any(record.host_copy is not None for record in records):
+    spans = [seg.span for seg in segments]
+    positions = step.positions
+    if type(positions) is PositionColumns and not step.step_tokens and positions.request_ids == tuple(rids):
+        if not {*map(type, spans)} <= _INTS:
+            return None
+        try:
+            spans = np.array(spans, np.int64)
+        except OverflowError:  # beyond int64: refused row by row, with its value
+            return None
+        return StepColumns(
+            step, segments, tuple(records), positions.source_len, positions.written, positions.source,
+            spans, np.maximum(spans, 1),
+        )  # fmt: skip
+    positions = [positions.get(rid) for rid in rids]
+    if None in positions or len(set(rids)) < len(rids):
         return None
     tokens = step.step_tokens
-    spans = [seg.span for seg in segments]
     declared = [tokens.get(rid, _ABSENT) for rid in rids] if tokens else []
     given = [t for t in declared if t is not _ABSENT]
     values = [value for position in positions for value in position]

@@ -30,6 +30,7 @@ __all__ = [
     "BoundedKVConfig",
     "BoundedKVSpec",
     "BoundedKVStep",
+    "PositionColumns",
     "SinkWindow",
     "StreamPosition",
     "store_capacity",
@@ -67,6 +68,52 @@ class StreamPosition(NamedTuple):
     source_len: int
     written: int
     source: int = 0
+
+
+class PositionColumns(Mapping):
+    """Stream positions as int64 columns, one entry per request in row order: a `Mapping` of request id
+    to `StreamPosition` that a step can carry instead of a dict (`BoundedKVStep.positions`), so the
+    cache reads a step's positions as arrays without a Python object per row.
+
+    Args:
+      request_ids: the requests, in the order of the columns (each once).
+      table: int[B, 3], each row a request's `(source_len, written, source)`.
+
+    Raises:
+      TypeError: a table of other than integers.
+      ValueError: a request id twice, or a table that is not `[len(request_ids), 3]`.
+    """
+
+    __slots__ = ("_index", "request_ids", "source", "source_len", "written")
+
+    def __init__(self, request_ids, table):
+        self.request_ids = tuple(request_ids)
+        array = np.asarray(table)
+        if array.size and array.dtype.kind not in "iu":
+            raise TypeError(f"table must hold ints (source_len, written, source), got dtype {array.dtype}")
+        if array.shape != (len(self.request_ids), 3) and array.size:
+            raise ValueError(f"table.shape={array.shape}; it must be [{len(self.request_ids)}, 3]")
+        array = array.astype(np.int64).reshape(len(self.request_ids), 3)
+        self._index = {rid: i for i, rid in enumerate(self.request_ids)}
+        if len(self._index) < len(self.request_ids):
+            raise ValueError(f"request_ids={list(self.request_ids)} names a request twice")
+        self.source_len, self.written, self.source = array[:, 0], array[:, 1], array[:, 2]
+
+    def __getitem__(self, request_id: str) -> StreamPosition:
+        i = self._index[request_id]
+        return StreamPosition(int(self.source_len[i]), int(self.written[i]), int(self.source[i]))
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._index
+
+    def __iter__(self):
+        return iter(self.request_ids)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __repr__(self) -> str:
+        return f"PositionColumns({dict(self)!r})"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -350,6 +397,9 @@ class BoundedKVStep(ResourceStep):
     def __post_init__(self):
         super().__post_init__()
         check_int("steps", self.steps, minimum=1)
+        object.__setattr__(self, "step_tokens", _as_dict("step_tokens", self.step_tokens))
+        if type(self.positions) is PositionColumns:  # int64 columns already: nothing to convert
+            return
         positions = _as_dict("positions", self.positions)
         for rid, pos in positions.items():
             if type(pos) is StreamPosition:  # what the engine declares: nothing to convert
@@ -360,7 +410,6 @@ class BoundedKVStep(ResourceStep):
                 )
             positions[rid] = StreamPosition(*pos)
         object.__setattr__(self, "positions", positions)
-        object.__setattr__(self, "step_tokens", _as_dict("step_tokens", self.step_tokens))
 
 
 def _as_dict(name: str, value: Any) -> dict:

@@ -281,7 +281,7 @@ class BoundedKVManager(Resource):
         if ctx.capture:
             return ADMIT_OK
         self._columns = None
-        columns = cols.gather(step, ctx, self._requests, padding=self._is_padding)
+        columns = cols.gather(step, ctx, self._requests)
         if columns is not None and cols.admissible(
             columns, ctx, config=self.config, num_sources=self.bank.num_sources,
             source_lengths=self._source_lengths,

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep
-from mstar_jax.resources.step import PAD, BucketKey, Segment, StepContext
+from mstar_jax.resources.step import PAD, BucketKey, Segment, SlotLease, StepContext
 
 __all__ = ["PaddedStep", "pad_step"]
 
@@ -122,7 +122,8 @@ def pad_step(
         more rows than the bucket has for it (pick a bucket with `bs >= rows`).
     """
     segments = step.segments or ()
-    padding = [seg.request_id for seg in segments if seg.request_id.startswith(PAD)]
+    rids = [seg.request_id for seg in segments]
+    padding = [rid for rid in rids if rid.startswith(PAD)]
     if padding:
         raise ValueError(f"step rows {padding} are padding ids (prefix PAD); pass the real rows only")
     groups = ((len(segments), bucket.bs),) if groups is None else tuple(groups)
@@ -130,25 +131,38 @@ def pad_step(
         raise ValueError(
             f"groups={list(groups)} cover {sum(r for r, _ in groups)} rows; the step has {len(segments)}"
         )
-    label = segments[0].label if segments else "main"
-    padded: list[Segment] = []
-    rows: dict[str, int] = {}
-    start, pads = 0, 0
     for i, (real, size) in enumerate(groups):
         if pad and real > size:
             raise ValueError(
                 f"group {i} has {real} rows but bucket {bucket} holds {size}; pick a bucket with bs >= {real}"
             )
+    if not pad or all(real == size for real, size in groups):  # every row where it is, none added
+        padded, rows = segments, {rid: i for i, rid in enumerate(rids)}
+    else:
+        padded, rows = _padded(segments, groups)
+    # The step was checked when it was made; only its segments change, and padding rows are Segments.
+    step = copy.copy(step)
+    object.__setattr__(step, "segments", tuple(padded))
+    # `StepContext.for_step(step, bucket)`, knowing already which rows are real: all of `rids`.
+    ctx = StepContext(rids, bucket.graph_walk, 0, capture=False, slot_lease=SlotLease(0, bucket))
+    if len(padded) > len(rids):
+        ctx.set_padded_rids([*rids, *(seg.request_id for seg in padded if seg.request_id.startswith(PAD))])
+    ctx.row_groups = groups  # a manager of several data shards lays each shard out by them
+    return PaddedStep(step=step, ctx=ctx, bucket=bucket, rows=rows)
+
+
+def _padded(segments: Sequence[Segment], groups: Sequence[tuple[int, int]]) -> tuple[list, dict[str, int]]:
+    """Each group's segments, then its padding rows up to its size; and each request's row."""
+    label = segments[0].label if segments else "main"
+    padded: list[Segment] = []
+    rows: dict[str, int] = {}
+    start, pads = 0, 0
+    for real, size in groups:
         for seg in segments[start : start + real]:
             rows[seg.request_id] = len(padded)
             padded.append(seg)
         start += real
-        for _ in range(size - real if pad else 0):
+        for _ in range(size - real):
             padded.append(Segment(f"{PAD}{pads}", label, 0))
             pads += 1
-    # The step was checked when it was made; only its segments change, and padding rows are Segments.
-    step = copy.copy(step)
-    object.__setattr__(step, "segments", tuple(padded))
-    ctx = StepContext.for_step(step, bucket)
-    ctx.row_groups = groups  # a manager of several data shards lays each shard out by them
-    return PaddedStep(step=step, ctx=ctx, bucket=bucket, rows=rows)
+    return padded, rows

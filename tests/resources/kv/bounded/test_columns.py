@@ -80,7 +80,7 @@ def _case(seed: int) -> tuple[bool, bool]:
         step, ctx, padding=manager._is_padding, config=manager.config, requests=manager._requests,
         num_sources=manager.bank.num_sources, source_lengths=manager._source_lengths,
     )  # fmt: skip
-    columns = cols.gather(step, ctx, manager._requests, padding=manager._is_padding)
+    columns = cols.gather(step, ctx, manager._requests)
     fast = columns is not None and cols.admissible(
         columns, ctx, config=manager.config, num_sources=manager.bank.num_sources,
         source_lengths=manager._source_lengths,
@@ -150,7 +150,7 @@ def test_a_request_removed_after_admission_is_not_planned_from_stale_columns(man
 def test_gather_leaves_a_step_with_a_value_beyond_int64_to_the_rows(manager):
     manager.ingest_request("a")
     step, ctx = declare([("a", Pos(3, 2**70, 0), 1)])
-    assert cols.gather(step, ctx, manager._requests, padding=manager._is_padding) is None
+    assert cols.gather(step, ctx, manager._requests) is None
     outcome = manager.admit(step, ctx)
     assert not outcome.ok
     assert f"declares {2**70} written tokens; 0 were committed" in outcome.reason.message
@@ -165,6 +165,6 @@ def test_columns_read_the_declared_step_tokens_and_their_defaults(manager):
         step_tokens={"a": 2},
     )
     _, ctx = declare([("a", Pos(3, 0, 0), 2), ("c", Pos(4, 0, 1), 0)])
-    columns = cols.gather(step, ctx, manager._requests, padding=manager._is_padding)
+    columns = cols.gather(step, ctx, manager._requests)
     assert columns.step_tokens.tolist() == [2, 1]  # c brings max(span, 1)
     assert columns.request_ids == ["a", "c"]

@@ -239,8 +239,9 @@ def test_the_engines_declare_pads_with_pad_step():
     }
     for (bucket, pad), ids in expected.items():
         declared, ordered = declare(
-            bucket, rows, keys=("talker_kv",), position=lambda s: s.request.voice.position(2), pad=pad
-        )
+            bucket, rows, keys=("talker_kv",), pad=pad,
+            positions=lambda streams: [s.request.voice.position(2) for s in streams],
+        )  # fmt: skip
         step, ctx = declared.padded.step, declared.padded.ctx
         assert declared.sub.steps == {"talker_kv": step}
         assert declared.sub.ctx is ctx
