@@ -12,7 +12,7 @@ import pytest
 
 from mstar_jax.resources.kv.bounded import columns as cols
 from mstar_jax.resources.kv.bounded.admission import check_rows
-from mstar_jax.resources.kv.bounded.config import BoundedKVStep
+from mstar_jax.resources.kv.bounded.config import BoundedKVStep, PositionColumns
 from mstar_jax.resources.kv.bounded.config import StreamPosition as Pos
 from mstar_jax.resources.step import ADMIT_OK, UnknownRequestError
 from tests.resources.kv.bounded.test_manager import SOURCE_LENGTHS, declare, new_manager
@@ -66,7 +66,16 @@ def _random_row(rng: np.random.Generator, rid: str) -> tuple[str, Pos | None, in
 SEEDS = range(60)
 
 
-def _case(seed: int) -> tuple[bool, bool]:
+def _as_columns(step: BoundedKVStep, ids: list[str]) -> BoundedKVStep:
+    """`step` with its positions as `PositionColumns`, where they can be (every row's, ints, each once)."""
+    positions = [step.positions.get(rid) for rid in ids]
+    ints = all(p is not None and all(type(v) in (int, np.int32, np.int64) for v in p) for p in positions)
+    if not ints or len(set(ids)) < len(ids):
+        return step
+    return dataclasses.replace(step, positions=PositionColumns(ids, positions))
+
+
+def _case(seed: int, position_columns: bool = False) -> tuple[bool, bool]:
     """One random step checked both ways; returns (admissible as columns, admitted)."""
     rng = np.random.default_rng(seed)
     manager = _manager_with_history(rng)
@@ -76,6 +85,8 @@ def _case(seed: int) -> tuple[bool, bool]:
     rows = [_random_row(rng, rid) for rid in ids]
     tokens = {rid: t for rid, _, _, t in rows if t is not None}
     step, ctx = declare([(rid, pos, span) for rid, pos, span, _ in rows], padding=1, tokens=tokens)
+    if position_columns:
+        step = _as_columns(step, ids)
     refusal, _ = check_rows(
         step, ctx, padding=manager._is_padding, config=manager.config, requests=manager._requests,
         num_sources=manager.bank.num_sources, source_lengths=manager._source_lengths,
@@ -99,9 +110,10 @@ def _case(seed: int) -> tuple[bool, bool]:
     return fast, refusal is None
 
 
+@pytest.mark.parametrize("position_columns", [False, True], ids=["dict", "PositionColumns"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_admissible_exactly_when_no_row_is_refused(seed):
-    _case(seed)
+def test_admissible_exactly_when_no_row_is_refused(seed, position_columns):
+    _case(seed, position_columns)
 
 
 def test_the_random_steps_are_admitted_and_refused_alike_often():
@@ -110,8 +122,9 @@ def test_the_random_steps_are_admitted_and_refused_alike_often():
     assert sum(not admitted for _, admitted in outcomes) >= len(outcomes) // 4
 
 
+@pytest.mark.parametrize("position_columns", [False, True], ids=["dict", "PositionColumns"])
 @pytest.mark.parametrize("steps", [1, 2])
-def test_a_step_admitted_as_columns_plans_and_commits_as_row_by_row(steps):
+def test_a_step_admitted_as_columns_plans_and_commits_as_row_by_row(steps, position_columns):
     fast, slow = new_manager(), new_manager()
     for manager in (fast, slow):
         for rid in ("a", "c"):
@@ -122,6 +135,9 @@ def test_a_step_admitted_as_columns_plans_and_commits_as_row_by_row(steps):
         step, ctx = declare(rows, padding=1)
         step = dataclasses.replace(step, steps=steps)
         twin = dataclasses.replace(step)  # another object: the manager reads it row by row
+        if position_columns:
+            step = _as_columns(step, ["a", "c"])
+            assert type(step.positions) is PositionColumns
         assert fast.admit(step, ctx) == ADMIT_OK
         assert slow.admit(twin, ctx) == ADMIT_OK
         assert fast._columns is not None
@@ -168,3 +184,36 @@ def test_columns_read_the_declared_step_tokens_and_their_defaults(manager):
     columns = cols.gather(step, ctx, manager._requests)
     assert columns.step_tokens.tolist() == [2, 1]  # c brings max(span, 1)
     assert columns.request_ids == ["a", "c"]
+
+
+def test_position_columns_are_the_mapping_they_stand_for():
+    positions = PositionColumns(["a", "c"], np.array([[3, 2, 0], [4, 0, 1]], np.int32))
+    assert positions == {"a": Pos(3, 2, 0), "c": Pos(4, 0, 1)}
+    assert list(positions) == ["a", "c"]
+    assert len(positions) == 2
+    assert "c" in positions
+    assert "b" not in positions
+    assert type(positions["c"]) is Pos
+    assert all(type(v) is int for v in positions["c"])
+    assert positions.written.dtype == np.int64
+    with pytest.raises(KeyError):
+        positions["b"]
+    step = BoundedKVStep(declare([("a", None, 1), ("c", None, 1)])[0].segments, positions=positions)
+    assert step.positions is positions  # kept as columns, not copied into a dict
+    assert PositionColumns([], []) == {}
+
+
+@pytest.mark.parametrize(
+    ("ids", "table", "error", "match"),
+    [
+        (["a"], [[3.0, 2.0, 0.0]], TypeError, "table must hold ints .* got dtype float64"),
+        (["a"], [[3, float("nan"), 0]], TypeError, "got dtype float64"),
+        (["a"], [["3", "2", "0"]], TypeError, "got dtype <U1"),
+        (["a", "c"], [[3, 2, 0]], ValueError, r"table.shape=\(1, 3\); it must be \[2, 3\]"),
+        (["a"], [[3, 2]], ValueError, r"table.shape=\(1, 2\); it must be \[1, 3\]"),
+        (["a", "a"], [[3, 2, 0], [3, 2, 0]], ValueError, "names a request twice"),
+    ],
+)
+def test_position_columns_refuse_a_bad_table(ids, table, error, match):
+    with pytest.raises(error, match=match):
+        PositionColumns(ids, table)
