@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from mstar_jax.engine.request import Phase, Stream
+from mstar_jax.engine.request import Stream
 from mstar_jax.serving.decoder import DecodeRow
+from mstar_jax.serving.stream import DECODE, FLUSH
 
 __all__ = ["FlowRow", "TalkerRow", "flow_rows", "talker_rows"]
 
@@ -76,18 +77,22 @@ def talker_rows(
     """
     decode, prefill = [], []
     for stream in streams:
-        if not _runnable(stream, now) or stream.talker_done or stream.phase is Phase.FLUSH:
+        phase = stream.phase
+        if phase is FLUSH or not _runnable(stream, now) or stream.talker_done:
+            continue
+        if phase is not DECODE:
+            if len(prefill) < max_batch:  # no step takes more (rows beyond wait for the next)
+                prompt = (*stream.request.text, bos)
+                chunk = prompt[stream.prefilled : stream.prefilled + prefill_tokens]
+                prefill.append(TalkerRow(stream, chunk, decode=False))
+            continue
+        if len(decode) == max_batch:
             continue
         steps = min(decode_steps, stream.request.frames - stream.codes_scheduled)
-        if stream.phase is Phase.DECODE and stream.feed is not None and stream.feed[0] == in_flight:
+        if stream.feed is not None and stream.feed[0] == in_flight:
             decode.append(TalkerRow(stream, (text_vocab,), decode=True, feed=stream.feed[1], steps=steps))
-        elif stream.phase is Phase.DECODE:
-            decode.append(TalkerRow(stream, (text_vocab + stream.codes[-1],), decode=True, steps=steps))
         else:
-            prompt = (*stream.request.text, bos)
-            chunk = prompt[stream.prefilled : stream.prefilled + prefill_tokens]
-            prefill.append(TalkerRow(stream, chunk, decode=False))
-    decode = decode[:max_batch]
+            decode.append(TalkerRow(stream, (text_vocab + stream.codes[-1],), decode=True, steps=steps))
     room = max_batch - len(decode)
     if decode:
         room = min(room, prefill_room)

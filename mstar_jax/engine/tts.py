@@ -46,10 +46,11 @@ from mstar_jax.resources.kv.bounded.config import StreamPosition
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps, notify
-from mstar_jax.serving.stream import Phase
+from mstar_jax.serving.stream import DECODE, FLUSH, PREFILL, Phase
 from mstar_jax.settings import EngineSettings
 
 __all__ = ["Engine", "TTSServing"]
+
 
 TALKER, FLOW = "talker", "flow"
 
@@ -139,9 +140,7 @@ class TTSServing(ServedModel):
         if self._prefill_room:
             return [(decode + prefill, None)]
         if decode:  # no combined walk (decode blocks): prefill runs as its own program
-            _, prefill = talker_rows(
-                [s for s in streams if s.phase is not Phase.DECODE], prefill_room=0, **rows
-            )
+            _, prefill = talker_rows([s for s in streams if s.phase is not DECODE], prefill_room=0, **rows)
         return [(decode, TALKER_DECODE), (prefill, TALKER_PREFILL)]
 
     def choose_bucket(self, node: Node, rows: Sequence, *, rows_per_shard: int | None = None):
@@ -184,15 +183,15 @@ class TTSServing(ServedModel):
             stream.last_step_at = now
             if not row.decode:
                 stream.prefilled += row.span
-                stream.phase = Phase.PREFILL
+                stream.phase = PREFILL
             # A decode row's block gives a code per step; a prompt's last chunk gives the first code.
             emits.append(row.steps if row.decode else int(stream.prefilled == stream.prompt_len))
             if emits[-1]:
                 stream.codes_in_flight += emits[-1]
                 stream.feed = (step.serial, index * steps + emits[-1] - 1)  # its newest code, flattened
-                stream.phase = Phase.DECODE
+                stream.phase = DECODE
             if stream.codes_scheduled >= stream.request.frames:
-                stream.phase = Phase.FLUSH  # its talker slot is freed once its last code is read
+                stream.phase = FLUSH  # its talker slot is freed once its last code is read
         step.emits = tuple(emits)
 
     def read(self, step: InFlight, outputs: Any, now: float, ops: StreamOps) -> None:

@@ -35,7 +35,7 @@ from mstar_jax.serving.abstract import abstract, shaped
 from mstar_jax.serving.feed import fed
 from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps, notify
 from mstar_jax.serving.steps import decode_block
-from mstar_jax.serving.stream import Phase, ReplayMismatchError, Stream
+from mstar_jax.serving.stream import DECODE, FLUSH, PREFILL, Phase, ReplayMismatchError, Stream
 
 __all__ = [
     "MAX_STOP_TOKENS",
@@ -314,9 +314,9 @@ class GreedyDecoder(ServedModel):
         programs in the same order (`engine/lockstep.py`)."""
         decode, prefill = [], []
         for s in streams:
-            if s.phase.finished or s.phase is Phase.FLUSH or s.paused or s.hold_until > now:
+            if s.phase.finished or s.phase is FLUSH or s.paused or s.hold_until > now:
                 continue
-            if s.phase is not Phase.DECODE:
+            if s.phase is not DECODE:
                 chunk = self.prompt(s)[s.prefilled : s.prefilled + self.chunk]
                 prefill.append(DecodeRow(s, tuple(chunk), decode=False))
                 continue
@@ -377,15 +377,15 @@ class GreedyDecoder(ServedModel):
             stream.last_step_at = now
             if not row.decode:
                 stream.prefilled += row.span
-                stream.phase = Phase.PREFILL
+                stream.phase = PREFILL
             # A decode row's block gives a token per step; a prompt's last chunk gives the first token.
             emits.append(row.steps if row.decode else int(stream.prefilled == len(self.prompt(stream))))
             if emits[-1]:
                 stream.tokens_in_flight += emits[-1]
                 stream.feed = (step.serial, index * steps + emits[-1] - 1)  # its newest token, flattened
-                stream.phase = Phase.DECODE
+                stream.phase = DECODE
             if stream.tokens_scheduled >= stream.request.max_new_tokens:
-                stream.phase = Phase.FLUSH  # its last token is coming: no step needs it as input
+                stream.phase = FLUSH  # its last token is coming: no step needs it as input
         step.emits = tuple(emits)
 
     def read(self, step: InFlight, outputs: Any, now: float, ops: StreamOps) -> None:

@@ -59,8 +59,16 @@ class Phase(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        # Identity, not a set: an Enum's __hash__ is Python code, and the loop asks once per stream.
-        return self is Phase.DONE or self is Phase.FAILED or self is Phase.CANCELLED
+        # A tuple, not a set: `in` compares identities first, where a set would call the Enum's __hash__,
+        # Python code (and `Phase.DONE` here would go through the Enum class's __getattr__ each time).
+        return self in _FINISHED
+
+
+_FINISHED = (Phase.DONE, Phase.FAILED, Phase.CANCELLED)
+
+# The members the engine's loops test and set per row per step, as module names: a member looked up on
+# its Enum class goes through the class's __getattr__ (Python 3.11), a global does not.
+PREFILL, DECODE, FLUSH = Phase.PREFILL, Phase.DECODE, Phase.FLUSH
 
 
 @dataclasses.dataclass(eq=False)
@@ -89,10 +97,11 @@ class Stream:
     last_step_at: float = 0.0
     hold_until: float = 0.0
     faults: int = 0
+    request_id: str = dataclasses.field(init=False, repr=False)
+    """The request's id (`request.request_id`): an attribute, which the engine reads per row per step."""
 
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    def __post_init__(self):
+        self.request_id = self.request.request_id
 
     def written_in(self, node: str) -> int:
         """Entries committed to the caches of `node`."""
