@@ -51,7 +51,6 @@ from mstar_jax.settings import EngineSettings
 
 __all__ = ["Engine", "TTSServing"]
 
-
 TALKER, FLOW = "talker", "flow"
 
 

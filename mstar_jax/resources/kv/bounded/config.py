@@ -91,7 +91,7 @@ class PositionColumns(Mapping):
         array = np.asarray(table)
         if array.size and array.dtype.kind not in "iu":
             raise TypeError(f"table must hold ints (source_len, written, source), got dtype {array.dtype}")
-        if array.shape != (len(self.request_ids), 3) and array.size:
+        if array.shape != (len(self.request_ids), 3) and (array.size or self.request_ids):
             raise ValueError(f"table.shape={array.shape}; it must be [{len(self.request_ids)}, 3]")
         array = array.astype(np.int64).reshape(len(self.request_ids), 3)
         self._index = {rid: i for i, rid in enumerate(self.request_ids)}

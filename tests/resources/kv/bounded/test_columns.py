@@ -211,6 +211,7 @@ def test_position_columns_are_the_mapping_they_stand_for():
         (["a"], [["3", "2", "0"]], TypeError, "got dtype <U1"),
         (["a", "c"], [[3, 2, 0]], ValueError, r"table.shape=\(1, 3\); it must be \[2, 3\]"),
         (["a"], [[3, 2]], ValueError, r"table.shape=\(1, 2\); it must be \[1, 3\]"),
+        (["a"], [], ValueError, r"table.shape=\(0,\); it must be \[1, 3\]"),
         (["a", "a"], [[3, 2, 0], [3, 2, 0]], ValueError, "names a request twice"),
     ],
 )
