@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mstar_jax.checks import is_int
+from mstar_jax.resources.kv.bounded.columns import pending
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVStep, StreamPosition
 from mstar_jax.resources.step import (
     AdmitOutcome,
@@ -188,12 +189,9 @@ def admitted_segments(
     """The step's real segments, each matching its request's pending admission; raises otherwise."""
     real = real_segments(step, ctx, "commit", requests=requests, padding=padding)
     for seg in real:
-        request, pos = requests[seg.request_id], step.positions[seg.request_id]
-        if request.admitted is None or (tuple(pos), seg.span) != (
-            tuple(request.admitted[0]),
-            request.admitted[1],
-        ):
-            admitted = "no step" if request.admitted is None else _describe(*request.admitted)
+        pos, accepted = step.positions[seg.request_id], pending(seg.request_id, requests[seg.request_id])
+        if accepted is None or (tuple(pos), seg.span) != (tuple(accepted[0]), accepted[1]):
+            admitted = "no step" if accepted is None else _describe(*accepted)
             raise StepNotAdmittedError(
                 f"bounded KV commit: {seg.request_id!r} declares {_describe(pos, seg.span)}, but "
                 f"admit accepted {admitted} (or it was committed or aborted since); commit only the "

@@ -5,6 +5,11 @@ in one pass, so that admission checks, plans and commits every row at once.
 without a position, a field that is not an int); `admissible` is `check_segment` over every row at once,
 True only where every row passes. Anything else goes row by row (`check_segment`), which says why: the
 columns are a fast path, never a second set of rules.
+
+`CommittedRows` is the persistent batch: the rows of the last step committed as columns, with what
+their records hold after it. The next step of the same requests in the same order (a decode block after
+a decode block, a flow chunk after a flow chunk), while no record changed since, reads their records'
+state from it as arrays instead of record by record.
 """
 
 from __future__ import annotations
@@ -15,15 +20,42 @@ from typing import Any
 
 import numpy as np
 
-from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVStep, PositionColumns
+from mstar_jax.resources.kv.bounded.config import (
+    BoundedKVConfig,
+    BoundedKVStep,
+    PositionColumns,
+    StreamPosition,
+)
 from mstar_jax.resources.step import Segment, StepContext
 
-__all__ = ["StepColumns", "admissible", "gather"]
+__all__ = ["CommittedRows", "StepColumns", "admissible", "gather", "pending"]
 
 _INTS = frozenset({int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64})
 """The value types `is_int(value, numpy=True)` accepts that a step's fields hold in practice (`bool` is
 not among them); any other type sends the step row by row."""
 _ABSENT = object()
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class CommittedRows:
+    """The rows of the last step committed as columns, and what their records hold after it.
+
+    Valid only while no record changed since (the manager drops it wherever one may have).
+
+    Attributes:
+      request_ids, records: each row's request and its record, in the step's order.
+      written: entries each has committed.
+      source_len, source: the source each one's stream started on.
+      fields: `row_fields` of the rows without their positions (`slot`, local to its data shard,
+        `sink`, `window`, `window_includes_step`), which stay as long as the request holds its slot.
+    """
+
+    request_ids: tuple[str, ...]
+    records: tuple[Any, ...]
+    written: np.ndarray
+    source_len: np.ndarray
+    source: np.ndarray
+    fields: dict[str, np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -35,6 +67,9 @@ class StepColumns:
       segments, records: each row's segment and its request's record.
       source_len, written, source: each row's declared position.
       span, step_tokens: what each row writes and the tokens it brings.
+      rows: each row's index among the step's segments, padding included.
+      committed: the persistent batch these rows are (`CommittedRows`), or None: their records are
+        read one by one.
     """
 
     step: BoundedKVStep
@@ -45,29 +80,58 @@ class StepColumns:
     source: np.ndarray
     span: np.ndarray
     step_tokens: np.ndarray
+    rows: np.ndarray
+    committed: CommittedRows | None = None
 
     @property
     def request_ids(self) -> list[str]:
         return [seg.request_id for seg in self.segments]
 
+    def admitted(self, request_id: str) -> tuple[StreamPosition, int]:
+        """The (position, span) admit accepted for `request_id`'s row (`RequestRecord.admitted`)."""
+        i = self.request_ids.index(request_id)
+        position = StreamPosition(int(self.source_len[i]), int(self.written[i]), int(self.source[i]))
+        return position, int(self.span[i])
 
-def gather(step: BoundedKVStep, ctx: StepContext, requests: Mapping[str, Any]) -> StepColumns | None:
+
+def pending(request_id: str, record: Any) -> tuple[StreamPosition, int] | None:
+    """The (position, span) admit accepted for the request of `record`, not yet committed or aborted
+    (None: no step is pending)."""
+    admitted = record.admitted
+    return admitted.admitted(request_id) if isinstance(admitted, StepColumns) else admitted
+
+
+def gather(
+    step: BoundedKVStep,
+    ctx: StepContext,
+    requests: Mapping[str, Any],
+    committed: CommittedRows | None = None,
+) -> StepColumns | None:
     """The real rows of `step` (those not `ctx.padding_rows()`) as columns; None where a row is not a
     plain case (its request unknown or offloaded, no position, a field not an int, a request twice).
 
     Positions given as `PositionColumns` of exactly the real rows, in order, are read as they are: no
-    Python object per row."""
+    Python object per row; and when they are the rows of `committed` (the persistent batch, valid), their
+    records are its records."""
     padding = ctx.padding_rows()
     segments = step.segments or ()
     if padding:
-        segments = tuple(seg for seg in segments if seg.request_id not in padding)
-    rids = [seg.request_id for seg in segments]
-    records = [requests.get(rid) for rid in rids]
-    if None in records or any(record.host_copy is not None for record in records):
-        return None
-    spans = [seg.span for seg in segments]
+        kept = [i for i, seg in enumerate(segments) if seg.request_id not in padding]
+        segments = tuple(segments[i] for i in kept)
+        rows = np.array(kept, np.int64)
+    else:
+        rows = np.arange(len(segments))
+    rids = tuple([seg.request_id for seg in segments])
     positions = step.positions
-    if type(positions) is PositionColumns and not step.step_tokens and positions.request_ids == tuple(rids):
+    fast = type(positions) is PositionColumns and not step.step_tokens and positions.request_ids == rids
+    if fast and committed is not None and committed.request_ids == rids:
+        records = committed.records  # every one holds its slot: nothing changed since it committed
+    else:
+        committed, records = None, tuple([requests.get(rid) for rid in rids])
+        if None in records or any(record.host_copy is not None for record in records):
+            return None
+    spans = [seg.span for seg in segments]
+    if fast:
         if not {*map(type, spans)} <= _INTS:
             return None
         try:
@@ -75,8 +139,8 @@ def gather(step: BoundedKVStep, ctx: StepContext, requests: Mapping[str, Any]) -
         except OverflowError:  # beyond int64: refused row by row, with its value
             return None
         return StepColumns(
-            step, segments, tuple(records), positions.source_len, positions.written, positions.source,
-            spans, np.maximum(spans, 1),
+            step, segments, records, positions.source_len, positions.written, positions.source,
+            spans, np.maximum(spans, 1), rows, committed,
         )  # fmt: skip
     positions = [positions.get(rid) for rid in rids]
     if None in positions or len(set(rids)) < len(rids):
@@ -97,7 +161,7 @@ def gather(step: BoundedKVStep, ctx: StepContext, requests: Mapping[str, Any]) -
     except OverflowError:  # beyond int64: refused row by row, with its value
         return None
     return StepColumns(
-        step, segments, tuple(records), table[:, 0], table[:, 1], table[:, 2], spans, step_tokens
+        step, segments, records, table[:, 0], table[:, 1], table[:, 2], spans, step_tokens, rows
     )
 
 
@@ -113,15 +177,16 @@ def admissible(
     records = columns.records
     source_len, written, source = columns.source_len, columns.written, columns.source
     span, step_tokens = columns.span, columns.step_tokens
-    lengths = np.full(max(num_sources, 1), -1, np.int64)
-    for index, length in source_lengths.items():
-        if 0 <= index < num_sources:
-            lengths[index] = length
+    lengths = np.array([source_lengths.get(i, -1) for i in range(max(num_sources, 1))], np.int64)
     inside = (source >= 0) & (source < num_sources)
     registered = np.where(inside, lengths[np.where(inside, source, 0)], -1)
-    committed = np.array([r.written for r in records], np.int64)
-    started = np.array([-1 if r.source_len is None else r.source_len for r in records], np.int64)
-    started_on = np.array([-1 if r.source is None else r.source for r in records], np.int64)
+    if columns.committed is not None:  # the persistent batch: every row has started
+        carried = columns.committed
+        committed, started, started_on = carried.written, carried.source_len, carried.source
+    else:
+        committed = np.array([r.written for r in records], np.int64)
+        started = np.array([-1 if r.source_len is None else r.source_len for r in records], np.int64)
+        started_on = np.array([-1 if r.source is None else r.source for r in records], np.int64)
     lease = ctx.slot_lease
     width = lease.bucket.num_tokens if lease is not None and lease.bucket is not None else None
     ok = (

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 
 import jax
+import numpy as np
 
 from mstar_jax.checks import check_int
 from mstar_jax.resources.base import Resource
@@ -88,6 +89,10 @@ class BoundedKVManager(Resource):
         # The last admitted step's rows as columns (`columns`): its plan and commit read them, until
         # anything else changes a record.
         self._columns: cols.StepColumns | None = None
+        # The persistent batch (`columns.CommittedRows`): the last columns step's rows after its commit,
+        # dropped wherever a record may change otherwise; and the plan fields of the admitted columns.
+        self._committed: cols.CommittedRows | None = None
+        self._fields: tuple[cols.StepColumns, dict] | None = None
         # Its parts, given the state they share with it (the records, slots and counters are the same
         # objects: a part updates them in place).
         bank = SourceBank.create(self._storage, num_sources)
@@ -169,12 +174,12 @@ class BoundedKVManager(Resource):
 
     def offload(self, request_id: str) -> int:
         """Copy the request's slot to host memory and free the slot; return the device bytes reclaimed."""
-        self._columns = None
+        self._columns = self._committed = None
         return self._host.offload(request_id)
 
     def reload(self, request_id: str) -> bool:
         """Bring an offloaded request back into a free slot, bit-exactly; False while none is free."""
-        self._columns = None
+        self._columns = self._committed = None
         return self._host.reload(request_id)
 
     def cache_lost(self) -> bool:
@@ -188,7 +193,7 @@ class BoundedKVManager(Resource):
     def recover(self, snapshot: BoundedKVSnapshot | None = None, restore: Collection[str] = ()) -> list[str]:
         """Rebuild the device cache after a fault lost it; return the requests whose state was lost
         (`HostCopies.recover`)."""
-        self._claimed_in_step, self._columns = [], None
+        self._claimed_in_step, self._columns, self._committed = [], None, None
         return self._host.recover(snapshot, restore)
 
     # Introspection.
@@ -248,7 +253,7 @@ class BoundedKVManager(Resource):
         self._requests.setdefault(request_id, RequestRecord())
 
     def remove_request(self, request_id: str) -> None:
-        self._columns = None
+        self._columns = self._committed = None
         request = self._requests.pop(request_id, None)
         if request is None:
             return
@@ -258,7 +263,7 @@ class BoundedKVManager(Resource):
             self._readers[request.source] -= 1
 
     def reset_request(self, request_id: str, free: bool = False) -> None:
-        self._columns = None
+        self._columns = self._committed = None
         if free:
             self.remove_request(request_id)
         elif request_id in self._requests:
@@ -281,13 +286,13 @@ class BoundedKVManager(Resource):
         if ctx.capture:
             return ADMIT_OK
         self._columns = None
-        columns = cols.gather(step, ctx, self._requests)
+        columns = cols.gather(step, ctx, self._requests, self._committed)
         if columns is not None and cols.admissible(
             columns, ctx, config=self.config, num_sources=self.bank.num_sources,
             source_lengths=self._source_lengths,
         ):  # fmt: skip
             pairs = zip(columns.segments, columns.records, strict=True)
-            need_slot = [seg.request_id for seg, record in pairs if record.slot is None]
+            need_slot = [] if columns.committed else [seg.request_id for seg, r in pairs if r.slot is None]
         else:  # row by row: the first row refused says why
             columns, (refusal, need_slot) = None, check_rows(
                 step, ctx, padding=self._is_padding, config=self.config, requests=self._requests,
@@ -322,12 +327,9 @@ class BoundedKVManager(Resource):
                 if not self._is_padding(seg.request_id, ctx):
                     pos = StreamPosition(*map(int, step.positions[seg.request_id]))
                     self._requests[seg.request_id].admitted = (pos, int(seg.span))
-        else:
-            for record, source_len, written, source, span in zip(
-                columns.records, columns.source_len.tolist(), columns.written.tolist(),
-                columns.source.tolist(), columns.span.tolist(), strict=True,
-            ):  # fmt: skip
-                record.admitted = (StreamPosition(source_len, written, source), span)
+        else:  # each row's admission is its row of the columns (`StepColumns.admitted`)
+            for record in columns.records:
+                record.admitted = columns
         self._claimed_in_step, self._columns = need_slot, columns
         return ADMIT_OK
 
@@ -367,21 +369,37 @@ class BoundedKVManager(Resource):
         """
         step = _as_bounded_step(step)
         ctx = ctx or StepContext.for_step(step)
-        columns, fields = self._columns_of(step), None
+        columns = self._columns_of(step)
+        bucket = None if ctx.slot_lease is None else ctx.slot_lease.bucket
         if columns is None:
             real = self._real_segments(step, ctx, "plan")
-        else:  # admitted as columns, nothing changed since: every row holds its slot
-            real = list(columns.segments)
-            fields = planning.row_fields(
-                columns.records, self._slots, source=columns.source, source_len=columns.source_len,
-                written=columns.written,
+            rows, row_of = self._table_rows(step, ctx, [seg.request_id for seg in real])
+            return planning.plan(
+                step, real, rows, row_of, bucket, requests=self._requests, slots=self._slots,
+                padding_slot=self.padding_slot, config=self.config,
             )  # fmt: skip
-        rows, row_of = self._table_rows(step, ctx, [seg.request_id for seg in real])
-        bucket = None if ctx.slot_lease is None else ctx.slot_lease.bucket
-        return planning.plan(
-            step, real, rows, row_of, bucket, requests=self._requests, slots=self._slots,
-            padding_slot=self.padding_slot, config=self.config, fields=fields,
+        # Admitted as columns, nothing changed since: every row holds its slot.
+        lease = ctx.slot_lease
+        rows, row_of = planning.table_rows_of(
+            step.segments or (), columns, None if lease is None or lease.bucket is None else lease.bucket.bs,
+            slots=self._slots, requests=self._requests, groups=ctx.row_groups,
         )  # fmt: skip
+        fields = {
+            **self._fields_of(columns), "source": columns.source.astype(np.int32),
+            "source_len": columns.source_len.astype(np.int32), "written": columns.written.astype(np.int32),
+        }  # fmt: skip
+        return planning.plan(
+            step, columns.segments, rows, row_of, bucket, requests=self._requests, slots=self._slots,
+            padding_slot=self.padding_slot, config=self.config, fields=fields, columns=columns,
+        )  # fmt: skip
+
+    def _fields_of(self, columns: cols.StepColumns) -> dict[str, np.ndarray]:
+        """The admitted columns' plan fields that stay while a request holds its slot (`CommittedRows`)."""
+        if columns.committed is not None:
+            return columns.committed.fields
+        if self._fields is None or self._fields[0] is not columns:
+            self._fields = columns, planning.slot_fields(columns.records, self._slots)
+        return self._fields[1]
 
     def _columns_of(self, step: BoundedKVStep) -> cols.StepColumns | None:
         """The columns admit read of `step` itself, while no record changed since (else None)."""
@@ -400,24 +418,37 @@ class BoundedKVManager(Resource):
         if ctx.capture:
             return
         columns = self._columns_of(step)
-        if columns is None:
-            records = [
-                self._requests[seg.request_id]
-                for seg in admitted_segments(step, ctx, requests=self._requests, padding=self._is_padding)
-            ]
-        else:  # the step admit accepted: every row's admission is its own
-            records = columns.records
-        for request in records:
-            position, span = request.admitted
+        if columns is not None:  # the step admit accepted: every row's admission is its own
+            self._commit_columns(columns)
+            return
+        segments = admitted_segments(step, ctx, requests=self._requests, padding=self._is_padding)
+        for seg in segments:
+            request = self._requests[seg.request_id]
+            position, span = cols.pending(seg.request_id, request)
             if position.written == 0:  # its first step: count where it runs
                 self.placed[self._slots.shard_of(request.slot)] += 1
             request.written = position.written + span
             request.admitted = None
-        self._claimed_in_step, self._columns = [], None
+        self._claimed_in_step, self._columns, self._committed = [], None, None
+
+    def _commit_columns(self, columns: cols.StepColumns) -> None:
+        """Commit a step admitted as columns; its rows become the persistent batch."""
+        records, written = columns.records, columns.written + columns.span
+        for i in np.flatnonzero(columns.written == 0).tolist():  # first steps: count where they run
+            self.placed[self._slots.shard_of(records[i].slot)] += 1
+        for record, entries in zip(records, written.tolist(), strict=True):
+            record.written = entries
+            record.admitted = None
+        # Every row's stream started on the source it declares (admit checked, or claimed it so).
+        rids = tuple([seg.request_id for seg in columns.segments])
+        self._committed = cols.CommittedRows(
+            rids, records, written, columns.source_len, columns.source, self._fields_of(columns)
+        )
+        self._claimed_in_step, self._columns, self._fields = [], None, None
 
     def abort_step(self, step: ResourceStep, ctx: StepContext | None = None) -> None:
         """Forget the step's admission; return the slots it claimed for requests that have written nothing."""
-        self._columns = None
+        self._columns = self._committed = None
         for seg in step.segments or ():
             request = self._requests.get(seg.request_id)
             if request is not None:
@@ -432,7 +463,7 @@ class BoundedKVManager(Resource):
         self._claimed_in_step = []
 
     def cleanup(self) -> None:
-        self._columns = None
+        self._columns = self._committed = None
         self._requests.clear()
         self._readers.clear()
         self._slots.reset()

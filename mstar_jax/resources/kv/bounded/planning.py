@@ -11,11 +11,12 @@ import numpy as np
 from mstar_jax.resources.kv.bounded import layout
 from mstar_jax.resources.kv.bounded.admission import step_tokens_of
 from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan
+from mstar_jax.resources.kv.bounded.columns import StepColumns
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVStep
 from mstar_jax.resources.kv.bounded.slots import SlotPools
 from mstar_jax.resources.step import BucketKey, Segment
 
-__all__ = ["block_tables", "plan", "row_fields", "table_rows"]
+__all__ = ["block_tables", "plan", "row_fields", "slot_fields", "table_rows", "table_rows_of"]
 
 
 def table_rows(
@@ -79,6 +80,23 @@ def table_rows(
     }
 
 
+def table_rows_of(
+    segments: Sequence[Segment],
+    columns: StepColumns,
+    bucket_rows: int | None,
+    *,
+    slots: SlotPools,
+    requests: Mapping[str, Any],
+    groups: Sequence[tuple[int, int]] | None = None,
+) -> tuple[int, np.ndarray]:
+    """`table_rows` of a step admitted as `columns`: the row count and each real row's row, in order."""
+    if slots.shards == 1 and (groups is None or len(segments) == sum(size or 0 for _, size in groups)):
+        return max(len(segments), bucket_rows or 0), columns.rows  # each row where `pad_step` put it
+    rids = columns.request_ids
+    rows, row_of = table_rows(segments, rids, bucket_rows, slots=slots, requests=requests, groups=groups)
+    return rows, np.fromiter((row_of[rid] for rid in rids), np.int64, len(rids))
+
+
 def plan(
     step: BoundedKVStep,
     real: Sequence[Segment],
@@ -91,6 +109,7 @@ def plan(
     padding_slot: int,
     config: BoundedKVConfig,
     fields: Mapping[str, np.ndarray] | None = None,
+    columns: StepColumns | None = None,
 ) -> BoundedKVPlan:
     """The plan table of `step`'s real rows `real`, at their rows `row_of` of a `rows`-row table (padding
     rows plan empty, on each shard's padding slot); slots are local to each request's data shard.
@@ -98,29 +117,42 @@ def plan(
     The plan's `num_tokens` is the bucket's token count for a bucketed step (its arrays are the bucket's
     width), else the most step tokens a row declares (None with no real rows). A block of one-token
     steps (`step.steps` > 1) plans one table per step (`block_tables`), each of width 1. `fields`: the
-    real rows' `row_fields`, where the caller has them (else read from the records and the step).
+    real rows' `row_fields`, where the caller has them (else read from the records and the step). With
+    the step admitted as `columns` (`real` its segments), `row_of` may be each real row's row, in order,
+    and the rows' spans and step tokens are read from them.
     """
     if step.steps > 1:
         table = block_tables(
             step, real, rows, row_of, requests=requests, slots=slots, padding_slot=padding_slot,
-            config=config, fields=fields,
+            config=config, fields=fields, columns=columns,
         )  # fmt: skip
         return BoundedKVPlan(table, num_tokens=1, steps=step.steps)
     table = layout.padding_rows(rows, padding_slot)
     if real:
         fields = fields or _fields_of(step, real, requests, slots)
-        table[[row_of[seg.request_id] for seg in real]] = layout.plan_table(
-            **fields, span=_ints(seg.span for seg in real),
-            step_tokens=_ints(step_tokens_of(step, seg) for seg in real),
-            sink_capacity=config.sink_capacity, reverse=config.reverse_step_order,
+        if columns is None:
+            span, tokens = _ints(seg.span for seg in real), _ints(step_tokens_of(step, seg) for seg in real)
+        else:
+            span, tokens = columns.span, columns.step_tokens
+        table[_rows_of(real, row_of)] = layout.plan_table(
+            **fields, span=span, step_tokens=tokens, sink_capacity=config.sink_capacity,
+            reverse=config.reverse_step_order,
         )  # fmt: skip
     table.setflags(write=False)
-    width = (
-        bucket.num_tokens
-        if bucket is not None
-        else max((step_tokens_of(step, s) for s in real), default=None)
-    )
+    if bucket is not None:
+        width = bucket.num_tokens
+    elif columns is not None:
+        width = int(columns.step_tokens.max()) if real else None
+    else:
+        width = max((step_tokens_of(step, s) for s in real), default=None)
     return BoundedKVPlan(table, num_tokens=width)
+
+
+def _rows_of(real: Sequence[Segment], row_of: Mapping[str, int] | np.ndarray) -> np.ndarray:
+    """Each real row's row of the table, in order (`row_of` as a mapping, or already that array)."""
+    if isinstance(row_of, np.ndarray):
+        return row_of
+    return np.fromiter((row_of[seg.request_id] for seg in real), np.int64, len(real))
 
 
 def block_tables(
@@ -134,13 +166,14 @@ def block_tables(
     padding_slot: int,
     config: BoundedKVConfig,
     fields: Mapping[str, np.ndarray] | None = None,
+    columns: StepColumns | None = None,
 ) -> np.ndarray:
     """i32[steps, rows, ROW_INTS]: the tables of a block's one-token steps. A request of span `s` takes
     the first `s` steps, step `j` planned as a one-token step after `written + j` entries; in the others
     its row is a padding row (it reads and writes nothing). One vectorised `plan_table` for every
     (request, step) pair."""
     table = layout.padding_rows(step.steps * rows, padding_slot).reshape(step.steps, rows, -1)
-    spans = _ints(seg.span for seg in real).astype(np.int64)
+    spans = _ints(seg.span for seg in real).astype(np.int64) if columns is None else columns.span
     if spans.size and spans.max() > step.steps:
         r = int(np.argmax(spans > step.steps))
         raise ValueError(f"span[{r}]={spans[r]} exceeds the block's steps={step.steps}")
@@ -153,8 +186,7 @@ def block_tables(
     fields = {name: values[owner] for name, values in fields.items()}
     fields["written"] = fields["written"] + nth
     ones = np.ones(owner.size, np.int32)
-    rows_of = np.fromiter((row_of[seg.request_id] for seg in real), np.int64, len(real))
-    table[nth, rows_of[owner]] = layout.plan_table(
+    table[nth, _rows_of(real, row_of)[owner]] = layout.plan_table(
         **fields, span=ones, step_tokens=ones, sink_capacity=config.sink_capacity,
         reverse=config.reverse_step_order,
     )  # fmt: skip
@@ -184,14 +216,21 @@ def row_fields(
     written: np.ndarray,
 ) -> dict[str, np.ndarray]:
     """`plan_table`'s per-request fields of requests holding slots, their positions given as arrays."""
-    slot = np.fromiter((r.slot for r in records), np.int64, len(records))
-    policies = [r.policy for r in records]
     return {
-        "slot": (slot % (slots.per_shard + 1)).astype(np.int32),  # local to its data shard
+        **slot_fields(records, slots),
         "source": source.astype(np.int32, copy=False),
         "source_len": source_len.astype(np.int32, copy=False),
         "written": written.astype(np.int32, copy=False),
-        "sink": _ints(p.sink for p in policies),
-        "window": _ints(p.window for p in policies),
-        "window_includes_step": np.fromiter((p.window_includes_step for p in policies), bool, len(records)),
+    }
+
+
+def slot_fields(records: Sequence[Any], slots: SlotPools) -> dict[str, np.ndarray]:
+    """`row_fields` that stay while each request holds its slot: the slot (local to its data shard)
+    and the retention."""
+    table = np.array([(r.slot, *r.policy) for r in records], np.int64).reshape(len(records), 4)
+    return {
+        "slot": (table[:, 0] % (slots.per_shard + 1)).astype(np.int32),
+        "sink": table[:, 1].astype(np.int32),
+        "window": table[:, 2].astype(np.int32),
+        "window_includes_step": table[:, 3].astype(bool),
     }

@@ -14,7 +14,7 @@ from mstar_jax.resources.kv.bounded import columns as cols
 from mstar_jax.resources.kv.bounded.admission import check_rows
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep, PositionColumns
 from mstar_jax.resources.kv.bounded.config import StreamPosition as Pos
-from mstar_jax.resources.step import ADMIT_OK, UnknownRequestError
+from mstar_jax.resources.step import ADMIT_OK, StepNotAdmittedError, UnknownRequestError
 from tests.resources.kv.bounded.test_manager import SOURCE_LENGTHS, declare, new_manager
 
 
@@ -218,3 +218,147 @@ def test_position_columns_are_the_mapping_they_stand_for():
 def test_position_columns_refuse_a_bad_table(ids, table, error, match):
     with pytest.raises(error, match=match):
         PositionColumns(ids, table)
+
+
+# -- the persistent batch (`CommittedRows`) ----------------------------------------------------------
+
+REQUESTS = {"a": (3, 0), "b": (4, 1), "c": (2, 0)}  # each request's (source_len, source)
+
+
+def _history_step(rng, last: list[str], live: list[str], written: dict, steps: int, started: set[str]):
+    """A step over `live` requests: mostly the last step's rows again (the persistent batch's case), with
+    a `started` request's position broken now and then; returns (rows, broken)."""
+    if last and set(last) <= set(live) and rng.random() < 0.7:
+        ids = list(last)
+    else:
+        ids = list(rng.permutation(live)[: int(rng.integers(1, len(live) + 1))])
+    rows, broken = [], False
+    for rid in ids:
+        source_len, source = REQUESTS[rid]
+        position = [source_len, written[rid], source]
+        if rid in started and rng.random() < 0.08:  # another source length, count or source than it had
+            field = int(rng.integers(3))
+            position[field] += 1
+            broken = True
+        rows.append((rid, Pos(*position), int(rng.integers(0 if steps == 1 else 1, steps + 1))))
+    return rows, broken
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("seed", range(12))
+def test_the_persistent_batch_admits_plans_and_commits_as_row_by_row(seed, steps):
+    """A random history of steps (the same rows again, most often), broken positions, removals, resets,
+    offloads and reloads: the manager that reads repeated rows from the persistent batch refuses, plans
+    and commits exactly as one that takes every step row by row, and as a brute-force count of writes."""
+    rng = np.random.default_rng(seed)
+    fast, slow = new_manager(), new_manager()
+    written, live, last, reused = {}, [], [], 0
+    for _ in range(60):
+        op = rng.random()
+        idle = [rid for rid in REQUESTS if rid not in live]
+        if idle and (not live or op < 0.1):  # a new request (or one removed before, afresh)
+            rid = idle[int(rng.integers(len(idle)))]
+            for manager in (fast, slow):
+                manager.ingest_request(rid)
+            live.append(rid)
+            written[rid] = 0
+            continue
+        if op < 0.15 and live:
+            rid = live.pop(int(rng.integers(len(live))))
+            for manager in (fast, slow):
+                manager.remove_request(rid)
+            continue
+        if op < 0.2:
+            rid = live[int(rng.integers(len(live)))]
+            for manager in (fast, slow):
+                manager.reset_request(rid)
+            written[rid] = 0
+            continue
+        if op < 0.25:
+            rid = live[int(rng.integers(len(live)))]
+            if fast.slot_of(rid) is not None:
+                assert fast.offload(rid) == slow.offload(rid)
+            elif fast.is_offloaded(rid):
+                assert fast.reload(rid) == slow.reload(rid)
+            continue
+        started = {rid for rid in live if slow._requests[rid].source_len is not None}
+        rows, broken = _history_step(rng, last, live, written, steps, started)
+        step, ctx = declare(rows, padding=int(rng.integers(2)))
+        step = dataclasses.replace(step, steps=steps)
+        ids = [rid for rid, _, _ in rows]
+        step = dataclasses.replace(step, positions=PositionColumns(ids, [tuple(p) for _, p, _ in rows]))
+        twin = dataclasses.replace(step)
+        outcomes = fast.admit(step, ctx), slow.admit(twin, ctx)
+        assert outcomes[0] == outcomes[1]
+        if broken:
+            assert not outcomes[0].ok
+        if not outcomes[0].ok:
+            continue
+        reused += fast._columns is not None and fast._columns.committed is not None
+        slow._columns = None  # the oracle plans and commits row by row
+        np.testing.assert_array_equal(fast.plan(step, ctx).table, slow.plan(twin, ctx).table)
+        fast.commit(step, ctx)
+        slow.commit(twin, ctx)
+        assert slow._committed is None
+        last = ids
+        for rid, _, span in rows:
+            written[rid] += span
+        for rid in live:
+            if not slow.is_offloaded(rid):
+                assert fast.written(rid) == slow.written(rid) == written[rid]
+        assert fast.placed == slow.placed
+        assert fast.free_slots == slow.free_slots
+    assert reused >= 3  # the persistent batch was read, not only built
+
+
+def test_the_persistent_batch_refuses_a_request_declaring_another_source(manager):
+    """A request of the persistent batch declaring a source other than the one it started on is refused,
+    with the row-by-row message, and nothing changes."""
+    for rid in ("a", "b"):
+        manager.ingest_request(rid)
+
+    def step(a_position):
+        entries = [("a", a_position, 1), ("b", Pos(4, 1, 1), 1)]
+        plain, ctx = declare(entries)
+        positions = PositionColumns(["a", "b"], [tuple(a_position), (4, 1, 1)])
+        return dataclasses.replace(plain, positions=positions), ctx
+
+    first, ctx = declare([("a", Pos(3, 0, 0), 1), ("b", Pos(4, 0, 1), 1)])
+    first = dataclasses.replace(first, positions=PositionColumns(["a", "b"], [(3, 0, 0), (4, 0, 1)]))
+    assert manager.admit(first, ctx) == ADMIT_OK
+    manager.plan(first, ctx)
+    manager.commit(first, ctx)
+    assert manager._committed is not None
+    for position, message in (
+        (Pos(3, 1, 1), "declares source 1 of length 3, but its stream started on source 0 of length 3"),
+        (Pos(2, 1, 0), "declares source 0 of length 2, but its stream started on source 0 of length 3"),
+        (Pos(3, 2, 0), "declares 2 written tokens; 1 were committed"),
+    ):
+        bad, ctx = step(position)
+        outcome = manager.admit(bad, ctx)
+        assert not outcome.ok
+        assert message in outcome.reason.message
+        assert manager.written("a") == manager.written("b") == 1
+    good, ctx = step(Pos(3, 1, 0))
+    assert manager.admit(good, ctx) == ADMIT_OK
+    assert manager._columns.committed is not None  # read from the persistent batch
+    manager.plan(good, ctx)
+    manager.commit(good, ctx)
+    assert manager.written("a") == manager.written("b") == 2
+
+
+def test_a_step_admitted_as_columns_commits_row_by_row_from_another_step_object(manager):
+    """`RequestRecord.admitted` of a columns admission is its row of the columns (`columns.pending`): a
+    commit of another object with the same rows finds it, and one with other rows is refused."""
+    manager.ingest_request("a")
+    step, ctx = declare([("a", Pos(3, 0, 0), 2)])
+    assert manager.admit(step, ctx) == ADMIT_OK
+    assert cols.pending("a", manager._requests["a"]) == (Pos(3, 0, 0), 2)
+    other, _ = declare([("a", Pos(3, 0, 0), 1)])
+    with pytest.raises(
+        StepNotAdmittedError, match=r"admit accepted \(source=0, source_len=3, written=0, span=2\)"
+    ):
+        manager.commit(other, ctx)
+    manager.commit(dataclasses.replace(step), ctx)
+    assert manager.written("a") == 2
+    assert cols.pending("a", manager._requests["a"]) is None
