@@ -38,6 +38,11 @@ _INT32_MAX = np.iinfo(np.int32).max
 
 def _rows(fields: dict[str, npt.ArrayLike]) -> dict[str, np.ndarray]:
     """Broadcasts per-row integer fields to one shape [B] (int64, so sums cannot overflow)."""
+    return dict(zip(fields, _matrix(fields), strict=True))
+
+
+def _matrix(fields: dict[str, npt.ArrayLike]) -> np.ndarray:
+    """`_rows` as one int64 matrix, a row per field in order."""
     arrays = {}
     for name, value in fields.items():
         array = np.asarray(value)
@@ -55,7 +60,7 @@ def _rows(fields: dict[str, npt.ArrayLike]) -> dict[str, np.ndarray]:
     if matrix.size and matrix.min() < 0:
         i, r = np.argwhere(matrix < 0)[0]
         raise ValueError(f"{list(arrays)[i]}[{r}]={matrix[i, r]} must be >= 0")
-    return dict(zip(arrays, matrix, strict=True))
+    return matrix
 
 
 def _first_bad_row(bad: np.ndarray) -> int | None:
@@ -76,16 +81,24 @@ def _check_sink_fits(source_len: np.ndarray, sink: np.ndarray, sink_capacity: in
         )
 
 
-def _check_plan(rows: dict[str, np.ndarray], sink_capacity: int, slot_tokens: int | None) -> None:
-    """Refuses rows whose ranges could leave the slot or overflow int32; one reduction when all is well."""
+def _check_plan(
+    rows: dict[str, np.ndarray],
+    matrix: np.ndarray,
+    end: np.ndarray,
+    sink_capacity: int,
+    slot_tokens: int | None,
+) -> None:
+    """Refuses rows whose ranges could leave the slot or overflow int32 (`matrix`: the fields as `_matrix`
+    holds them, `end`: each row's stream end after the step); two reductions when all is well."""
     source_len, span, sink, window = rows["source_len"], rows["span"], rows["sink"], rows["window"]
-    step_tokens, end = rows["step_tokens"], source_len + rows["written"] + span
+    step_tokens = rows["step_tokens"]
     limit = _INT32_MAX if slot_tokens is None else min(slot_tokens, _INT32_MAX)
     suspect = (span > step_tokens) | (sink - source_len > sink_capacity) | (sink_capacity + window > limit)
-    suspect |= (end > _INT32_MAX) | (step_tokens > _INT32_MAX) | (sink > _INT32_MAX)
-    suspect |= (rows["slot"] > _INT32_MAX) | (rows["source"] > _INT32_MAX)
-    if not suspect.any():
+    suspect |= end > _INT32_MAX
+    if not suspect.any() and (not matrix.size or matrix.max() <= _INT32_MAX):  # every field fits int32
         return
+    suspect |= (step_tokens > _INT32_MAX) | (sink > _INT32_MAX)
+    suspect |= (rows["slot"] > _INT32_MAX) | (rows["source"] > _INT32_MAX)
     r = _first_bad_row(span > step_tokens)
     if r is not None:
         raise ValueError(f"span[{r}]={span[r]} exceeds step_tokens[{r}]={step_tokens[r]}")
@@ -98,16 +111,23 @@ def _check_plan(rows: dict[str, np.ndarray], sink_capacity: int, slot_tokens: in
 
 
 def _ring_split(
-    first: np.ndarray, count: np.ndarray, sink: np.ndarray, window: np.ndarray, ring_start: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Slot ranges of `count <= window` positions from `first >= sink`, split at the ring's wrap.
+    first: np.ndarray,
+    count: np.ndarray,
+    sink: np.ndarray,
+    window: np.ndarray,
+    modulus: np.ndarray,
+    ring_start: int,
+) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+    """Slot ranges of `count <= window` positions from `first >= sink`, split at the ring's wrap
+    (`modulus`: `max(window, 1)`; a zero window has count 0, and the max avoids x % 0).
 
     Returns:
-      (start_a, len_a, start_b, len_b): the run up to the ring's end, then the rest from its start.
+      (start_a, len_a, start_b, len_b): the run up to the ring's end, then the rest from its start
+      (`start_b` is the ring's start, one int for every row).
     """
-    p = np.mod(first - sink, np.maximum(window, 1))  # a zero window has count 0; the max avoids x % 0
+    p = np.mod(first - sink, modulus)
     len_a = np.minimum(count, window - p)
-    return ring_start + p, len_a, np.full_like(p, ring_start), count - len_a
+    return ring_start + p, len_a, ring_start, count - len_a
 
 
 def plan_table(
@@ -150,25 +170,25 @@ def plan_table(
         `sink_capacity`, a window overflowing `slot_tokens`, or positions past int32; the message names
         the field and the row.
     """
-    rows = _rows(
-        {
-            "slot": slot,
-            "source": source,
-            "source_len": source_len,
-            "written": written,
-            "span": span,
-            "step_tokens": step_tokens,
-            "sink": sink,
-            "window": window,
-            "window_includes_step": window_includes_step,
-        }
-    )
+    fields = {
+        "slot": slot,
+        "source": source,
+        "source_len": source_len,
+        "written": written,
+        "span": span,
+        "step_tokens": step_tokens,
+        "sink": sink,
+        "window": window,
+        "window_includes_step": window_includes_step,
+    }
+    matrix = _matrix(fields)
+    rows = dict(zip(fields, matrix, strict=True))
     if sink_capacity < 0:
         raise ValueError(f"{sink_capacity=} must be >= 0")
-    _check_plan(rows, sink_capacity, slot_tokens)
     source_len, span, sink, window = rows["source_len"], rows["span"], rows["sink"], rows["window"]
     n = source_len + rows["written"]
     end = n + span
+    _check_plan(rows, matrix, end, sink_capacity, slot_tokens)
 
     sink_kept = np.minimum(sink, n)
     # W, the newest entries read besides the sink: window - span (at least 0) if it counts the step.
@@ -191,8 +211,9 @@ def plan_table(
     out[tbl.read_len(2)] = np.maximum(source_len - window_start, 0)
     # Ring entries exist only for positions >= max(sink, source_len); window_start >= sink already.
     ring_first = np.maximum(window_start, source_len)
+    modulus = np.maximum(window, 1)
     out[tbl.read_start(3)], out[tbl.read_len(3)], out[tbl.read_start(4)], out[tbl.read_len(4)] = _ring_split(
-        ring_first, np.maximum(n - ring_first, 0), sink, window, sink_capacity
+        ring_first, np.maximum(n - ring_first, 0), sink, window, modulus, sink_capacity
     )
 
     # n >= source_len, so every new sink entry is a written one.
@@ -204,7 +225,7 @@ def plan_table(
     # then first >= end).
     first = np.maximum(np.maximum(sink, n), end - window)
     start_a, len_a, start_b, len_b = _ring_split(
-        first, np.maximum(end - first, 0), sink, window, sink_capacity
+        first, np.maximum(end - first, 0), sink, window, modulus, sink_capacity
     )
     ring_writes = ((1, first, start_a, len_a), (2, first + len_a, start_b, len_b))
     for i, first_position, slot_start, length in ring_writes:
