@@ -11,6 +11,7 @@ plans resources make (arrays) rather than steps.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, KeysView, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -192,9 +193,10 @@ class ResourceStep:
             )
         if not isinstance(self.segments, tuple):
             object.__setattr__(self, "segments", tuple(self.segments))
-        for i, seg in enumerate(self.segments):
-            if not isinstance(seg, Segment):  # a plain tuple has no `request_id` for admit to read
-                raise TypeError(f"segments[{i}]={seg!r} must be a Segment(request_id, label, span)")
+        if not all(map(isinstance, self.segments, itertools.repeat(Segment))):
+            i, seg = next((i, s) for i, s in enumerate(self.segments) if not isinstance(s, Segment))
+            # A plain tuple has no `request_id` for admit to read.
+            raise TypeError(f"segments[{i}]={seg!r} must be a Segment(request_id, label, span)")
 
     def request_ids(self) -> tuple[str, ...]:
         """Request ids of the segments, in batch order (empty when none are set)."""
@@ -254,6 +256,9 @@ def register_step_pytree(cls: type, data_mappings: Sequence[str] = ()) -> type:
 register_step_pytree(ResourceStep)
 
 
+_NO_PADDING: frozenset[str] = frozenset()
+
+
 @dataclasses.dataclass(eq=False)
 class StepContext:
     """Engine-owned state of one step, shared by every resource's admit, plan and commit.
@@ -284,6 +289,33 @@ class StepContext:
         if name in ("request_ids", "_padded_request_ids"):
             object.__setattr__(self, "_padding", None)
         object.__setattr__(self, name, value)
+
+    @classmethod
+    def leased(
+        cls,
+        request_ids: Sequence[str],
+        bucket: BucketKey,
+        *,
+        padded: Sequence[str] | None = None,
+        row_groups: tuple[tuple[int, int], ...] | None = None,
+    ) -> StepContext:
+        """The context of a step of the real rows `request_ids` leased to `bucket` (its walk, double-buffer
+        slot 0), with its padded row list (the real rows, then the padding) and row groups: what
+        `pad_step` makes every step. Equal to constructing it field by field, without running
+        `__setattr__` for each field (the ids are a tuple and the padded list starts with them here)."""
+        request_ids = tuple(request_ids)
+        if padded is not None and tuple(padded[: len(request_ids)]) != request_ids:
+            raise ValueError(
+                f"padded={list(padded)!r} must start with the real request_ids {list(request_ids)!r}"
+            )
+        ctx = object.__new__(cls)
+        ctx.__dict__.update(
+            request_ids=request_ids, graph_walk=bucket.graph_walk, slot=0, capture=False, is_preplan=False,
+            plan_results={}, slot_lease=SlotLease(0, bucket), piecewise_leases={},
+            _padded_request_ids=None if padded is None else tuple(padded), row_groups=row_groups,
+            _padding=None,
+        )  # fmt: skip
+        return ctx
 
     @classmethod
     def for_step(cls, step: ResourceStep, bucket: BucketKey | None = None) -> StepContext:
@@ -328,7 +360,8 @@ class StepContext:
         # Resources ask once per row and call: a set keeps a step's checks linear in its rows.
         padding = self._padding
         if padding is None:
-            padding = frozenset(self.padded_request_ids).difference(self.request_ids)
+            padded = self._padded_request_ids
+            padding = _NO_PADDING if padded is None else frozenset(padded).difference(self.request_ids)
             object.__setattr__(self, "_padding", padding)
         return padding
 

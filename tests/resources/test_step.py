@@ -250,6 +250,28 @@ def test_step_context_defaults():
     assert other.plan_results == {}  # a fresh dict per context
 
 
+@pytest.mark.parametrize("padded", [None, ("a", "b", "\x00pad0")])
+def test_a_leased_context_is_the_one_built_field_by_field(padded):
+    bucket = BucketKey("decode", 4, 1)
+    fast = StepContext.leased(["a", "b"], bucket, padded=padded, row_groups=((2, 4),))
+    slow = StepContext(["a", "b"], "decode", 0, capture=False, slot_lease=SlotLease(0, bucket))
+    if padded is not None:
+        slow.set_padded_rids(list(padded))
+    slow.row_groups = ((2, 4),)
+    slow.padding_rows(), fast.padding_rows()  # each caches its padding set the same way
+    assert vars(fast) == vars(slow)
+    assert fast.padding_rows() == (set() if padded is None else {"\x00pad0"})
+    fast.request_ids = ["c"]  # still a context whose ids drop a stale padded list
+    assert list(fast.padded_request_ids) == ["c"]
+
+
+def test_a_leased_context_refuses_a_padded_list_not_starting_with_its_rows():
+    with pytest.raises(
+        ValueError, match=r"padded=\['b', 'a'\] must start with the real request_ids \['a', 'b'\]"
+    ):
+        StepContext.leased(["a", "b"], BucketKey("decode", 4, 1), padded=["b", "a"])
+
+
 def test_padded_request_ids_default_to_request_ids():
     ctx = _ctx()
     assert list(ctx.padded_request_ids) == ["a", "b"]

@@ -94,17 +94,22 @@ class PositionColumns(Mapping):
         if array.shape != (len(self.request_ids), 3) and (array.size or self.request_ids):
             raise ValueError(f"table.shape={array.shape}; it must be [{len(self.request_ids)}, 3]")
         array = array.astype(np.int64).reshape(len(self.request_ids), 3)
-        self._index = {rid: i for i, rid in enumerate(self.request_ids)}
-        if len(self._index) < len(self.request_ids):
+        if len(set(self.request_ids)) < len(self.request_ids):
             raise ValueError(f"request_ids={list(self.request_ids)} names a request twice")
+        self._index = None  # made when a position is first looked up by id: the cache reads the columns
         self.source_len, self.written, self.source = array[:, 0], array[:, 1], array[:, 2]
 
+    def _rows(self) -> dict[str, int]:
+        if self._index is None:
+            self._index = {rid: i for i, rid in enumerate(self.request_ids)}
+        return self._index
+
     def __getitem__(self, request_id: str) -> StreamPosition:
-        i = self._index[request_id]
+        i = self._rows()[request_id]
         return StreamPosition(int(self.source_len[i]), int(self.written[i]), int(self.source[i]))
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._index
+        return request_id in self._rows()
 
     def __iter__(self):
         return iter(self.request_ids)

@@ -11,7 +11,6 @@ its own size:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 
@@ -19,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep
-from mstar_jax.resources.step import PAD, BucketKey, Segment, SlotLease, StepContext
+from mstar_jax.resources.step import PAD, BucketKey, Segment, StepContext
 
 __all__ = ["PaddedStep", "pad_step"]
 
@@ -141,13 +140,18 @@ def pad_step(
     else:
         padded, rows = _padded(segments, groups)
     # The step was checked when it was made; only its segments change, and padding rows are Segments.
-    step = copy.copy(step)
-    object.__setattr__(step, "segments", tuple(padded))
-    # `StepContext.for_step(step, bucket)`, knowing already which rows are real: all of `rids`.
-    ctx = StepContext(rids, bucket.graph_walk, 0, capture=False, slot_lease=SlotLease(0, bucket))
-    if len(padded) > len(rids):
-        ctx.set_padded_rids([*rids, *(seg.request_id for seg in padded if seg.request_id.startswith(PAD))])
-    ctx.row_groups = groups  # a manager of several data shards lays each shard out by them
+    # (`copy.copy` of a dataclass goes through `__reduce_ex__`: several times the cost of this.)
+    fields = step.__dict__
+    step = object.__new__(type(step))
+    step.__dict__.update(fields, segments=tuple(padded))
+    # `StepContext.for_step(step, bucket)`, knowing already which rows are real: all of `rids`. A manager
+    # of several data shards lays each shard out by the row groups.
+    pads = (
+        [seg.request_id for seg in padded if seg.request_id.startswith(PAD)]
+        if len(padded) > len(rids)
+        else None
+    )
+    ctx = StepContext.leased(rids, bucket, padded=None if pads is None else [*rids, *pads], row_groups=groups)
     return PaddedStep(step=step, ctx=ctx, bucket=bucket, rows=rows)
 
 
