@@ -37,6 +37,10 @@ __all__ = [
 ]
 
 
+_MAX_CHOSEN = 4096
+"""Most `BucketSet.bucket_for` answers one set remembers (they are few: rows x tokens x prefill rows)."""
+
+
 class NoBucketError(ValueError):
     """No compiled bucket can run this batch: an unknown walk, or a row with too many tokens."""
 
@@ -104,6 +108,10 @@ class BucketSet:
     batch_sizes: tuple[int, ...]
     token_counts: tuple[int, ...]
     prefill_rows: tuple[int, ...] | None = None
+    # `bucket_for`'s answers to plain int arguments it accepted: the engine asks every step.
+    _chosen: dict[tuple[int, int, int], BucketKey] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self):
         if not isinstance(self.graph_walk, str) or not self.graph_walk:
@@ -193,6 +201,15 @@ class BucketSet:
           NoBucketError: `num_tokens` exceeds the largest token bucket (admission should have refused
             the row), or prefill rows on a walk that is not combined.
         """
+        plain = type(bs) is int and type(num_tokens) is int and type(prefill_rows) is int
+        if plain and (key := self._chosen.get((bs, num_tokens, prefill_rows))) is not None:
+            return key
+        key = self._bucket_for(bs, num_tokens, prefill_rows)
+        if plain and len(self._chosen) < _MAX_CHOSEN:
+            self._chosen[bs, num_tokens, prefill_rows] = key
+        return key
+
+    def _bucket_for(self, bs: int, num_tokens: int, prefill_rows: int) -> BucketKey:
         walk = self.graph_walk
         check_int("bs", bs, minimum=1, numpy=True)
         check_int("num_tokens", num_tokens, minimum=1, numpy=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import re
 
+import numpy as np
 import pytest
 
 from mstar_jax.compile import (
@@ -74,6 +75,23 @@ def test_tightest_combined_bucket_matches_brute_force(buckets):
                     buckets.bucket_for(bs, tokens, prefill_rows=prefill)
             else:
                 assert buckets.bucket_for(bs, tokens, prefill_rows=prefill) == want, (bs, tokens, prefill)
+
+
+def test_a_remembered_answer_is_the_brute_force_one_and_bad_arguments_are_still_refused():
+    """`bucket_for` remembers its answers to plain ints: asked again it gives the brute-force bucket, and
+    an argument of another type equal to a remembered one (True == 1, 1.0 == 1) is still checked."""
+    buckets = BucketSet(graph_walk="w", batch_sizes=(1, 2, 4), token_counts=(1, 8))
+    for _ in range(2):
+        for bs, tokens in itertools.product(range(1, 5), range(1, 9)):
+            assert buckets.bucket_for(bs, tokens) == brute_force(buckets, bs, tokens)
+    assert buckets.bucket_for(np.int64(3), np.int32(2)) == brute_force(buckets, 3, 2)
+    with pytest.raises(ValueError, match="bs=True must be an int"):
+        buckets.bucket_for(True, 1)
+    with pytest.raises(ValueError, match=r"num_tokens=1\.0 must be an int"):
+        buckets.bucket_for(1, 1.0)
+    with pytest.raises(BatchTooLargeError):
+        buckets.bucket_for(5, 1)
+    assert buckets == BucketSet(graph_walk="w", batch_sizes=(1, 2, 4), token_counts=(1, 8))
 
 
 def test_combined_keys_name_their_decode_and_prefill_rows():
