@@ -246,9 +246,16 @@ def host_local(tree: Any) -> Any:
     entry of an array replicated over `data`.
     """
 
-    leaves = jax.tree.leaves(tree)
-    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
-        return jax.device_get(tree)  # one transfer for the whole tree: the single-process step path
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = [x for x in leaves if isinstance(x, jax.Array)]
+    if all(x.is_fully_addressable for x in arrays):  # the single-process step path
+        # `jax.device_get`, without its per-leaf overhead (a fifth of a step's host time at batch 1):
+        # every copy starts before the first is awaited.
+        for x in arrays:
+            x.copy_to_host_async()
+        # `__array__`, as `device_get` reads each: `np.asarray` would view the device buffer through the
+        # buffer protocol, and every host copy would keep its device array alive.
+        return treedef.unflatten([x.__array__() if isinstance(x, jax.Array) else x for x in leaves])
     return jax.tree.map(to_host, tree)
 
 

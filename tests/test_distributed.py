@@ -197,6 +197,29 @@ def test_local_data_shards_of_a_single_process_mesh_are_all_of_them():
 # --- two processes ----------------------------------------------------------------------------------
 
 
+def test_host_local_of_one_process_is_device_get_and_keeps_no_device_array_alive():
+    """One process's `host_local` gives what `jax.device_get` gives, the tree's other leaves as they are,
+    and its host copies hold no reference to the device arrays (a view through the buffer protocol would
+    keep each alive as long as any output read from it)."""
+    import gc
+    import weakref
+
+    arrays = {"codes": jax.numpy.arange(12, dtype=jax.numpy.int32).reshape(3, 4), "mel": jax.numpy.ones(5)}
+    tree = (arrays, np.arange(3), 7)
+    got, want = distributed.host_local(tree), jax.device_get(tree)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert type(a) is type(b)
+        np.testing.assert_array_equal(a, b)
+    assert got[1] is tree[1]
+    assert got[2] == 7
+    alive = [weakref.ref(x) for x in arrays.values()]
+    del arrays, tree, want
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None]
+    np.testing.assert_array_equal(got[0]["codes"][2], [8, 9, 10, 11])  # the copies outlive them
+
+
 def test_two_processes_run_the_sharded_step_on_their_own_shards(tmp_path):
     outputs = run_processes(
         ["-m", "tests.test_distributed"],
