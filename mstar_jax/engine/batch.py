@@ -15,6 +15,7 @@ and finds its outputs; padding rows are then not declared at all.
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -63,15 +64,15 @@ def choose_bucket(
     """
     size = len(rows) if rows_per_shard is None else rows_per_shard
     if node == "flow":
-        return FLOW_CHUNK, buckets.bucket_for(FLOW_CHUNK, size, max(r.span for r in rows))
+        return FLOW_CHUNK, buckets.bucket_for(FLOW_CHUNK, size, max([len(r.codes) for r in rows]))
     prefill = [r for r in rows if not r.decode]
     if prefill and len(prefill) < len(rows):
-        tokens = max(r.span for r in prefill)
+        tokens = max([len(r.tokens) for r in prefill])  # a prefill row's span: its tokens
         room = len(prefill) if prefill_per_shard is None else prefill_per_shard
         return TALKER_MIXED, buckets.bucket_for(TALKER_MIXED, size, tokens, prefill_rows=room)
-    if not prefill:  # a block's rows take up to its K steps (K = 1: one step)
-        return TALKER_DECODE, buckets.bucket_for(TALKER_DECODE, size, max(r.span for r in rows))
-    return TALKER_PREFILL, buckets.bucket_for(TALKER_PREFILL, size, max(r.span for r in rows))
+    if not prefill:  # a block's rows take up to its K steps (K = 1: one step): a decode row's span
+        return TALKER_DECODE, buckets.bucket_for(TALKER_DECODE, size, max([r.steps for r in rows]))
+    return TALKER_PREFILL, buckets.bucket_for(TALKER_PREFILL, size, max([len(r.tokens) for r in rows]))
 
 
 def talker_bucket(
@@ -141,10 +142,13 @@ def declare(
     """
     groups = row_groups(bucket, rows)
     ordered = [row for group, _ in groups for row in group]
-    rids = [row.stream.request_id for row in ordered]
+    streams = [row.stream for row in ordered]
+    rids = [stream.request_id for stream in streams]
+    # `tuple.__new__` makes each Segment without the NamedTuple's Python-level `__new__` (one per row).
+    new = tuple.__new__
     step = BoundedKVStep(
-        tuple(Segment(rid, "main", row.span) for rid, row in zip(rids, ordered, strict=True)),
-        PositionColumns(rids, positions([row.stream for row in ordered])),
+        tuple([new(Segment, (rid, "main", row.span)) for rid, row in zip(rids, ordered, strict=True)]),
+        PositionColumns(rids, positions(streams)),
         steps=steps,
     )
     sizes = [(len(group), size) for group, size in groups]
@@ -182,16 +186,23 @@ def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None)
             placed = np.fromiter((layout[1][row.stream.request_id] for row in group), np.int64, len(group))
             shard, within = np.divmod(placed, table_rows_per_shard)
             where = shard * size + within - offset
-        values = [row.codes if isinstance(row, FlowRow) else row.tokens for row in group]
-        counts = [len(v) for v in values]
+        if isinstance(group[0], FlowRow):  # a group's rows are of one kind
+            values = [row.codes for row in group]
+        else:
+            values = [row.tokens for row in group]
+        counts = list(map(len, values))
         if min(counts) == max(counts):  # a block's rows all bring as many tokens: one assignment
-            ids[where, : counts[0]] = values
+            # `fromiter` over the flat values: NumPy reads a list of tuples element by element, checking
+            # each one's type and shape, several times slower.
+            flat = np.fromiter(itertools.chain.from_iterable(values), np.int32, len(values) * counts[0])
+            ids[where, : counts[0]] = flat.reshape(len(values), counts[0])
         else:
             for i, row_values in zip(where.tolist(), values, strict=True):
                 ids[i, : len(row_values)] = row_values
         lengths[where] = counts
         seeds[where] = [row.stream.request.seed for row in group]
-        feed[where] = [getattr(row, "feed", -1) for row in group]
+        if not isinstance(group[0], FlowRow):  # a flow step reads no feed
+            feed[where] = [row.feed for row in group]
         return feed, ids, lengths, seeds
 
     if bucket.graph_walk == FLOW_CHUNK:
@@ -210,11 +221,13 @@ def row_indices(bucket: BucketKey, rows: Sequence, layout: Layout | None = None)
     """Where each of `rows` sits in the program's per-row outputs (each group is padded)."""
     if layout is not None:
         return [layout[1][row.stream.request_id] for row in rows]
-    where, offset = {}, 0
-    for group, size in row_groups(bucket, rows):
-        where.update((id(row), offset + i) for i, row in enumerate(group))
-        offset += size
-    return [where[id(row)] for row in rows]
+    if not isinstance(bucket.cg_key_info, CombinedRows):
+        return list(range(len(rows)))
+    # A combined bucket: the decode rows from row 0, the prefill rows from the decode group's end.
+    decode = np.fromiter((row.decode for row in rows), bool, len(rows))
+    first = np.where(decode, 0, bucket.cg_key_info.decode_rows)
+    nth = np.where(decode, np.cumsum(decode), np.cumsum(~decode)) - 1  # each row's place in its group
+    return (first + nth).tolist()
 
 
 def row_outputs(bucket: BucketKey, rows: Sequence, per_row: np.ndarray, layout: Layout | None = None) -> list:

@@ -22,6 +22,7 @@ from mstar_jax.engine.admission import Admission
 from mstar_jax.engine.lockstep import Lockstep
 from mstar_jax.engine.records import StepRecord
 from mstar_jax.engine.recovery import Recovery
+from mstar_jax.resources.kv.bounded.config import PositionColumns
 from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps
 from mstar_jax.serving.stream import RequestError, StateLostError, Stream
 from mstar_jax.serving.transaction import Resources, run_admitted
@@ -92,7 +93,13 @@ class Dispatch:
             admitted = self._admission.declare(node, [], agreed)  # the others run it: enter it with no rows
         declared, rows = admitted
         bucket, node_step = declared.bucket, declared.sub.steps[node.key]
-        positions = tuple(r.stream.written_in(node.name) for r in rows)
+        declared_positions = node_step.positions  # what each row declared it had written, in row order
+        if type(declared_positions) is PositionColumns and declared_positions.request_ids == tuple(
+            [r.stream.request_id for r in rows]
+        ):
+            positions = tuple(declared_positions.written.tolist())
+        else:
+            positions = tuple(r.stream.written_in(node.name) for r in rows)
         layout = None  # a mesh's placement of the rows, made once the step is planned
 
         def replay(resources: Resources):
@@ -179,7 +186,7 @@ class Dispatch:
             self._lost_in_flight(step, err)
             return True
         now = self._clock()
-        rids = tuple(r.stream.request_id for r in step.rows)
+        rids = tuple([r.stream.request_id for r in step.rows])
         self._records.append(StepRecord(
             step.bucket.graph_walk, step.bucket, len(step.rows), step.started, now - step.started,
             step.positions, step.compilations, rids,

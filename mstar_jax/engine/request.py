@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -87,9 +88,8 @@ def _brief(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-@dataclasses.dataclass(frozen=True)
-class AudioChunk:
-    """One flow chunk's output for one request.
+class AudioChunk(NamedTuple):
+    """One flow chunk's output for one request (a NamedTuple: one is made per request per flow step).
 
     Attributes:
       first_frame: index of its first codec frame in the request's output.

@@ -12,8 +12,8 @@ returns, drops rows the resources refuse, and runs the rest.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from mstar_jax.engine.request import Stream
 from mstar_jax.serving.decoder import DecodeRow
@@ -29,9 +29,9 @@ code is still on the device, in that row of the step in flight, and the program 
 (`tokens` is then a placeholder)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class FlowRow:
-    """One request's part of a flow step: codec frames `[start, start + len(codes))`."""
+class FlowRow(NamedTuple):
+    """One request's part of a flow step: codec frames `[start, start + len(codes))` (a NamedTuple, as
+    `DecodeRow` is)."""
 
     stream: Stream
     start: int
@@ -40,10 +40,6 @@ class FlowRow:
     @property
     def span(self) -> int:
         return len(self.codes)
-
-
-def _runnable(stream: Stream, now: float) -> bool:
-    return not stream.phase.finished and not stream.paused and stream.hold_until <= now
 
 
 def talker_rows(
@@ -78,21 +74,32 @@ def talker_rows(
     decode, prefill = [], []
     for stream in streams:
         phase = stream.phase
-        if phase is FLUSH or not _runnable(stream, now) or stream.talker_done:
+        # Skip what cannot run (ended, paused, held) or has every code: inline, as this loop visits every
+        # live stream every round.
+        if (
+            phase is FLUSH
+            or (phase is not DECODE and phase.finished)
+            or stream.paused
+            or stream.hold_until > now
+        ):
+            continue
+        codes, frames = stream.codes, stream.request.frames
+        if len(codes) >= frames:
             continue
         if phase is not DECODE:
             if len(prefill) < max_batch:  # no step takes more (rows beyond wait for the next)
                 prompt = (*stream.request.text, bos)
                 chunk = prompt[stream.prefilled : stream.prefilled + prefill_tokens]
-                prefill.append(TalkerRow(stream, chunk, decode=False))
+                prefill.append(TalkerRow(stream, chunk, False))
             continue
         if len(decode) == max_batch:
             continue
-        steps = min(decode_steps, stream.request.frames - stream.codes_scheduled)
-        if stream.feed is not None and stream.feed[0] == in_flight:
-            decode.append(TalkerRow(stream, (text_vocab,), decode=True, feed=stream.feed[1], steps=steps))
+        steps = min(decode_steps, frames - len(codes) - stream.codes_in_flight)  # frames not scheduled
+        feed = stream.feed
+        if feed is not None and feed[0] == in_flight:
+            decode.append(TalkerRow(stream, (text_vocab,), True, feed[1], steps))
         else:
-            decode.append(TalkerRow(stream, (text_vocab + stream.codes[-1],), decode=True, steps=steps))
+            decode.append(TalkerRow(stream, (text_vocab + codes[-1],), True, -1, steps))
     room = max_batch - len(decode)
     if decode:
         room = min(room, prefill_room)
@@ -103,12 +110,12 @@ def flow_rows(streams: Iterable[Stream], *, now: float, max_batch: int, chunk: i
     """The next flow step's rows: whole chunks, or the last frames of a finished talker."""
     rows = []
     for stream in streams:
-        if not _runnable(stream, now):
+        if stream.phase.finished or stream.paused or stream.hold_until > now:  # ended, paused or held
             continue
-        ready = len(stream.codes) - stream.flow_written
-        if ready >= chunk or (stream.talker_done and ready > 0):
-            start = stream.flow_written
-            rows.append(FlowRow(stream, start, tuple(stream.codes[start : start + min(chunk, ready)])))
+        codes, start = stream.codes, stream.flow_written
+        ready = len(codes) - start
+        if ready >= chunk or (ready > 0 and len(codes) >= stream.request.frames):  # the talker is done
+            rows.append(FlowRow(stream, start, tuple(codes[start : start + min(chunk, ready)])))
         if len(rows) == max_batch:
             break
     return rows

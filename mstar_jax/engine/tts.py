@@ -15,6 +15,7 @@ pipelined one), the codes are appended and the audio delivered, once and in orde
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -156,10 +157,13 @@ class TTSServing(ServedModel):
     def position(self, node: Node, stream: Stream) -> StreamPosition:
         return stream.request.voice.position(stream.written_in(node.name))
 
-    def positions(self, node: Node, streams: Sequence[Stream]) -> list[tuple[int, int, int]]:
-        if node.name == FLOW:  # `Voice.position`, a batch at once
-            return [(s.request.voice.frames, s.flow_written, s.request.voice.index) for s in streams]
-        return [(s.request.voice.frames, s.talker_written, s.request.voice.index) for s in streams]
+    def positions(self, node: Node, streams: Sequence[Stream]) -> np.ndarray:
+        # `Voice.position`, a batch at once: i64[B, 3] of (source_len, written, source).
+        if node.name == FLOW:
+            table = [(s.request.voice.frames, s.flow_written, s.request.voice.index) for s in streams]
+        else:
+            table = [(s.request.voice.frames, s.talker_written, s.request.voice.index) for s in streams]
+        return np.fromiter(itertools.chain.from_iterable(table), np.int64, 3 * len(table)).reshape(-1, 3)
 
     def block_steps(self, bucket) -> int:
         return bucket.num_tokens if bucket.graph_walk == TALKER_DECODE else 1
@@ -172,24 +176,29 @@ class TTSServing(ServedModel):
     def dispatched(self, step: InFlight, now: float) -> None:
         if step.node.name == FLOW:
             for row in step.rows:
-                row.stream.flow_written += row.span
-                row.stream.last_step_at = now
+                stream = row.stream
+                stream.flow_written += len(row.codes)  # the row's span
+                stream.last_step_at = now
             return
-        emits, steps = [], self.decode_steps
+        emits, steps, serial = [], self.decode_steps, step.serial
         for row, index in zip(step.rows, step.indices, strict=True):
             stream = row.stream
-            stream.talker_written += row.span
             stream.last_step_at = now
-            if not row.decode:
-                stream.prefilled += row.span
-                stream.phase = PREFILL
             # A decode row's block gives a code per step; a prompt's last chunk gives the first code.
-            emits.append(row.steps if row.decode else int(stream.prefilled == stream.prompt_len))
-            if emits[-1]:
-                stream.codes_in_flight += emits[-1]
-                stream.feed = (step.serial, index * steps + emits[-1] - 1)  # its newest code, flattened
+            if row.decode:
+                stream.talker_written += row.steps
+                emit = row.steps
+            else:
+                stream.talker_written += len(row.tokens)
+                stream.prefilled += len(row.tokens)
+                stream.phase = PREFILL
+                emit = int(stream.prefilled == stream.prompt_len)
+            emits.append(emit)
+            if emit:
+                stream.codes_in_flight += emit
+                stream.feed = (serial, index * steps + emit - 1)  # its newest code, flattened
                 stream.phase = DECODE
-            if stream.codes_scheduled >= stream.request.frames:
+            if len(stream.codes) + stream.codes_in_flight >= stream.request.frames:  # all scheduled
                 stream.phase = FLUSH  # its talker slot is freed once its last code is read
         step.emits = tuple(emits)
 
@@ -197,15 +206,22 @@ class TTSServing(ServedModel):
         if step.node.name == FLOW:
             self._flow_read(step, outputs, now, ops)
             return
-        for row, index, emits in zip(step.rows, step.indices, step.emits, strict=True):
+        codes = outputs[step.indices].tolist()  # every row's block of codes, in one conversion
+        serial, steps = step.serial, self.decode_steps
+        for row, index, emits, block in zip(step.rows, step.indices, step.emits, codes, strict=True):
             stream = row.stream
-            if stream.phase.finished or not emits:
+            if not emits or stream.phase.finished:
                 continue
-            if stream.feed == (step.serial, index * self.decode_steps + emits - 1):
+            if stream.feed == (serial, index * steps + emits - 1):
                 stream.feed = None
             stream.codes_in_flight -= emits
             stream.faults = 0
-            if self._append_codes(stream, outputs[index, :emits].tolist(), ops) and stream.talker_done:
+            if stream.replay_codes:
+                if not self._append_codes(stream, block[:emits], ops):
+                    continue
+            else:
+                stream.codes.extend(block[:emits])
+            if len(stream.codes) >= stream.request.frames:  # the talker is done
                 # Held until now, so a fault that loses a step in flight still finds the stream among
                 # the cache's holders, and rewinds it.
                 ops.release(stream, TALKER)
@@ -213,7 +229,7 @@ class TTSServing(ServedModel):
     def _append_codes(self, stream: Stream, codes: list[int], ops: StreamOps) -> bool:
         """Add generated codes, in order; after a rewind each must be the code generated there before."""
         start = len(stream.codes)
-        replayed = stream.replay_codes[start : start + len(codes)]
+        replayed = stream.replay_codes[start : start + len(codes)] if stream.replay_codes else ()
         for index, (code, before) in enumerate(zip(codes, replayed, strict=False), start):  # replaying only
             if code != before:
                 ops.fail(stream, ReplayMismatchError(
@@ -225,18 +241,24 @@ class TTSServing(ServedModel):
         return True
 
     def _flow_read(self, step: InFlight, outputs: tuple, now: float, ops: StreamOps) -> None:
-        mel, samples = ([x[i] for i in step.indices] for x in outputs)
+        mel, samples = outputs
         rows: list[FlowRow] = step.rows
-        for i, row in enumerate(rows):
-            stream, span = row.stream, row.span
+        spans = {len(row.codes) for row in rows}
+        if len(spans) == 1:  # whole chunks: every row's codes in one array (`fromiter`: see `step_inputs`)
+            flat = itertools.chain.from_iterable([row.codes for row in rows])
+            codes = np.fromiter(flat, np.int32, len(rows) * spans.pop()).reshape(len(rows), -1)
+            codes.setflags(write=False)  # each chunk's codes are a row of it
+        else:
+            codes = [np.array(row.codes, np.int32) for row in rows]
+        for index, row, row_codes in zip(step.indices, rows, codes, strict=True):
+            stream, span = row.stream, len(row.codes)
             if stream.phase.finished:  # cancelled by an earlier row's callback, or before it came back
                 continue
             chunk = AudioChunk(
-                first_frame=row.start, codes=np.asarray(row.codes, np.int32), mel=mel[i][:span],
-                samples=samples[i][: span * SAMPLES_PER_FRAME],
-            )  # fmt: skip
+                row.start, row_codes, mel[index, :span], samples[index, : span * SAMPLES_PER_FRAME]
+            )
             stream.faults = 0
-            if row.start < stream.frames_decoded:  # replayed after a fault: the listener has it already
+            if stream.chunks and row.start < stream.frames_decoded:  # replayed: the listener has it
                 if not _same_chunk(chunk, stream.chunks):
                     ops.fail(stream, ReplayMismatchError(
                         f"request {stream.request_id!r}: replaying after a fault decoded frames "
@@ -246,9 +268,12 @@ class TTSServing(ServedModel):
             stream.chunks.append(chunk)
             if stream.first_audio_at is None:
                 stream.first_audio_at = now
-            if not notify(stream, stream.on_chunk, chunk, ops, name="on_chunk"):
+            if stream.on_chunk is not None and not notify(
+                stream, stream.on_chunk, chunk, ops, name="on_chunk"
+            ):
                 continue  # the callback raised, or cancelled its own stream
-            if stream.talker_done and stream.frames_decoded == stream.request.frames:
+            frames = stream.request.frames
+            if row.start + span == frames and len(stream.codes) >= frames:  # every frame delivered
                 ops.done(stream)
 
     # -- recovery and warm-up -----------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,11 +86,13 @@ class DecoderStream(Stream):
         return self.generated + self.tokens_in_flight
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeRow:
+class DecodeRow(NamedTuple):
     """One stream's part of a step: `tokens` written at its end; `feed` >= 0: the token is the step in
     flight's output there (its index in them, flattened; `tokens` is then a placeholder). A decode row
-    of a block (`serving/steps.py`) takes `steps` one-token steps from its one input token."""
+    of a block (`serving/steps.py`) takes `steps` one-token steps from its one input token.
+
+    A NamedTuple: the engine builds one per stream per step, which a frozen dataclass makes four times
+    as costly (its `__init__` sets each field through `object.__setattr__`)."""
 
     stream: Stream
     tokens: tuple[int, ...]

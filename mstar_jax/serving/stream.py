@@ -57,14 +57,11 @@ class Phase(enum.Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
 
-    @property
-    def finished(self) -> bool:
-        # A tuple, not a set: `in` compares identities first, where a set would call the Enum's __hash__,
-        # Python code (and `Phase.DONE` here would go through the Enum class's __getattr__ each time).
-        return self in _FINISHED
+    def __init__(self, value: str):
+        # `finished`: whether the request ended. A member's attribute, not a property: the engine asks it
+        # of every row at every step, and a property is a Python call each time.
+        self.finished = value in ("done", "failed", "cancelled")
 
-
-_FINISHED = (Phase.DONE, Phase.FAILED, Phase.CANCELLED)
 
 # The members the engine's loops test and set per row per step, as module names: a member looked up on
 # its Enum class goes through the class's __getattr__ (Python 3.11), a global does not.

@@ -94,3 +94,22 @@ def test_processes_agree_on_the_combined_walk_only_where_both_kinds_meet():
     assert batch.talker_bucket(buckets, 2, 1, decode=True).graph_walk == TALKER_MIXED
     assert batch.talker_bucket(buckets, 2, 0, decode=True) == BucketKey(TALKER_DECODE, 2, 1)
     assert batch.talker_bucket(buckets, 1, 1, decode=False) == BucketKey(TALKER_PREFILL, 1, 4)
+
+
+def test_row_indices_on_one_device_are_each_rows_place_in_its_padded_group():
+    """For rows in any order: a plain bucket's row i sits at i; a combined one's decode rows from 0 and
+    its prefill rows from the decode group's end, each in its order (by brute force over the groups)."""
+    rng = np.random.default_rng(0)
+    mixed = BucketKey(TALKER_MIXED, 8, 4, cg_key_info=CombinedRows(decode_rows=5, prefill_rows=3))
+    plain = BucketKey(TALKER_DECODE, 8, 1)
+    for _ in range(20):
+        decode = rng.random(int(rng.integers(1, 9))) < 0.6
+        if decode.sum() > 5 or (~decode).sum() > 3:
+            continue
+        rows = [talker_row(f"r{i}", (0,), decode=bool(d)) for i, d in enumerate(decode)]
+        want, seen = [], {True: 0, False: 0}
+        for row in rows:
+            want.append(seen[row.decode] + (0 if row.decode else 5))
+            seen[row.decode] += 1
+        assert batch.row_indices(mixed, rows) == want
+        assert batch.row_indices(plain, rows) == list(range(len(rows)))
