@@ -206,7 +206,8 @@ class TTSServing(ServedModel):
         if step.node.name == FLOW:
             self._flow_read(step, outputs, now, ops)
             return
-        codes = outputs[step.indices].tolist()  # every row's block of codes, in one conversion
+        n = len(step.indices)  # every row's block of codes, in one conversion (rows 0 .. n - 1: a slice)
+        codes = (outputs[:n] if step.indices == list(range(n)) else outputs[step.indices]).tolist()
         serial, steps = step.serial, self.decode_steps
         for row, index, emits, block in zip(step.rows, step.indices, step.emits, codes, strict=True):
             stream = row.stream
@@ -243,20 +244,30 @@ class TTSServing(ServedModel):
     def _flow_read(self, step: InFlight, outputs: tuple, now: float, ops: StreamOps) -> None:
         mel, samples = outputs
         rows: list[FlowRow] = step.rows
-        spans = {len(row.codes) for row in rows}
+        n, spans = len(rows), {len(row.codes) for row in rows}
         if len(spans) == 1:  # whole chunks: every row's codes in one array (`fromiter`: see `step_inputs`)
-            flat = itertools.chain.from_iterable([row.codes for row in rows])
-            codes = np.fromiter(flat, np.int32, len(rows) * spans.pop()).reshape(len(rows), -1)
+            span = spans.pop()
+            codes = np.fromiter(
+                itertools.chain.from_iterable([row.codes for row in rows]), np.int32, n * span
+            )
+            codes = codes.reshape(n, span)
             codes.setflags(write=False)  # each chunk's codes are a row of it
+            if step.indices == list(range(n)):  # rows 0 .. n - 1: each chunk's outputs, views in one slice
+                mel, samples = list(mel[:n, :span]), list(samples[:n, : span * SAMPLES_PER_FRAME])
+            else:
+                mel, samples = mel[step.indices, :span], samples[step.indices, : span * SAMPLES_PER_FRAME]
         else:
             codes = [np.array(row.codes, np.int32) for row in rows]
-        for index, row, row_codes in zip(step.indices, rows, codes, strict=True):
+            mel = [mel[i, : len(row.codes)] for i, row in zip(step.indices, rows, strict=True)]
+            samples = [
+                samples[i, : len(row.codes) * SAMPLES_PER_FRAME]
+                for i, row in zip(step.indices, rows, strict=True)
+            ]
+        for row, row_codes, row_mel, row_samples in zip(rows, codes, mel, samples, strict=True):
             stream, span = row.stream, len(row.codes)
             if stream.phase.finished:  # cancelled by an earlier row's callback, or before it came back
                 continue
-            chunk = AudioChunk(
-                row.start, row_codes, mel[index, :span], samples[index, : span * SAMPLES_PER_FRAME]
-            )
+            chunk = AudioChunk(row.start, row_codes, row_mel, row_samples)
             stream.faults = 0
             if stream.chunks and row.start < stream.frames_decoded:  # replayed: the listener has it
                 if not _same_chunk(chunk, stream.chunks):
