@@ -28,7 +28,7 @@ from mstar_jax.resources.kv.bounded.config import (
 )
 from mstar_jax.resources.step import Segment, StepContext
 
-__all__ = ["CommittedRows", "StepColumns", "admissible", "gather", "pending"]
+__all__ = ["CommittedRows", "StepColumns", "admissible", "commit", "first_steps", "gather", "pending"]
 
 _INTS = frozenset({int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64})
 """The value types `is_int(value, numpy=True)` accepts that a step's fields hold in practice (`bool` is
@@ -199,3 +199,20 @@ def admissible(
     if width is not None:
         ok &= step_tokens <= width
     return bool(ok.all())
+
+
+def first_steps(columns: StepColumns, slots: Any) -> list[int]:
+    """The data shard of each row taking its request's first step (`SlotPools.shard_of` its slot)."""
+    return [slots.shard_of(columns.records[i].slot) for i in np.flatnonzero(columns.written == 0).tolist()]
+
+
+def commit(columns: StepColumns, fields: dict[str, np.ndarray]) -> CommittedRows:
+    """Record that the step admitted as `columns` ran (each record's `written` advances by its span, its
+    admission is cleared) and return its rows as the persistent batch, with their plan `fields`."""
+    written = columns.written + columns.span
+    for record, entries in zip(columns.records, written.tolist(), strict=True):
+        record.written = entries
+        record.admitted = None
+    # Every row's stream started on the source it declares (admit checked, or claimed it so).
+    rids = tuple([seg.request_id for seg in columns.segments])
+    return CommittedRows(rids, columns.records, written, columns.source_len, columns.source, fields)

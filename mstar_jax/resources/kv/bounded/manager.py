@@ -433,17 +433,9 @@ class BoundedKVManager(Resource):
 
     def _commit_columns(self, columns: cols.StepColumns) -> None:
         """Commit a step admitted as columns; its rows become the persistent batch."""
-        records, written = columns.records, columns.written + columns.span
-        for i in np.flatnonzero(columns.written == 0).tolist():  # first steps: count where they run
-            self.placed[self._slots.shard_of(records[i].slot)] += 1
-        for record, entries in zip(records, written.tolist(), strict=True):
-            record.written = entries
-            record.admitted = None
-        # Every row's stream started on the source it declares (admit checked, or claimed it so).
-        rids = tuple([seg.request_id for seg in columns.segments])
-        self._committed = cols.CommittedRows(
-            rids, records, written, columns.source_len, columns.source, self._fields_of(columns)
-        )
+        for shard in cols.first_steps(columns, self._slots):  # count where first steps run
+            self.placed[shard] += 1
+        self._committed = cols.commit(columns, self._fields_of(columns))
         self._claimed_in_step, self._columns, self._fields = [], None, None
 
     def abort_step(self, step: ResourceStep, ctx: StepContext | None = None) -> None:
