@@ -15,7 +15,8 @@ functions (a retention policy inside a config) by module, name, bytecode and clo
 A program something can only be described by its address (a callable object, say) gets no key: it is
 compiled every start and never stored (`unkeyed`).
 
-Entries are pickles of serialized executables: loading one runs code, so the directory must be as
+Entries are pickles of serialized executables with the ids of the devices each was compiled for, in
+its device order, which it is loaded onto again. Loading one runs code, so the directory must be as
 trusted as the code itself.
 """
 
@@ -170,7 +171,10 @@ def check_directory(path: Any, name: str = "directory") -> pathlib.Path:
 
 
 def _describe_leaf(leaf: jax.ShapeDtypeStruct) -> list[str]:
-    return [str(tuple(leaf.shape)), str(leaf.dtype), repr(leaf.sharding)]
+    described = [str(tuple(leaf.shape)), str(leaf.dtype), repr(leaf.sharding)]
+    if isinstance(leaf.sharding, jax.sharding.NamedSharding):  # its repr leaves the mesh's devices out
+        described.append(describe(leaf.sharding.mesh))
+    return described
 
 
 class ExecutableStore:
@@ -246,8 +250,15 @@ class ExecutableStore:
         if not path.exists():
             return None
         try:
-            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+            local = {device.id: device for device in jax.local_devices()}
+            # On the devices it was compiled for, in their order: by default a program is loaded onto
+            # every local device, which fails a one-device program on a host of several and aborts
+            # the process for a mesh whose devices are not in id order.
+            devices = [local[i] for i in device_ids]
+            compiled = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=devices
+            )
             expected = [(tuple(a.shape), a.dtype) for a in jax.tree.leaves(args)]
             taken = [(tuple(a.shape), a.dtype) for a in jax.tree.leaves(compiled.args_info[0])]
             if in_tree != jax.tree.structure((args, {})) or taken != expected:
@@ -261,7 +272,8 @@ class ExecutableStore:
     def save(self, key: str, compiled: jax.stages.Compiled) -> bool:
         """Write `compiled` under `key` (atomically); False where the backend cannot serialize it."""
         try:
-            payload = pickle.dumps(serialize_executable.serialize(compiled))
+            devices = [device.id for device in compiled.runtime_executable().local_devices()]
+            payload = pickle.dumps((*serialize_executable.serialize(compiled), devices))
         except Exception:  # e.g. programs with constants, or a backend without serialization
             return False
         path = self._path(key)

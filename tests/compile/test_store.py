@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -219,3 +220,20 @@ def test_a_mesh_is_described_by_its_axes_and_devices():
 def test_a_store_needs_a_directory():
     with pytest.raises(ValueError, match=r"directory='' must be a non-empty path"):
         ExecutableStore("")
+
+
+def test_a_stored_program_loads_onto_the_devices_it_was_compiled_for():
+    """On a host of 8 devices, a one-device program (on device 0, or another) and a program on a mesh
+    whose devices are not in id order each load back onto their own devices and compute what they
+    compiled to (by default JAX would load them onto every device: the first fails when run, the last
+    aborts the process)."""
+    from tests.simulated_devices import run_child
+
+    found = run_child(Path(__file__).with_name("store_devices_child.py"), devices=8, timeout=300)
+    x = np.arange(32, dtype=np.float64).reshape(8, 4) / 9
+    want = x * (1.0 + np.tanh(x).sum())
+    assert set(found) == {"one device", "another single device", "mesh in reversed order"}
+    for name, case in found.items():
+        assert case["stores"] == [[1, 0, 0], [0, 1, 0]], name  # compiled and saved, then loaded
+        assert case["equal"], name
+        np.testing.assert_allclose(case["out"], want, rtol=1e-6, err_msg=name)
