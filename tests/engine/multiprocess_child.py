@@ -14,6 +14,8 @@ Run as `python -m tests.engine.multiprocess_child` with the `MSTAR_*` variables 
 from __future__ import annotations
 
 import collections
+import functools
+import tempfile
 
 from mstar_jax.distributed import DistributedSettings, initialize
 from tests.simulated_devices import report_as_process
@@ -25,9 +27,14 @@ def main() -> dict:
     import jax
 
     from mstar_jax.engine.report import summarize
-    from tests.engine.mesh_child import MODEL, serve
+    from tests.engine.mesh_child import MODEL
+    from tests.engine.mesh_child import serve as serve_on_mesh
 
     share = (jax.process_index(), jax.process_count())
+    # JAX's persistent compilation cache, one folder a process (a job of many processes keeps no
+    # executable store): the runs below share most programs, so each is compiled once a process.
+    cache = tempfile.TemporaryDirectory(prefix="mesh-cache-")  # removed once `main` returns
+    serve = functools.partial(serve_on_mesh, cache_dir=cache.name)
     # Decode blocks of 4: the processes agree on one bucket a block, not one a token.
     block_engine, block_served = serve(4, 2, MODEL, share=share, decode_steps=4)
     # Pipelined: each process dispatches a step before it reads the last; the codes feed on the device.
