@@ -1,12 +1,13 @@
 """Admission checks of the bounded KV cache: every field of one row, before anything is claimed.
 
 `check_segment` answers whether a row may run, from the manager's records, config and source lengths,
-and changes nothing.
+and changes nothing; `claim_slots` then claims the slots of the step's first-time requests, all or none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mstar_jax.checks import is_int
@@ -15,6 +16,7 @@ from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVStep
 from mstar_jax.resources.step import (
     AdmitOutcome,
     AdmitRuntimeError,
+    AllocationFailed,
     RequestOffloading,
     Segment,
     StepContext,
@@ -22,7 +24,10 @@ from mstar_jax.resources.step import (
     UnknownRequestError,
 )
 
-__all__ = ["admitted_segments", "check_rows", "check_segment", "real_segments", "refuse", "step_tokens_of"]
+__all__ = [
+    "admitted_segments", "check_rows", "check_segment", "claim_slots", "real_segments", "refuse",
+    "step_tokens_of",
+]  # fmt: skip
 
 
 def refuse(reason) -> AdmitOutcome:
@@ -32,6 +37,43 @@ def refuse(reason) -> AdmitOutcome:
         if isinstance(reason, AdmitRuntimeError)
         else AdmitOutcome(False, True, reason)
     )
+
+
+def claim_slots(
+    need_slot: Sequence[str],
+    step: BoundedKVStep,
+    *,
+    slots: Any,
+    requests: Mapping[str, Any],
+    readers: Counter,
+    config: BoundedKVConfig,
+) -> AdmitOutcome | None:
+    """Claim a slot for each request of `need_slot` (first-time requests of an admissible `step`), with
+    its source and retention, and count it among its source's readers; or, when the free slots are too
+    few, claim nothing and return the refusal (`AllocationFailed`, naming the first request left out).
+
+    Args:
+      slots: the manager's `SlotPools` (each claim takes from the least loaded data shard).
+      requests, readers: the manager's request records and each source's reader count, updated in place.
+    """
+    free = len(slots)
+    if len(need_slot) > free:
+        rid = need_slot[free]
+        label = next(seg.label for seg in step.segments if seg.request_id == rid)
+        return refuse(AllocationFailed(
+            f"bounded KV is full: {config.max_slots} slots, {free} free, {len(need_slot)} needed",
+            pages_short=len(need_slot) - free, label=label, request_id=rid,
+        ))  # fmt: skip
+    policies = {rid: config.retention_for(int(step.positions[rid].source_len)) for rid in need_slot}
+    # Nothing below can fail: every claim is made, or (above) none is.
+    for rid in need_slot:
+        request, pos = requests[rid], step.positions[rid]
+        request.slot = slots.take()
+        request.source, request.source_len = int(pos.source), int(pos.source_len)
+        request.policy = policies[rid]
+        if pos.source_len > 0:  # a request with no source prefix holds no claim on the bank
+            readers[request.source] += 1
+    return None
 
 
 def step_tokens_of(step: BoundedKVStep, seg: Segment) -> int:

@@ -19,7 +19,12 @@ from mstar_jax.checks import check_int
 from mstar_jax.resources.base import Resource
 from mstar_jax.resources.kv.bounded import columns as cols
 from mstar_jax.resources.kv.bounded import planning
-from mstar_jax.resources.kv.bounded.admission import admitted_segments, check_rows, real_segments, refuse
+from mstar_jax.resources.kv.bounded.admission import (
+    admitted_segments,
+    check_rows,
+    claim_slots,
+    real_segments,
+)
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, BoundedKVStep, StreamPosition
 from mstar_jax.resources.kv.bounded.host import BoundedKVSnapshot, HostCopies, RequestRecord
@@ -30,7 +35,6 @@ from mstar_jax.resources.spec import NodeResourceSpec, ResourceReqConfig
 from mstar_jax.resources.step import (
     ADMIT_OK,
     AdmitOutcome,
-    AllocationFailed,
     ResourceStep,
     Segment,
     StepContext,
@@ -300,28 +304,12 @@ class BoundedKVManager(Resource):
             )  # fmt: skip
             if refusal is not None:
                 return refusal
-        free = len(self._slots)
-        if len(need_slot) > free:
-            rid = need_slot[free]
-            label = next(seg.label for seg in step.segments if seg.request_id == rid)
-            return refuse(
-                AllocationFailed(
-                    f"bounded KV is full: {self.config.max_slots} slots, {free} free, "
-                    f"{len(need_slot)} needed",
-                    pages_short=len(need_slot) - free,
-                    label=label,
-                    request_id=rid,
-                )
-            )
-        policies = {rid: self.config.retention_for(int(step.positions[rid].source_len)) for rid in need_slot}
-        # Nothing below can fail: every claim is made, or (above) none is.
-        for rid in need_slot:
-            request, pos = self._requests[rid], step.positions[rid]
-            request.slot = self._slots.take()  # the least loaded data shard
-            request.source, request.source_len = int(pos.source), int(pos.source_len)
-            request.policy = policies[rid]
-            if pos.source_len > 0:  # a request with no source prefix holds no claim on the bank
-                self._readers[request.source] += 1
+        refusal = claim_slots(
+            need_slot, step, slots=self._slots, requests=self._requests, readers=self._readers,
+            config=self.config,
+        )  # fmt: skip
+        if refusal is not None:
+            return refusal
         if columns is None:  # admitted row by row: each request's values as ints
             for seg in step.segments or ():
                 if not self._is_padding(seg.request_id, ctx):
