@@ -33,6 +33,7 @@ only the requests that held a slot there are affected, restored from the last sn
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -111,6 +112,8 @@ class ServingEngine:
         # read back only once the next one was dispatched.
         self.overlap: collections.Counter[str] = collections.Counter()
         self.warmup_compilations = 0
+        # The thread that alone may drive the engine (an `EngineHost`'s, while it runs); None: any.
+        self.driver: int | None = None
         self._lockstep = Lockstep(self.mesh, self.nodes, buckets)
         self._lockstep.check()
         self._admission = Admission(
@@ -209,6 +212,7 @@ class ServingEngine:
           ValueError: a duplicate or reserved request id, or a request the model refuses (its message
             names the field); nothing is queued then.
         """
+        self._check_driver("submit")
         if on_output is not None and not callable(on_output):
             raise TypeError(f"on_output={on_output!r} must be callable or None")
         rid = getattr(request, "request_id", None)
@@ -248,6 +252,7 @@ class ServingEngine:
 
     def cancel(self, request_id: str) -> None:
         """Stop a request and return everything it holds."""
+        self._check_driver("cancel")
         stream = self.streams.get(request_id)
         if stream is not None:
             self._finish(
@@ -276,6 +281,15 @@ class ServingEngine:
 
     def is_offloaded(self, request_id: str) -> bool:
         return any(node.runner.is_offloaded(request_id) for node in self.nodes.values())
+
+    def _check_driver(self, call: str) -> None:
+        # Two threads stepping one engine would each donate buffers the other still holds: refuse the
+        # second loudly, before any state changes, instead of losing a request's cache to the race.
+        if self.driver is not None and self.driver != threading.get_ident():
+            raise RuntimeError(
+                f"ServingEngine.{call}() was called from thread {threading.current_thread().name!r} while "
+                "an EngineHost drives this engine from its own; submit through the host, or stop it first"
+            )
 
     def _live(self, request_id: str) -> Stream:
         stream = self.streams.get(request_id)
@@ -306,6 +320,7 @@ class ServingEngine:
     def step(self) -> bool:
         """One round over the model's nodes, each running the programs it has rows for. True if any ran
         (for a pipelined engine: was dispatched, or came back)."""
+        self._check_driver("step")
         now = self.clock()
         if self.offload_idle_after_s is not None:
             self._admission.offload_idle(now, self.offload_idle_after_s)

@@ -209,6 +209,7 @@ class EngineHost:
 
     def _run(self) -> None:
         engine = self.engine
+        engine.driver = threading.get_ident()
         try:
             stopping = False
             while True:
@@ -257,6 +258,7 @@ class EngineHost:
             raise
         finally:
             self._flush()
+            engine.driver = None
 
     def _flush(self) -> None:
         """Hand the outbox to the event loops: one callback per loop, the items in order."""

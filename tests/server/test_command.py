@@ -17,7 +17,9 @@ import httpx
 import pytest
 
 from mstar_jax.cli import main
+from mstar_jax.engine.request import TTSRequest
 from mstar_jax.server import EngineHost, ServerSettings, create_app
+from mstar_jax.server.audio import pcm16
 from tests.server.support import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,6 +121,31 @@ def test_the_host_and_the_app_refuse_bad_arguments(tts):
         create_app(engine, model_name="", voices=voices)
     with pytest.raises(ValueError, match="voices must name at least one registered voice"):
         create_app(engine, model_name="x", voices={})
+
+
+def test_a_running_host_is_the_only_thread_that_drives_its_engine(tts):
+    # A second thread stepping the engine would donate buffers the host's step still holds (a request's
+    # cache lost at random): it is refused, before any state changes, and allowed again once it stops.
+    engine, voices = tts
+
+    def speak(rid: str) -> bytes:
+        request = TTSRequest(rid, (104, 105), voices["voice-0"], 4, 0)
+        return b"".join(pcm16(chunk.samples) for chunk in engine.stream(request))
+
+    before = speak("before-the-host")
+    host = EngineHost(engine).start()
+    try:
+        wait_for(lambda: engine.driver is not None, "the host thread to take the engine", 30)
+        request = TTSRequest("not-through-the-host", (104, 105), voices["voice-0"], 4, 0)
+        for call, args in (("submit", (request,)), ("step", ()), ("cancel", ("anyone",))):
+            with pytest.raises(RuntimeError, match=rf"ServingEngine\.{call}\(\) was called from thread "
+                               r"'MainThread' while an EngineHost drives this engine"):  # fmt: skip
+                getattr(engine, call)(*args)
+        assert "not-through-the-host" not in engine.streams
+    finally:
+        host.close()
+    assert engine.driver is None
+    assert speak("after-the-host") == before  # this thread may drive it again, to the same audio
 
 
 def _speak(url: str, text: str, outcomes: list, answered: threading.Event | None = None) -> None:

@@ -20,6 +20,8 @@ from mstar_jax.server.tokenizer import ByteTokenizer
 from tests.server.support import assert_nothing_leaked, live
 
 TEXTS = ("Hello there. ", "How are you?", "hé!")
+LONG = "é" * 20 + ". "  # 42 bytes in one message, one sentence: over segment_bytes=32
+LONG_SEGMENTS = ("é" * 16, "é" * 4 + ". ")  # 32 bytes, then the rest
 SETTINGS = ServerSettings(max_input_bytes=64, segment_bytes=32, frames_per_byte=1.0, max_frames=64)
 
 
@@ -34,9 +36,11 @@ def alone(engine, voice, text: str, seed: int = 0) -> bytes:
 @pytest.fixture(scope="module")
 def served(tts):
     engine, voices = tts
+    # Served alone before the host starts: from then on only its thread may drive the engine.
     references = {
         (name, text): alone(engine, voice, text) for name, voice in voices.items() for text in TEXTS
     }
+    references.update({("voice-0", text): alone(engine, voices["voice-0"], text) for text in LONG_SEGMENTS})
     app = create_app(engine, SETTINGS, model_name="streaming_tts", voices=voices)
     with live(app) as url:
         yield url, app.state.host, references
@@ -111,16 +115,13 @@ def test_the_websocket_takes_text_token_by_token_and_speaks_each_sentence(served
     assert_nothing_leaked(host)
 
 
-def test_a_websocket_cuts_a_long_sentence_at_segment_bytes_counted_in_bytes(served, tts):
-    url, host, _ = served
-    engine, voices = tts
-    text = "é" * 20 + ". "  # 42 bytes in one message, one sentence: over segment_bytes=32
-    segments = ["é" * 16, "é" * 4 + ". "]  # 32 bytes, then the rest
+def test_a_websocket_cuts_a_long_sentence_at_segment_bytes_counted_in_bytes(served):
+    url, host, references = served
 
     async def talk():
         audio, done = [b"", b""], 0
         async with websockets.connect(url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
-            await ws.send(json.dumps({"type": "text", "text": text}))
+            await ws.send(json.dumps({"type": "text", "text": LONG}))
             await ws.send(json.dumps({"type": "end"}))
             async for message in ws:
                 if isinstance(message, bytes):
@@ -130,7 +131,7 @@ def test_a_websocket_cuts_a_long_sentence_at_segment_bytes_counted_in_bytes(serv
         return audio
 
     audio = asyncio.run(asyncio.wait_for(talk(), 60))
-    assert audio == [alone(engine, voices["voice-0"], segment) for segment in segments]
+    assert audio == [references[("voice-0", segment)] for segment in LONG_SEGMENTS]
     assert_nothing_leaked(host)
 
 
