@@ -36,10 +36,13 @@ def mesh_results() -> dict:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_sharded_attend_matches_independent_single_device_pools(mesh_results, case):
-    # Sharding changes no reduction (each shard runs the same XLA attention over whole GQA groups, and the
-    # writes are copies), so float32 on CPU must agree to the bit; NaN-poisoned slots stay unread.
+    # Sharding changes no reduction (each shard runs the oracle's XLA attention over whole GQA groups of
+    # its size, and the writes are copies), so float32 on CPU must agree to the bit; NaN-poisoned slots
+    # stay unread. Replicated heads make a shard's groups smaller than unrepeated pools' (2 query heads
+    # per KV head, not 4), which XLA's CPU dots may sum in another order on another ISA: within rounding.
     result = mesh_results[case]
     assert result["outputs_equal"], f"max |sharded - single device| = {result['max_abs_diff']}"
+    assert result["max_abs_diff_unrepeated"] <= 1e-5
     assert result["outputs_finite"]
     assert result["caches_equal"]
     assert result["max_written"] > result["ring_entries"]  # the run went past the ring's wrap
