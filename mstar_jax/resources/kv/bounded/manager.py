@@ -367,18 +367,9 @@ class BoundedKVManager(Resource):
                 padding_slot=self.padding_slot, config=self.config,
             )  # fmt: skip
         # Admitted as columns, nothing changed since: every row holds its slot.
-        lease = ctx.slot_lease
-        rows, row_of = planning.table_rows_of(
-            step.segments or (), columns, None if lease is None or lease.bucket is None else lease.bucket.bs,
-            slots=self._slots, requests=self._requests, groups=ctx.row_groups,
-        )  # fmt: skip
-        fields = {
-            **self._fields_of(columns), "source": columns.source.astype(np.int32),
-            "source_len": columns.source_len.astype(np.int32), "written": columns.written.astype(np.int32),
-        }  # fmt: skip
-        return planning.plan(
-            step, columns.segments, rows, row_of, bucket, requests=self._requests, slots=self._slots,
-            padding_slot=self.padding_slot, config=self.config, fields=fields, columns=columns,
+        return planning.plan_columns(
+            step, columns, self._fields_of(columns), bucket, groups=ctx.row_groups, requests=self._requests,
+            slots=self._slots, padding_slot=self.padding_slot, config=self.config,
         )  # fmt: skip
 
     def _fields_of(self, columns: cols.StepColumns) -> dict[str, np.ndarray]:

@@ -16,7 +16,7 @@ from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVStep
 from mstar_jax.resources.kv.bounded.slots import SlotPools
 from mstar_jax.resources.step import BucketKey, Segment
 
-__all__ = ["block_tables", "plan", "row_fields", "slot_fields", "table_rows", "table_rows_of"]
+__all__ = ["block_tables", "plan", "plan_columns", "row_fields", "slot_fields", "table_rows", "table_rows_of"]
 
 
 def table_rows(
@@ -146,6 +146,34 @@ def plan(
     else:
         width = max((step_tokens_of(step, s) for s in real), default=None)
     return BoundedKVPlan(table, num_tokens=width)
+
+
+def plan_columns(
+    step: BoundedKVStep,
+    columns: StepColumns,
+    slot_fields: Mapping[str, np.ndarray],
+    bucket: BucketKey | None,
+    *,
+    groups: Sequence[tuple[int, int]] | None,
+    requests: Mapping[str, Any],
+    slots: SlotPools,
+    padding_slot: int,
+    config: BoundedKVConfig,
+) -> BoundedKVPlan:
+    """`plan` of a step admitted as `columns` (every row holds its slot), its rows laid out by
+    `table_rows_of`; `slot_fields` are the rows' `slot_fields`."""
+    rows, row_of = table_rows_of(
+        step.segments or (), columns, None if bucket is None else bucket.bs, slots=slots, requests=requests,
+        groups=groups,
+    )  # fmt: skip
+    fields = {
+        **slot_fields, "source": columns.source.astype(np.int32),
+        "source_len": columns.source_len.astype(np.int32), "written": columns.written.astype(np.int32),
+    }  # fmt: skip
+    return plan(
+        step, columns.segments, rows, row_of, bucket, requests=requests, slots=slots,
+        padding_slot=padding_slot, config=config, fields=fields, columns=columns,
+    )  # fmt: skip
 
 
 def _rows_of(real: Sequence[Segment], row_of: Mapping[str, int] | np.ndarray) -> np.ndarray:
