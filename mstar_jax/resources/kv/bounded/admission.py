@@ -47,6 +47,7 @@ def claim_slots(
     requests: Mapping[str, Any],
     readers: Counter,
     config: BoundedKVConfig,
+    sources: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> AdmitOutcome | None:
     """Claim a slot for each request of `need_slot` (first-time requests of an admissible `step`), with
     its source and retention, and count it among its source's readers; or, when the free slots are too
@@ -55,6 +56,8 @@ def claim_slots(
     Args:
       slots: the manager's `SlotPools` (each claim takes from the least loaded data shard).
       requests, readers: the manager's request records and each source's reader count, updated in place.
+      sources: each of `need_slot`'s `(source_len, source)` as two lists of ints, where the caller holds
+        them as columns already; default: read from `step.positions`.
     """
     free = len(slots)
     if len(need_slot) > free:
@@ -64,15 +67,19 @@ def claim_slots(
             f"bounded KV is full: {config.max_slots} slots, {free} free, {len(need_slot)} needed",
             pages_short=len(need_slot) - free, label=label, request_id=rid,
         ))  # fmt: skip
-    policies = {rid: config.retention_for(int(step.positions[rid].source_len)) for rid in need_slot}
+    if sources is None:
+        positions = [step.positions[rid] for rid in need_slot]
+        sources = [int(p.source_len) for p in positions], [int(p.source) for p in positions]
+    lengths, indices = sources
+    # One policy per distinct source length: a crowd of first steps shares a few voices.
+    policies = {length: config.retention_for(length) for length in set(lengths)}
     # Nothing below can fail: every claim is made, or (above) none is.
-    for rid in need_slot:
-        request, pos = requests[rid], step.positions[rid]
+    for rid, source_len, source in zip(need_slot, lengths, indices, strict=True):
+        request = requests[rid]
         request.slot = slots.take()
-        request.source, request.source_len = int(pos.source), int(pos.source_len)
-        request.policy = policies[rid]
-        if pos.source_len > 0:  # a request with no source prefix holds no claim on the bank
-            readers[request.source] += 1
+        request.source, request.source_len, request.policy = source, source_len, policies[source_len]
+        if source_len > 0:  # a request with no source prefix holds no claim on the bank
+            readers[source] += 1
     return None
 
 

@@ -28,7 +28,9 @@ from mstar_jax.resources.kv.bounded.config import (
 )
 from mstar_jax.resources.step import Segment, StepContext
 
-__all__ = ["CommittedRows", "StepColumns", "admissible", "commit", "first_steps", "gather", "pending"]
+__all__ = [
+    "CommittedRows", "StepColumns", "admissible", "commit", "first_steps", "gather", "pending", "unclaimed",
+]  # fmt: skip
 
 _INTS = frozenset({int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64})
 """The value types `is_int(value, numpy=True)` accepts that a step's fields hold in practice (`bool` is
@@ -199,6 +201,18 @@ def admissible(
     if width is not None:
         ok &= step_tokens <= width
     return bool(ok.all())
+
+
+def unclaimed(columns: StepColumns) -> tuple[list[str], tuple[list[int], list[int]] | None]:
+    """The requests of admitted `columns` that hold no slot yet, and their `(source_len, source)` as
+    lists (`claim_slots`' `sources`; None when there are none)."""
+    if columns.committed is not None:  # the persistent batch: every row holds its slot
+        return [], None
+    need = [i for i, record in enumerate(columns.records) if record.slot is None]
+    if not need:
+        return [], None
+    rids = [columns.segments[i].request_id for i in need]
+    return rids, (columns.source_len[need].tolist(), columns.source[need].tolist())
 
 
 def first_steps(columns: StepColumns, slots: Any) -> list[int]:

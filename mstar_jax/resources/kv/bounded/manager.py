@@ -295,10 +295,9 @@ class BoundedKVManager(Resource):
             columns, ctx, config=self.config, num_sources=self.bank.num_sources,
             source_lengths=self._source_lengths,
         ):  # fmt: skip
-            pairs = zip(columns.segments, columns.records, strict=True)
-            need_slot = [] if columns.committed else [seg.request_id for seg, r in pairs if r.slot is None]
+            need_slot, sources = cols.unclaimed(columns)
         else:  # row by row: the first row refused says why
-            columns, (refusal, need_slot) = None, check_rows(
+            columns, sources, (refusal, need_slot) = None, None, check_rows(
                 step, ctx, padding=self._is_padding, config=self.config, requests=self._requests,
                 num_sources=self.bank.num_sources, source_lengths=self._source_lengths,
             )  # fmt: skip
@@ -306,7 +305,7 @@ class BoundedKVManager(Resource):
                 return refusal
         refusal = claim_slots(
             need_slot, step, slots=self._slots, requests=self._requests, readers=self._readers,
-            config=self.config,
+            config=self.config, sources=sources,
         )  # fmt: skip
         if refusal is not None:
             return refusal
