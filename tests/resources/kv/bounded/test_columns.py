@@ -15,7 +15,7 @@ from mstar_jax.resources.kv.bounded.admission import check_rows
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep, PositionColumns
 from mstar_jax.resources.kv.bounded.config import StreamPosition as Pos
 from mstar_jax.resources.step import ADMIT_OK, StepNotAdmittedError, UnknownRequestError
-from tests.resources.kv.bounded.test_manager import SOURCE_LENGTHS, declare, new_manager
+from tests.resources.kv.bounded.test_manager import CFG, SOURCE_LENGTHS, declare, new_manager
 
 
 @pytest.fixture
@@ -142,6 +142,12 @@ def test_a_step_admitted_as_columns_plans_and_commits_as_row_by_row(steps, posit
         assert slow.admit(twin, ctx) == ADMIT_OK
         assert fast._columns is not None
         assert fast._columns.step is step
+        # Claimed alike by both paths, from sources of two lengths: two retention policies.
+        for rid, (source, length) in {"a": (0, 3), "c": (1, 4)}.items():
+            claimed = [
+                (r.slot, r.source, r.source_len, r.policy) for r in (fast._requests[rid], slow._requests[rid])
+            ]
+            assert claimed[0] == claimed[1] == (claimed[1][0], source, length, CFG.retention_for(length))
         plans = fast.plan(step, ctx), slow.plan(twin, ctx)
         slow._columns = None  # plan the twin of an admitted step row by row too
         np.testing.assert_array_equal(plans[0].table, slow.plan(twin, ctx).table)
