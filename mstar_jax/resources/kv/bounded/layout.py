@@ -195,8 +195,9 @@ def plan_table(
     reads = window - (rows["window_includes_step"] > 0) * np.minimum(span, window)
     window_start = np.maximum(sink, n - reads)
 
-    # Filled column by column into [ROW_INTS, B]: np.stack would cost more than the whole layout.
-    out = np.zeros((tbl.ROW_INTS, n.shape[0]), np.int64)
+    # Filled column by column into [ROW_INTS, B]: np.stack would cost more than the whole layout. In int32
+    # (every entry fits: `_check_plan`), so the transpose at the end copies half the bytes, no cast.
+    out = np.zeros((tbl.ROW_INTS, n.shape[0]), np.int32)
     out[tbl.SLOT] = rows["slot"]
     out[tbl.SOURCE] = rows["source"]
     out[tbl.STREAM_LEN] = n
@@ -241,7 +242,7 @@ def plan_table(
     read_ranges[:, 0] *= read_ranges[:, 1] > 0
     write_ranges = out[tbl.WRITES :].reshape(tbl.NUM_WRITES, 3, -1)
     write_ranges[:, :2] *= write_ranges[:, 2:] > 0
-    return np.ascontiguousarray(out.T, dtype=np.int32)
+    return np.ascontiguousarray(out.T)
 
 
 def padding_rows(count: int, padding_slot: int) -> np.ndarray:
