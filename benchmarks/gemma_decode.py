@@ -6,15 +6,18 @@ on `SinkWindow(4, 1020)`. B streams of a P-token prompt each decode N greedy tok
 `ServingEngine(Gemma3Serving(...))`, synchronous and pipelined, the two timed once per repeat in a fresh
 random order (`benchmarks.timing`). Prefill rate: every prompt token over the time to the last stream's
 first token; decode rate: every token after each stream's first over the time from there to the end.
-Medians (min–max) over the repeats; the programs are captured once, before any timing.
+Medians (min–max) over the repeats; the programs are captured once per K, before any timing. With
+`--steps`, decode blocks of K tokens a dispatch (`EngineSettings.decode_steps`) too, each K timed in the
+same interleaved run as K = 1; every K must give every stream the same tokens (checked).
 
 Run: python -m benchmarks.gemma_decode [--quick] [--tiny] [--batch B] [--prompt P] [--tokens N]
-     [--repeats R]
+     [--repeats R] [--steps K ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import time
 
 import jax
@@ -50,10 +53,26 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512, quick 32)")
     parser.add_argument("--tokens", type=int, default=None, help="tokens each decodes (default 128, quick 8)")
     parser.add_argument("--repeats", type=int, default=None, help="runs each way (default 5, quick 1)")
+    parser.add_argument(
+        "--trace",
+        type=pathlib.Path,
+        default=None,
+        help="then serve once more, pipelined at K = 1, under jax.profiler: a Perfetto trace in this folder",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        nargs="+",
+        default=[],
+        help="decode steps per dispatch K besides 1 (default: none)",
+    )
     args = parser.parse_args(argv)
+    if args.trace is not None and args.trace.exists() and not args.trace.is_dir():
+        parser.error(f"--trace {args.trace} is a file; it takes a folder (made if missing)")
     batch = args.batch or (2 if args.quick else 8)
     prompt, tokens = args.prompt or (32 if args.quick else 512), args.tokens or (8 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 5)
+    ks = sorted({1, *args.steps})
     config = TINY if args.tiny else GEMMA3_270M
     label = quick_label(
         args.quick, f"batch {batch}, {prompt}-token prompts, {tokens} tokens, {repeats} repeats"
@@ -70,20 +89,24 @@ def main(argv=None) -> None:
             config, model, global_retention=RETENTION, max_slots=batch, chunk=chunk, batch_sizes=(batch,)
         )
 
-    started = time.perf_counter()
-    programs = Gemma3Programs.capture(new_streams())
-    print(f"captured {len(programs.buckets.keys())} programs in {time.perf_counter() - started:.0f} s")
+    programs = {}
+    for k in ks:
+        started = time.perf_counter()
+        programs[k] = Gemma3Programs.capture(new_streams(), decode_steps=k)
+        took = time.perf_counter() - started
+        print(f"captured {len(programs[k].buckets.keys())} programs for K={k} in {took:.0f} s")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, config.vocab_size, prompt) for _ in range(batch)]
     rates: dict[str, dict[str, list[float]]] = {}
+    tokens_of: dict[str, list[list[int]]] = {}
 
-    def case(pipelined: bool):
-        name = "pipelined" if pipelined else "synchronous"
+    def case(pipelined: bool, k: int):
+        name = ("pipelined" if pipelined else "synchronous") + ("" if k == 1 else f" K={k}")
         rates[name] = {"prefill": [], "decode": []}
 
         def run() -> float:
-            settings = EngineSettings(max_batch=batch, pipelined=pipelined)
-            engine = ServingEngine(Gemma3Serving(new_streams(), programs), settings=settings)
+            settings = EngineSettings(max_batch=batch, pipelined=pipelined, decode_steps=k)
+            engine = ServingEngine(Gemma3Serving(new_streams(), programs[k]), settings=settings)
             engine.warm_up()
             streams = [engine.submit(TextRequest(f"s{i}", p, tokens)) for i, p in enumerate(prompts)]
             start = engine.clock()
@@ -94,16 +117,26 @@ def main(argv=None) -> None:
             first = max(s.first_token_at for s in streams)
             rates[name]["prefill"].append(batch * prompt / (first - start))
             rates[name]["decode"].append(sum(len(s.tokens) - 1 for s in streams) / (end - first))
+            tokens_of.setdefault(name, [list(s.tokens) for s in streams])
+            if tokens_of[name] != tokens_of["synchronous"]:
+                raise RuntimeError(f"{name} generated other tokens than synchronous K=1")
             return end - start
 
         return run
 
-    interleaved_times([case(False), case(True)], repeats, self_timed=True)
+    # Warm-ups run in list order: synchronous K = 1 first, so every later case has tokens to check against.
+    cases = [case(pipelined, k) for k in ks for pipelined in (False, True)]
+    interleaved_times(cases, repeats, self_timed=True)
     print(f"\ntokens per second, {batch} streams{label}")
     for name, measured in rates.items():
         prefill = describe(measured["prefill"][-repeats:], ".1f", repeats=False)
         decode = describe(measured["decode"][-repeats:], ".1f", repeats=False)
-        print(f"   {name:<12} prefill {prefill}, decode {decode}")
+        print(f"   {name:<17} prefill {prefill}, decode {decode}")
+    if args.trace is not None:
+        # Untimed: the profiler's own overhead is in it. The trace says where a step's time goes.
+        with jax.profiler.trace(args.trace, create_perfetto_trace=True):
+            case(True, 1)()
+        print(f"\nPerfetto trace of one pipelined K = 1 run: {args.trace}")
 
 
 if __name__ == "__main__":

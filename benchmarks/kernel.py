@@ -36,6 +36,7 @@ from benchmarks.bounded_kv import advance
 from benchmarks.timing import ORDER_NOTE, Spread, describe, interleaved_times, quick_label, ratios
 from kernels_pallas.sink_window_attention import sink_window_attention
 from kernels_pallas.sink_window_attention import table as tbl
+from kernels_pallas.sink_window_attention.gpu import BlockSizes, sink_window_attention_gpu
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, BoundedKVStep, SinkWindow
 from mstar_jax.resources.kv.bounded.config import StreamPosition as Pos
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
@@ -82,6 +83,33 @@ def decode_plan(
     return table, tuple(manager.cache.k[0].shape), tuple(manager.bank.k[0].shape)
 
 
+def back_to_back(fn, *args, calls: int):
+    """A case that dispatches `calls` calls of `fn(*args)` and waits once, for the last one's result.
+
+    JAX dispatches asynchronously, so the device runs the calls back to back while the host queues the
+    next: a sample's time over `calls` is the device's time per call, not the host's dispatch and sync.
+    """
+
+    def run() -> None:
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+
+    return run
+
+
+def sweep_blocks(*, query_rows: int, head_dim: int, max_retained: int) -> list[BlockSizes]:
+    """`--sweep`'s tile settings for a 16-bit decode step: key blocks × warps × pipelining stages."""
+    default = BlockSizes.default(query_rows=query_rows, head_dim=head_dim, max_retained=max_retained)
+    return [
+        BlockSizes(block_q=default.block_q, block_k=block_k, num_warps=warps, num_stages=stages)
+        for block_k in (32, 64, 128, 256)
+        for warps in (4, 8)
+        for stages in (2, 3, 4)
+    ]
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--slots", type=int, default=32, help="slots in the cache (and rows in the batch)")
@@ -95,11 +123,18 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="auto: bfloat16 on accelerators, float32 on CPU")  # fmt: skip
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--calls", type=int, default=10,
+                   help="calls per sample, dispatched back to back and waited on once")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="8 slots, 2 warm-up calls, 5 repeats")
+    p.add_argument("--sweep", action="store_true",
+                   help="GPU only: also time the Pallas GPU kernel at sweep_blocks' tiles")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="8 slots, 2 warm-up samples, 5 repeats of 2 calls")
     args = p.parse_args(argv)
     if args.quick:
         args.slots, args.warmup, args.repeats = min(args.slots, 8), min(args.warmup, 2), min(args.repeats, 5)
+        args.calls = min(args.calls, 2)
+    if args.calls < 1:
+        p.error(f"--calls {args.calls} must be >= 1")
     args.active = args.slots if args.active is None else min(args.active, args.slots)
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
@@ -137,8 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     dense_q = q[:active]
     copy, dpa = jax.jit(lambda x: x + 1), jax.jit(jax.nn.dot_product_attention)
     cases = {
-        "copy (read + write)": lambda: jax.block_until_ready(copy(flat)),
-        "dense dot_product_attention": lambda: jax.block_until_ready(dpa(dense_q, dense_k, dense_v)),
+        "copy (read + write)": back_to_back(copy, flat, calls=args.calls),
+        "dense dot_product_attention": back_to_back(dpa, dense_q, dense_k, dense_v, calls=args.calls),
     }
     implementations = ["xla"] + ([PALLAS_FOR_BACKEND[backend]] if backend in PALLAS_FOR_BACKEND else [])
     unavailable: dict[str, str] = {}
@@ -151,8 +186,26 @@ def main(argv: list[str] | None = None) -> None:
                 raise
             unavailable[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
             continue
-        cases[name] = lambda fn=fn: jax.block_until_ready(fn(*arrays))
-    times = interleaved_times(cases, args.repeats, warmup=args.warmup)
+        cases[name] = back_to_back(fn, *arrays, calls=args.calls)
+    if args.sweep:
+        if backend != "gpu":
+            raise SystemExit(f"--sweep times compiled Triton kernels: it needs a GPU backend, not {backend}")
+        for blocks in sweep_blocks(query_rows=heads // groups, head_dim=dim, max_retained=retained):
+            name = f"pallas_gpu {blocks.block_k}k {blocks.num_warps}w {blocks.num_stages}s"
+            fn = jax.jit(
+                functools.partial(sink_window_attention_gpu, max_retained=retained, block_sizes=blocks)
+            )
+            try:
+                jax.block_until_ready(fn(*arrays))
+            except Exception as e:  # a setting Triton cannot build (registers, shared memory) is reported
+                unavailable[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                continue
+            cases[name] = back_to_back(fn, *arrays, calls=args.calls)
+            implementations.append(name)
+    times = {
+        name: [t / args.calls for t in samples]
+        for name, samples in interleaved_times(cases, args.repeats, warmup=args.warmup).items()
+    }
 
     label = quick_label(args.quick, f"{slots} slots, {args.repeats} repeats")
     print(f"benchmarks/kernel.py{label}")
@@ -162,7 +215,12 @@ def main(argv: list[str] | None = None) -> None:
         f"keys, G={groups}, H={heads}, D={dim}; the plan from BoundedKVManager.plan"
     )
     print(f"bytes the step must read (retained K+V of active rows): {step_bytes / 1e6:.1f} MB")
-    print(f"{ORDER_NOTE}, after {args.warmup} warm-up calls each")
+    print(f"{ORDER_NOTE}, after {args.warmup} warm-up samples each")
+    print(f"a sample: {args.calls} calls dispatched back to back, waited on once (hides the host's dispatch)")
+    default = BlockSizes.default(
+        query_rows=heads // groups, head_dim=dim, max_retained=retained, itemsize=dtype.itemsize
+    )
+    print(f"pallas_gpu: its default tiles, {default}")
     print(f"times: medians; ratios: median (min–max) over {args.repeats} repeats\n")
     baselines = {"copy": "copy (read + write)", "dpa": "dense dot_product_attention", "xla": "xla"}
     header = f"{'':28} {'time ms':>8} {'GB/s':>7}" + "".join(f" {'vs ' + b:>18}" for b in baselines)
@@ -179,6 +237,12 @@ def main(argv: list[str] | None = None) -> None:
     for name, reason in unavailable.items():
         print(f"{name:28} unavailable ({reason})")
     print("\nratios are time / baseline time in the same repeat (lower is faster); GB/s = step bytes / time")
+    # The copy reads and writes the step's bytes, so the device's copy bandwidth is twice its GB/s column.
+    print("\nbytes/s ÷ the copy's bytes/s (2 × step bytes per copy time: it reads them and writes them)")
+    for name in implementations:
+        if name in times:
+            fraction = ratios(times[name], times["copy (read + write)"], inverse=True)
+            print(f"{name:28} of copy {describe([f / 2 for f in fraction], '.2f')}")
     if backend not in PALLAS_FOR_BACKEND:
         print(
             f"{backend}: XLA path only. The Pallas kernels run here only in interpret mode, "

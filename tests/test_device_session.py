@@ -21,14 +21,18 @@ def test_the_dry_run_runs_every_step_and_prints_the_table(tmp_path):
     table = (tmp_path / "table.txt").read_text()
     assert "dry run on the CPU: not a device figure" in table
     rows = {line.split()[0]: line for line in table.splitlines()[2:] if line and not line.startswith("logs")}
-    assert set(rows) == {"kernels", "kernel", "engine", "engine2", "gemma"}  # a dry run's block is K = 2
-    for name in ("kernels", "kernel", "engine", "engine2", "gemma"):
+    names = {"kernels", "kernel", "engine", "engine2", "gemma", "gemma2"}  # a dry run's block is K = 2
+    assert set(rows) == names
+    for name in names:
         assert rows[name].split()[1] == "ok", table
     assert "passed" in rows["kernels"]
     assert "frames/s" in rows["engine"]
     assert "K=2" in rows["engine2"]
     assert "frames/s" in rows["engine2"]
     assert "decode" in rows["gemma"]
+    assert "K=2" in rows["gemma2"]
+    assert "decode" in rows["gemma2"]
+    assert "of copy" in rows["kernel"]
     for step in ("kernels", "kernel", "engine", "gemma"):
         assert (tmp_path / f"{step}.log").stat().st_size > 0
 
