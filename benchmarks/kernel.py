@@ -26,6 +26,7 @@ time should stay put.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import jax
@@ -100,14 +101,18 @@ def back_to_back(fn, *args, calls: int):
 
 
 def sweep_blocks(*, query_rows: int, head_dim: int, max_retained: int) -> list[BlockSizes]:
-    """`--sweep`'s tile settings for a 16-bit decode step: key blocks × warps × pipelining stages."""
+    """`--sweep`'s settings for a 16-bit decode step: key blocks × warps × pipelining stages, each with
+    the default split; then the default tiles with each split (keys a program: None, 64 .. 512)."""
     default = BlockSizes.default(query_rows=query_rows, head_dim=head_dim, max_retained=max_retained)
-    return [
-        BlockSizes(block_q=default.block_q, block_k=block_k, num_warps=warps, num_stages=stages)
+    tiles = [
+        BlockSizes(block_q=default.block_q, block_k=block_k, num_warps=warps, num_stages=stages,
+                   split_keys=None if default.split_keys is None else max(default.split_keys, block_k))
         for block_k in (32, 64, 128, 256)
         for warps in (4, 8)
         for stages in (2, 3, 4)
-    ]
+    ]  # fmt: skip
+    splits = [None, *(keys for keys in (64, 256, 512) if keys % default.block_k == 0)]
+    return tiles + [dataclasses.replace(default, split_keys=keys) for keys in splits]
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -191,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
         if backend != "gpu":
             raise SystemExit(f"--sweep times compiled Triton kernels: it needs a GPU backend, not {backend}")
         for blocks in sweep_blocks(query_rows=heads // groups, head_dim=dim, max_retained=retained):
-            name = f"pallas_gpu {blocks.block_k}k {blocks.num_warps}w {blocks.num_stages}s"
+            split = f" split {blocks.split_keys}" if blocks.split_keys else ""
+            name = f"pallas_gpu {blocks.block_k}k {blocks.num_warps}w {blocks.num_stages}s{split}"
             fn = jax.jit(
                 functools.partial(sink_window_attention_gpu, max_retained=retained, block_sizes=blocks)
             )
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"pallas_gpu: its default tiles, {default}")
     print(f"times: medians; ratios: median (min–max) over {args.repeats} repeats\n")
     baselines = {"copy": "copy (read + write)", "dpa": "dense dot_product_attention", "xla": "xla"}
-    header = f"{'':28} {'time ms':>8} {'GB/s':>7}" + "".join(f" {'vs ' + b:>18}" for b in baselines)
+    header = f"{'':34} {'time ms':>8} {'GB/s':>7}" + "".join(f" {'vs ' + b:>18}" for b in baselines)
     print(header)
     print("-" * len(header))
     for name, record in times.items():
@@ -233,16 +239,16 @@ def main(argv: list[str] | None = None) -> None:
             f" {describe(ratios(record, times[base]), repeats=False) if show else '':>18}"
             for show, base in zip(shown, baselines.values(), strict=True)
         )
-        print(f"{name:28} {seconds * 1e3:8.3f} {step_bytes / seconds / 1e9:7.1f}{cells}")
+        print(f"{name:34} {seconds * 1e3:8.3f} {step_bytes / seconds / 1e9:7.1f}{cells}")
     for name, reason in unavailable.items():
-        print(f"{name:28} unavailable ({reason})")
+        print(f"{name:34} unavailable ({reason})")
     print("\nratios are time / baseline time in the same repeat (lower is faster); GB/s = step bytes / time")
     # The copy reads and writes the step's bytes, so the device's copy bandwidth is twice its GB/s column.
     print("\nbytes/s ÷ the copy's bytes/s (2 × step bytes per copy time: it reads them and writes them)")
     for name in implementations:
         if name in times:
             fraction = ratios(times[name], times["copy (read + write)"], inverse=True)
-            print(f"{name:28} of copy {describe([f / 2 for f in fraction], '.2f')}")
+            print(f"{name:34} of copy {describe([f / 2 for f in fraction], '.2f')}")
     if backend not in PALLAS_FOR_BACKEND:
         print(
             f"{backend}: XLA path only. The Pallas kernels run here only in interpret mode, "

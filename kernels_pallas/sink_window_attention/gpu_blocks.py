@@ -9,6 +9,8 @@ import dataclasses
 MIN_DOT_DIM = 16
 # float32 tiles keep block_q * block_k * DP within this (see `BlockSizes.default`).
 F32_DOT_VOLUME = 2**17
+# Keys one program of a decode-shaped step walks by default (`BlockSizes.split_keys`).
+DECODE_SPLIT_KEYS = 128
 
 
 def is_power_of_two(x: int) -> bool:
@@ -28,12 +30,18 @@ class BlockSizes:
       block_k: keys per inner-loop step; a power of two.
       num_warps: warps per program (Triton launch setting).
       num_stages: software-pipelining stages of the key loops (Triton launch setting).
+      split_keys: None, or the retained keys each program walks when a step's query rows per KV head fit
+        one `block_q` tile (a decode step): the walk is cut into ceil(K / split_keys) programs whose
+        softmax states XLA then merges in a fixed order (flash-decoding), so a row's rounding depends on
+        K and the tiles, never on the batch. A positive multiple of `block_k`. None: one program walks
+        every key of its row.
     """
 
     block_q: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
+    split_keys: int | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -44,6 +52,14 @@ class BlockSizes:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"BlockSizes.{name}={value!r} must be an int >= 1")
+        split = self.split_keys
+        if split is not None and (
+            not isinstance(split, int) or isinstance(split, bool) or split < 1 or split % self.block_k
+        ):
+            raise ValueError(
+                f"BlockSizes.split_keys={split!r} must be None or a positive multiple of "
+                f"block_k={self.block_k}"
+            )
 
     @classmethod
     def default(cls, *, query_rows: int, head_dim: int, max_retained: int, itemsize: int = 2) -> "BlockSizes":
@@ -64,6 +80,12 @@ class BlockSizes:
           block_q <= 4096 / DP and block_q * block_k * DP <= 2**17. No spills; at most 102 registers
           (of 128 at 16 warps) and 80 KiB of shared memory. The 16-bit tiles with 2 stages spilled in
           all float32 cases but one (0.6-56 KB of spill stores) and took up to 256 KiB.
+        * A decode-shaped step (query rows within one `block_q` tile) over more than
+          `DECODE_SPLIT_KEYS` keys splits its walk, `DECODE_SPLIT_KEYS` keys a program (or one key block,
+          if larger). Measured on an H200 (`docs/guides/benchmarks.md`): unsplit, Gemma 3 270M's decode of
+          8 rows ran a grid of 8 programs, each walking its row's 512-576 keys alone: 356 µs a layer.
+          Split float32 tiles take half the key block: at [16, 64] and D 128 with both score terms the
+          split's bounds and sink seed spilled 40 B (128 registers); [16, 32] builds in 64, no spills.
 
         Args:
           query_rows: query rows per KV head, T * H/G.
@@ -77,8 +99,16 @@ class BlockSizes:
         if itemsize >= 4:
             block_q = min(block_q, max(MIN_DOT_DIM, 4096 // padded_dim))
             block_k = min(64, F32_DOT_VOLUME // (block_q * padded_dim), max_keys)
-            return cls(block_q=block_q, block_k=block_k, num_warps=16, num_stages=1)
-        block_q = min(block_q, 64)
-        block_k = min(32 if padded_dim > 128 else 64, max_keys)
-        num_warps = 8 if block_q * padded_dim >= 4096 else 4
-        return cls(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=2)
+            num_warps, num_stages = 16, 1
+        else:
+            block_q = min(block_q, 64)
+            block_k = min(32 if padded_dim > 128 else 64, max_keys)
+            num_warps, num_stages = (8 if block_q * padded_dim >= 4096 else 4), 2
+        split_keys = max(DECODE_SPLIT_KEYS, block_k)
+        decode = query_rows <= block_q and max_retained > split_keys
+        if decode and itemsize >= 4:  # the split's bounds and sink seed cost registers: half the keys
+            block_k = max(MIN_DOT_DIM, block_k // 2)
+        return cls(
+            block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+            split_keys=split_keys if decode else None,
+        )  # fmt: skip

@@ -24,6 +24,8 @@ INTERPRET = jax.default_backend() != "gpu"
 # Compiled Triton dots need blocks of >= 16; the interpreter takes any power of two, and 8 keeps it cheap.
 BLOCKS = BlockSizes(block_q=8, block_k=8) if INTERPRET else BlockSizes(block_q=16, block_k=16)
 BK = BLOCKS.block_k
+# The same tiles, a decode-shaped step's retained walk split one key block a program (flash-decoding).
+SPLIT = BlockSizes(block_q=16, block_k=BK, split_keys=BK)
 TOLERANCE = {np.dtype(np.float32): 1e-5, np.dtype(jnp.bfloat16): 2e-2}
 
 
@@ -79,6 +81,57 @@ def _retained(case: cases.KernelCase) -> list[int]:
 @pytest.mark.parametrize("name", [case.name for case in cases.standard_cases()])
 def test_standard_cases(name, dtype):
     _check(_standard_cases(np.dtype(dtype))[name])
+
+
+def _grid(case: cases.KernelCase, block_sizes: BlockSizes) -> tuple[int, ...]:
+    """The grid of the kernel's pallas_call for `case`."""
+    jaxpr = jax.make_jaxpr(
+        functools.partial(
+            sink_window_attention_gpu, max_retained=case.max_retained, query_window=case.query_window,
+            block_sizes=block_sizes, interpret=INTERPRET,
+        )
+    )(*_arrays(case))  # fmt: skip
+    (call,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "pallas_call"]
+    return tuple(call.params["grid_mapping"].grid)
+
+
+@pytest.mark.parametrize("name", [case.name for case in cases.standard_cases()])
+def test_standard_cases_with_the_walk_split(name):
+    case = _standard_cases(np.dtype(np.float32))[name]
+    rows, steps, heads, _ = case.q.shape
+    kv_heads = case.k.shape[2]
+    query_blocks = -(-steps * (heads // kv_heads) // SPLIT.block_q)
+    # Decode-shaped (one query block) over more than one split's keys: a program per split.
+    splits = -(-case.max_retained // BK) if query_blocks == 1 and case.max_retained > BK else 0
+    assert _grid(case, SPLIT) == (rows, kv_heads, splits or query_blocks)
+    out = _check(case, block_sizes=SPLIT)
+    if splits:  # another order of the same sums: equal to the one program's walk within rounding
+        np.testing.assert_allclose(out, _run(case), rtol=1e-5, atol=1e-6)
+
+
+def test_split_walk_of_a_long_decode_against_the_oracle():
+    # 600 retained keys (sink 4 + window 596) over a source and a wrapped ring, split 8 keys a program:
+    # 75 splits, most of which see only the window's keys; one row's retention is empty but for its step.
+    case = cases.make_case(
+        "long_decode", seed=120, batch=3, steps=1, heads=8, kv_heads=2, sink=4, window=596, slots=4,
+        max_source_len=40, written=[0, 700, 1500], source_len=[30, 0, 12],
+    )  # fmt: skip
+    assert _grid(case, SPLIT) == (3, 2, -(-case.max_retained // BK))
+    _check(case, block_sizes=SPLIT)
+
+
+def test_the_split_rounds_a_row_alike_in_any_batch():
+    # Each split's state and the fixed-order merge are per row: a row alone and among others agree bit
+    # for bit.
+    case = cases.make_case("batch", seed=121, batch=4, steps=1, window=40, written=[3, 50, 90, 200])
+    arrays = _arrays(case)
+    attend = functools.partial(
+        sink_window_attention_gpu, max_retained=case.max_retained, block_sizes=SPLIT, interpret=INTERPRET
+    )
+    together = np.asarray(attend(*arrays))
+    for row in range(4):
+        one = [x[row : row + 1] for x in arrays[:3]] + list(arrays[3:7]) + [arrays[7][row : row + 1]]
+        np.testing.assert_array_equal(np.asarray(attend(*one))[0], together[row])
 
 
 # Retained counts 0, 1, BK - 1, BK, BK + 1, one request each, with step tokens in the reverse order, so
@@ -175,6 +228,22 @@ def test_default_block_sizes_are_triton_legal():
         blocks = BlockSizes.default(query_rows=query_rows, head_dim=head_dim, max_retained=max_retained)
         assert 16 <= blocks.block_q <= 64
         assert 16 <= blocks.block_k <= 64
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_default_block_sizes_split_a_decode_walk_only(itemsize):
+    default = functools.partial(BlockSizes.default, head_dim=256, itemsize=itemsize)
+    # Gemma 3 270M's decode (4 query heads on 1 KV head) over 1,024 keys: 128 keys a program.
+    assert default(query_rows=4, max_retained=1024).split_keys == 128
+    assert default(query_rows=4, max_retained=129).split_keys == 128
+    assert default(query_rows=4, max_retained=128).split_keys is None  # one split's worth: no split
+    assert default(query_rows=128 * 4, max_retained=1024).split_keys is None  # a prefill chunk
+
+
+@pytest.mark.parametrize("split_keys", [0, -16, 24, 16.0, True, "32"])
+def test_split_keys_must_be_a_multiple_of_the_key_block(split_keys):
+    with pytest.raises(ValueError, match=rf"split_keys={split_keys!r} must be None or a positive multiple"):
+        BlockSizes(block_q=16, block_k=16, split_keys=split_keys)
 
 
 @pytest.mark.parametrize(

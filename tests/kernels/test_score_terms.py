@@ -215,6 +215,14 @@ def test_gpu_kernel_interpreted(name, which):
     _check(CASES[name], _kernel("gpu", GpuBlocks(block_q=8, block_k=8), True), which, name)
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_kernel_split_walk_interpreted(name):
+    # Decode-shaped steps split one 8-key block a program: the sink logits seed one split's state only,
+    # each program gathers the bias of its own keys, and the merge weighs them back together.
+    blocks = GpuBlocks(block_q=64, block_k=8, split_keys=8)
+    _check(CASES[name], _kernel("gpu", blocks, True), "both", name)
+
+
 def test_public_op_auto_passes_the_terms_through():
     _check(CASES["mixed"], _op("auto"), "both", "mixed")
 
