@@ -14,7 +14,9 @@
 #   3. engine:   benchmarks/engine.py, the TTS engine pipelined and synchronous, one decode step per
 #                dispatch (K = 1) and a block of 8 (K = 8, `engine.decode_steps`), from one run;
 #   4. gemma:    benchmarks/gemma_decode.py, Gemma 3 of the 270M geometry (random weights: no model file
-#                travels) prefill and decode tokens/s through the engine, K = 1 and 8.
+#                travels) prefill and decode tokens/s through the engine, K = 1 and 8;
+#   5. profile:  benchmarks/trace_summary.py over a profiled run of each of 3 and 4 (`--trace`, one more
+#                untimed serve each): the device's busy time, its costliest ops and the host's events.
 # Each step has its own time limit; together they stay within 8 minutes. Then one table: each step's
 # status, seconds and headline figure. The script exits non-zero if a step failed, after printing it.
 set -uo pipefail
@@ -38,7 +40,7 @@ if [ "$DRY" = 1 ]; then
   ENGINE=(--quick --batch 2 --streams 3 --repeats 1 --steps 2)
   BLOCK=2
   GEMMA=(--quick --tiny --steps 2)
-  declare -A LIMIT=([kernels]=300 [kernel]=300 [engine]=300 [gemma]=300)
+  declare -A LIMIT=([kernels]=300 [kernel]=300 [engine]=300 [gemma]=300 [profile]=120)
 else
   # tests/conftest.py defaults JAX to the CPU for the suite; the device session wants the GPU.
   export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
@@ -47,7 +49,7 @@ else
   ENGINE=(--batch 64 --streams 128 --repeats 3 --steps 8)
   BLOCK=8
   GEMMA=(--batch 8 --prompt 512 --tokens 128 --repeats 3 --steps 8)
-  declare -A LIMIT=([kernels]=90 [kernel]=60 [engine]=180 [gemma]=150)  # 480 s in all
+  declare -A LIMIT=([kernels]=80 [kernel]=50 [engine]=170 [gemma]=150 [profile]=30)  # 480 s in all
 fi
 
 "$PYTHON" - > "$OUT/device.log" 2> "$OUT/device.err" <<'EOF'
@@ -78,8 +80,11 @@ step() {  # step NAME COMMAND...: run it under the time limit, its output to $OU
 # -o addopts=: the suite's xdist options (and the pytest-xdist version they need) are not the device's.
 step kernels "$PYTHON" -m pytest -q -o addopts= -p no:cacheprovider tests/kernels/test_gpu.py "${KERNEL_TESTS[@]}"
 step kernel "$PYTHON" -m benchmarks.kernel "${KERNEL[@]}"
-step engine "$PYTHON" -m benchmarks.engine "${ENGINE[@]}"
-step gemma "$PYTHON" -m benchmarks.gemma_decode "${GEMMA[@]}"
+TRACES="$(mktemp -d)"  # the summaries travel, not the traces (tens of MB)
+trap 'rm -rf "$TRACES"' EXIT
+step engine "$PYTHON" -m benchmarks.engine "${ENGINE[@]}" --trace "$TRACES/engine"
+step gemma "$PYTHON" -m benchmarks.gemma_decode "${GEMMA[@]}" --trace "$TRACES/gemma"
+step profile "$PYTHON" -m benchmarks.trace_summary "$TRACES/engine" "$TRACES/gemma" --top 12
 
 figure() {  # figure NAME PATTERN: the last line of NAME's log matching PATTERN, trimmed
   grep -E "$2" "$OUT/$1.log" 2>/dev/null | tail -1 | sed -E 's/^ +//; s/ +/ /g'
@@ -93,6 +98,7 @@ figure() {  # figure NAME PATTERN: the last line of NAME's log matching PATTERN,
   printf '%-8s %-12s %8s  %s\n' "engine$BLOCK" "${STATUS[engine]}" "-" "$(figure engine "pipelined +K=$BLOCK ")"
   printf '%-8s %-12s %8s  %s\n' gemma "${STATUS[gemma]}" "${ELAPSED[gemma]}" "$(figure gemma 'pipelined +prefill')"
   printf '%-8s %-12s %8s  %s\n' "gemma$BLOCK" "${STATUS[gemma]}" "-" "$(figure gemma "pipelined K=$BLOCK +prefill")"
+  printf '%-8s %-12s %8s  %s\n' profile "${STATUS[profile]}" "${ELAPSED[profile]}" "$(figure profile '^device busy')"
   echo "logs: $OUT"
 } | tee "$OUT/table.txt"
 exit $FAILED

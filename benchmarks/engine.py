@@ -21,6 +21,7 @@ min–max over the repeats. On a CPU host the "device" is the same two cores the
 overlap is far smaller than on an accelerator, which computes while the host plans.
 
 Run: python -m benchmarks.engine [--quick] [--repeats N] [--batch B] [--streams N] [--steps K ...]
+     [--trace DIR]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import jax
 import numpy as np
 
 from benchmarks.timing import ORDER_NOTE, describe, interleaved_times, quick_label, ratios
+from benchmarks.trace_summary import add_trace_argument, write_trace
 from mstar_jax.compile import cap_batch_sizes
 from mstar_jax.engine import Engine, TTSPrograms, TTSRequest, tts_buckets
 from mstar_jax.engine import dispatch as dispatch_module
@@ -134,6 +136,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--steps", type=int, nargs="+", default=[8], help="decode steps per dispatch K besides 1 (default 8)"
     )
+    add_trace_argument(parser, "serve the workload once more, pipelined at the largest K,")
     args = parser.parse_args(argv)
     ks = sorted({1, *args.steps})
     batch = args.batch or (16 if args.quick else 64)
@@ -222,6 +225,12 @@ def main(argv=None) -> None:
         print(
             f"   {mode:<12} K={k:<3} {frames_s} frames/s (× K=1 {speed}), first audio {ttfa} ms "
             f"(÷ K=1 {later})"
+        )
+    if args.trace is not None:
+        k = ks[-1]
+        write_trace(
+            args.trace,
+            lambda: serve(model, programs[k], config, batch=batch, streams=streams, pipelined=True),
         )
 
 

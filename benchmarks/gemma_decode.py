@@ -11,13 +11,12 @@ Medians (min–max) over the repeats; the programs are captured once per K, befo
 same interleaved run as K = 1; every K must give every stream the same tokens (checked).
 
 Run: python -m benchmarks.gemma_decode [--quick] [--tiny] [--batch B] [--prompt P] [--tokens N]
-     [--repeats R] [--steps K ...]
+     [--repeats R] [--steps K ...] [--trace DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import pathlib
 import time
 
 import jax
@@ -25,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.timing import ORDER_NOTE, describe, interleaved_times, quick_label
+from benchmarks.trace_summary import add_trace_argument, write_trace
 from mstar_jax.engine import ServingEngine
 from mstar_jax.models.gemma3.gguf import GEMMA3_270M, Gemma3Config
 from mstar_jax.models.gemma3.model import Gemma3
@@ -53,12 +53,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512, quick 32)")
     parser.add_argument("--tokens", type=int, default=None, help="tokens each decodes (default 128, quick 8)")
     parser.add_argument("--repeats", type=int, default=None, help="runs each way (default 5, quick 1)")
-    parser.add_argument(
-        "--trace",
-        type=pathlib.Path,
-        default=None,
-        help="then serve once more, pipelined at K = 1, under jax.profiler: a Perfetto trace in this folder",
-    )
+    add_trace_argument(parser, "serve once more, pipelined at K = 1,")
     parser.add_argument(
         "--steps",
         type=int,
@@ -67,8 +62,6 @@ def main(argv=None) -> None:
         help="decode steps per dispatch K besides 1 (default: none)",
     )
     args = parser.parse_args(argv)
-    if args.trace is not None and args.trace.exists() and not args.trace.is_dir():
-        parser.error(f"--trace {args.trace} is a file; it takes a folder (made if missing)")
     batch = args.batch or (2 if args.quick else 8)
     prompt, tokens = args.prompt or (32 if args.quick else 512), args.tokens or (8 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 5)
@@ -133,10 +126,7 @@ def main(argv=None) -> None:
         decode = describe(measured["decode"][-repeats:], ".1f", repeats=False)
         print(f"   {name:<17} prefill {prefill}, decode {decode}")
     if args.trace is not None:
-        # Untimed: the profiler's own overhead is in it. The trace says where a step's time goes.
-        with jax.profiler.trace(args.trace, create_perfetto_trace=True):
-            case(True, 1)()
-        print(f"\nPerfetto trace of one pipelined K = 1 run: {args.trace}")
+        write_trace(args.trace, case(True, 1))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ def test_the_dry_run_runs_every_step_and_prints_the_table(tmp_path):
     table = (tmp_path / "table.txt").read_text()
     assert "dry run on the CPU: not a device figure" in table
     rows = {line.split()[0]: line for line in table.splitlines()[2:] if line and not line.startswith("logs")}
-    names = {"kernels", "kernel", "engine", "engine2", "gemma", "gemma2"}  # a dry run's block is K = 2
+    names = {"kernels", "kernel", "engine", "engine2", "gemma", "gemma2", "profile"}  # dry run: K = 2
     assert set(rows) == names
     for name in names:
         assert rows[name].split()[1] == "ok", table
@@ -33,7 +33,8 @@ def test_the_dry_run_runs_every_step_and_prints_the_table(tmp_path):
     assert "K=2" in rows["gemma2"]
     assert "decode" in rows["gemma2"]
     assert "of copy" in rows["kernel"]
-    for step in ("kernels", "kernel", "engine", "gemma"):
+    assert "engine no device lane; gemma no device lane" in rows["profile"]  # a CPU has no device lane
+    for step in ("kernels", "kernel", "engine", "gemma", "profile"):
         assert (tmp_path / f"{step}.log").stat().st_size > 0
 
 

@@ -1,0 +1,183 @@
+"""Where a profiled run's time went: a Perfetto trace from `jax.profiler` as a few tables.
+
+`benchmarks/gemma_decode.py --trace DIR` and `benchmarks/engine.py --trace DIR` write one; the device
+session (`benchmarks/device_session.sh`) summarises both, since the trace files are too large to bring
+back from a lent machine. For each device lane (a `/device:` process: a GPU or TPU), its span from the
+first op's start to the last op's end, the time some op ran (busy) and their ratio; the ops that took
+the most device time; and the host's events with the most time, inclusive of what they call (nested
+events are each counted, so their totals do not add up to the wall time).
+
+Run: python -m benchmarks.trace_summary DIR_OR_FILE [DIR_OR_FILE ...] [--top N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gzip
+import json
+import pathlib
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+
+TRACE_NAME = "perfetto_trace.json.gz"
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One kind of event: every event of that name in a lane group, in µs."""
+
+    name: str
+    count: int
+    total_us: float
+    median_us: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Lane:
+    """A device lane: span and busy time in µs, and its ops, the most time first."""
+
+    name: str
+    span_us: float
+    busy_us: float
+    ops: tuple[Op, ...]
+
+
+def add_trace_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """A benchmark's `--trace DIR`: after its timed runs, `what` once more under the profiler."""
+    parser.add_argument(
+        "--trace", type=_trace_folder, default=None, metavar="DIR",
+        help=f"then {what} under jax.profiler, untimed: a Perfetto trace in DIR (made if missing)",
+    )  # fmt: skip
+
+
+def _trace_folder(text: str) -> pathlib.Path:
+    path = pathlib.Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; --trace takes a folder (made if missing)")
+    return path
+
+
+def write_trace(folder: pathlib.Path, run: Callable[[], object]) -> None:
+    """Runs `run()` under `jax.profiler.trace`, with a Perfetto trace (what `main` reads) in `folder`."""
+    import jax
+
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        run()
+    print(f"\nPerfetto trace in {folder} (python -m benchmarks.trace_summary {folder})")
+
+
+def find_trace(path: pathlib.Path) -> pathlib.Path:
+    """`path` if it is a trace file, else the newest `perfetto_trace.json.gz` below the folder.
+
+    Raises:
+      FileNotFoundError: the path does not exist or holds no trace.
+    """
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    traces = sorted(path.rglob(TRACE_NAME), key=lambda p: p.stat().st_mtime)
+    if not traces:
+        raise FileNotFoundError(f"{path}: no {TRACE_NAME} below it (write one with --trace)")
+    return traces[-1]
+
+
+def load_events(path: pathlib.Path) -> list[dict]:
+    """The trace's events: a Chrome-trace JSON list, or an object holding `traceEvents`."""
+    with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def busy_time(intervals: Iterable[tuple[float, float]]) -> float:
+    """The length of the union of `[start, end)` intervals (ops on several streams may overlap)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def _ops(events: Sequence[dict]) -> tuple[Op, ...]:
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in events:
+        by_name[e["name"]].append(float(e.get("dur", 0.0)))
+    ops = [
+        Op(name, len(durations), sum(durations), statistics.median(durations))
+        for name, durations in by_name.items()
+    ]
+    return tuple(sorted(ops, key=lambda op: -op.total_us))
+
+
+def summarise(events: Sequence[dict]) -> tuple[tuple[Lane, ...], tuple[Op, ...]]:
+    """(device lanes, the host's events by inclusive time) of complete (`"ph": "X"`) events."""
+    process = {
+        e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    complete = [e for e in events if e.get("ph") == "X"]
+    lanes, host = [], []
+    for pid in sorted({e["pid"] for e in complete}, key=lambda p: str(process.get(p, p))):
+        mine = [e for e in complete if e["pid"] == pid]
+        name = str(process.get(pid, pid))
+        if not name.startswith("/device:"):
+            host.extend(mine)
+            continue
+        intervals = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in mine]
+        span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+        lanes.append(Lane(name, span, busy_time(intervals), _ops(mine)))
+    return tuple(lanes), _ops(host)
+
+
+def report(lanes: Sequence[Lane], host: Sequence[Op], *, top: int) -> list[str]:
+    """The summary's lines."""
+    lines = []
+    for lane in lanes:
+        share = lane.busy_us / lane.span_us if lane.span_us else 0.0
+        lines.append(
+            f"{lane.name}: busy {lane.busy_us / 1e3:.1f} of {lane.span_us / 1e3:.1f} ms "
+            f"(busy ÷ span {share:.2f}), {sum(op.count for op in lane.ops)} ops"
+        )
+        lines.append(f"  {'ms':>9} {'share':>6} {'count':>7} {'median µs':>10}  op")
+        for op in lane.ops[:top]:
+            lines.append(
+                f"  {op.total_us / 1e3:9.2f} {op.total_us / lane.busy_us if lane.busy_us else 0:6.2f} "
+                f"{op.count:7d} {op.median_us:10.1f}  {op.name[:90]}"
+            )
+    if not lanes:
+        lines.append("no device lane (on a CPU, XLA's work runs on the host's threads, below)")
+    lines.append(f"host, inclusive times (nested events each counted), top {top}:")
+    lines.append(f"  {'ms':>9} {'count':>7} {'median µs':>10}  event")
+    for op in host[:top]:
+        lines.append(f"  {op.total_us / 1e3:9.2f} {op.count:7d} {op.median_us:10.1f}  {op.name[:90]}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("traces", type=pathlib.Path, nargs="+", help="trace files, or folders --trace wrote")
+    parser.add_argument("--top", type=int, default=15, help="rows per table (default 15)")
+    args = parser.parse_args(argv)
+    if args.top < 1:
+        parser.error(f"--top {args.top} must be >= 1")
+    try:
+        paths = [find_trace(path) for path in args.traces]
+    except FileNotFoundError as e:
+        parser.error(str(e))
+    shares = []
+    for given, path in zip(args.traces, paths, strict=True):
+        lanes, host = summarise(load_events(path))
+        print(f"benchmarks/trace_summary.py: {path}")
+        print("\n".join(report(lanes, host, top=args.top)) + "\n")
+        busy = ", ".join(f"{lane.busy_us / lane.span_us:.2f}" for lane in lanes if lane.span_us)
+        shares.append(f"{given.name} {busy or 'no device lane'}")
+    print(f"device busy ÷ span: {'; '.join(shares)}")
+
+
+if __name__ == "__main__":
+    main()
