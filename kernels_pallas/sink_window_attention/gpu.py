@@ -266,7 +266,9 @@ def _sink_window_kernel(
         own_blocks = jnp.where(split == 0, lax.div(own + block_k - 1, block_k), 0)
         m, l, acc = lax.fori_loop(0, own_blocks, own_block, carry)
         acc_ref, m_ref, l_ref = optional_and_outputs[-3:]
-        acc_ref[...] = acc
+        # Only the step's query rows: a decode step's group of heads is often a quarter of the tile, and
+        # the merge reads no other row (the rest of the tile is never written).
+        plgpu.store(acc_ref, acc, mask=jnp.broadcast_to(row_ok[:, None], acc.shape))
         m_ref[...] = m
         l_ref[...] = l
         return
@@ -283,12 +285,12 @@ def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array, *, own: jax.Array,
     """The tiles of a split walk: each row's split softmax states merged, splits in order.
 
     Args:
-      acc: f32[N, G, S, BQ, DP]; m, l: f32[N, G, S, BQ], each split's state as `_online_softmax_step`
-        leaves it (m = -inf where a split saw no visible key).
+      acc: f32[N, G, S, Q, DP]; m, l: f32[N, G, S, Q], each split's state as `_online_softmax_step`
+        leaves it (m = -inf where a split saw no visible key), for the Q = T * H/G query rows.
       own: i32[N] each row's step tokens (STEP_TOKENS, clipped to [0, T]).
 
     Returns:
-      f32[N, G, BQ, DP], as the unsplit kernel's tiles: zeros for query rows past `own` and rows that saw
+      f32[N, G, Q, DP], as the unsplit kernel's tiles: zeros for query rows past `own` and rows that saw
       no key. The sums run over splits in a fixed order, elementwise, so a row rounds alike in any batch.
     """
     top = jnp.max(m, axis=2)  # exact in any order
@@ -454,7 +456,8 @@ def sink_window_attention_gpu(
     )(table.astype(jnp.int32), q, k, v, cache_k, cache_v, source_k, source_v, *optional)
     if split_blocks:
         own = jnp.clip(table[:, tbl.STEP_TOKENS].astype(jnp.int32), 0, steps)
-        tiles = _merge_splits(*tiles, own=jnp.repeat(own, rows_per_request), group=group, steps=steps)
+        acc, m, l = (x[:, :, :, :query_rows] for x in tiles)  # the rows the kernel wrote
+        tiles = _merge_splits(acc, m, l, own=jnp.repeat(own, rows_per_request), group=group, steps=steps)
         tiles = tiles.astype(q.dtype)
     # [N, G, T * H/G, D] -> [N, T, G, H/G, D] -> [N, T, H, D]: query head h = g * H/G + h'.
     out = tiles[:, :, :query_rows, :dim].reshape(n_rows, kv_heads, steps, group, dim)

@@ -26,7 +26,7 @@ BLOCKS = BlockSizes(block_q=8, block_k=8) if INTERPRET else BlockSizes(block_q=1
 BK = BLOCKS.block_k
 # The same tiles, a decode-shaped step's retained walk split one key block a program (flash-decoding).
 SPLIT = BlockSizes(block_q=16, block_k=BK, split_keys=BK)
-TOLERANCE = {np.dtype(np.float32): 1e-5, np.dtype(jnp.bfloat16): 2e-2}
+TOLERANCE = {np.dtype(np.float32): 1e-5, np.dtype(jnp.bfloat16): 2e-2, np.dtype(np.float16): 5e-3}
 
 
 _COMPILER_OPTIONS = cases.fast_compile_options()
@@ -118,6 +118,35 @@ def test_split_walk_of_a_long_decode_against_the_oracle():
     )  # fmt: skip
     assert _grid(case, SPLIT) == (3, 2, -(-case.max_retained // BK))
     _check(case, block_sizes=SPLIT)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16], ids=["f32", "bf16", "f16"])
+def test_split_walk_with_two_rows_per_request_a_padding_row_and_both_score_terms(dtype):
+    # Requests of 2, 1 and 0 step tokens on two rows each, then a padding row: each attention row must
+    # take its own request's step tokens in the merge; a band of 3 and both score terms.
+    case = cases.make_case(
+        "split_rows", seed=122, batch=3, rows_per_request=2, steps=2, padding_rows=1, step_tokens=[2, 1, 0],
+        window=30, query_window=3, written=[5, 40, 90], dtype=dtype,
+    )  # fmt: skip
+    terms = cases.score_terms(case, seed=122, rel_bias=True, sink_logits=True)
+    assert _grid(case, SPLIT)[2] == -(-case.max_retained // BK) > 1
+    out = sink_window_attention_gpu(
+        *_arrays(case), max_retained=case.max_retained, query_window=case.query_window, block_sizes=SPLIT,
+        interpret=INTERPRET, **terms,
+    )  # fmt: skip
+    out = np.asarray(out, np.float64)
+    assert np.isfinite(out).all()
+    tol = TOLERANCE[np.dtype(dtype)]
+    np.testing.assert_allclose(out, case.reference_output(**terms), rtol=tol, atol=tol)
+
+
+def test_default_tiles_split_a_long_decode():
+    # BlockSizes.default: 306 retained keys, float32: key blocks of 32 (half), 128 keys a program.
+    case = cases.make_case("default_split", seed=123, batch=2, steps=1, window=300, written=[400, 1000])
+    blocks = BlockSizes.default(query_rows=2, head_dim=32, max_retained=case.max_retained, itemsize=4)
+    assert (blocks.block_k, blocks.split_keys) == (32, 128)
+    assert _grid(case, None) == (2, 2, 3)
+    _check(case, block_sizes=None)
 
 
 def test_the_split_rounds_a_row_alike_in_any_batch():
@@ -233,8 +262,11 @@ def test_default_block_sizes_are_triton_legal():
 @pytest.mark.parametrize("itemsize", [2, 4])
 def test_default_block_sizes_split_a_decode_walk_only(itemsize):
     default = functools.partial(BlockSizes.default, head_dim=256, itemsize=itemsize)
-    # Gemma 3 270M's decode (4 query heads on 1 KV head) over 1,024 keys: 128 keys a program.
+    # Gemma 3 270M's decode (4 query heads on 1 KV head), a global layer of up to 1,024 retained keys:
+    # 128 keys a program; float32 takes half the key block.
     assert default(query_rows=4, max_retained=1024).split_keys == 128
+    unsplit = default(query_rows=128 * 4, max_retained=1024).block_k
+    assert default(query_rows=4, max_retained=1024).block_k == (16 if itemsize == 4 else unsplit)
     assert default(query_rows=4, max_retained=129).split_keys == 128
     assert default(query_rows=4, max_retained=128).split_keys is None  # one split's worth: no split
     assert default(query_rows=128 * 4, max_retained=1024).split_keys is None  # a prefill chunk
