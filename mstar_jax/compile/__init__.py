@@ -18,6 +18,7 @@ from mstar_jax.compile.capture import (
     disable_persistent_cache,
     enable_persistent_cache,
 )
+from mstar_jax.compile.frozen import FrozenTree, freeze
 from mstar_jax.compile.recompile import (
     CompilationCounter,
     RecompileError,
@@ -40,6 +41,7 @@ __all__ = [
     "CombinedRows",
     "CompilationCounter",
     "ExecutableStore",
+    "FrozenTree",
     "NoBucketError",
     "RecompileError",
     "RecompileWarning",
@@ -52,5 +54,6 @@ __all__ = [
     "describe",
     "disable_persistent_cache",
     "enable_persistent_cache",
+    "freeze",
     "warn_on_compilations",
 ]

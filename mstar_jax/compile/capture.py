@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import time
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -29,6 +30,7 @@ from tqdm.auto import tqdm
 
 from mstar_jax.checks import check_int, check_number
 from mstar_jax.compile.buckets import NoBucketError
+from mstar_jax.compile.frozen import FrozenTree, freeze, thaw
 from mstar_jax.compile.recompile import count_compilations
 from mstar_jax.compile.report import BucketReport, CaptureReport, memory
 from mstar_jax.compile.store import ExecutableStore
@@ -81,6 +83,7 @@ def capture(
     max_workers: int = 1,
     store: ExecutableStore | None = None,
     fingerprint: Any = None,
+    frozen_argnums: Sequence[int] = (),
 ) -> CapturedStep:
     """Compile `fn` ahead of time for every bucket, or load it from `store`.
 
@@ -102,6 +105,9 @@ def capture(
         `static_kwargs` do not show (a bound method's instance settings, say), as a value (configs,
         tuples, numbers): programs are told apart by it, so leaving one out would load a program built
         for another setting.
+      frozen_argnums: positional arguments (the weights) each program takes as a `FrozenTree`, thawed
+        inside the trace: a caller that freezes them once (`freeze`) passes them at no flattening cost
+        every step; `replay` freezes any other value passed there, each call.
 
     Returns:
       The `CapturedStep`.
@@ -118,11 +124,16 @@ def capture(
     check_int("max_workers", max_workers, minimum=1)
     static = dict(static_kwargs or {})
     donated = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    frozen = tuple(frozen_argnums)
+    for i in frozen:
+        check_int("frozen_argnums", i, minimum=0)
+    if any(i in donated for i in frozen):
+        raise ValueError(f"{frozen_argnums=} and {donate_argnums=} name the same argument")
     label = name or getattr(fn, "__name__", "step")
-    jitted = jax.jit(fn, donate_argnums=donated, static_argnames=tuple(static))
+    jitted = jax.jit(_thawing(fn) if frozen else fn, donate_argnums=donated, static_argnames=tuple(static))
 
     def build(bucket: BucketKey) -> tuple[jax.stages.Compiled, BucketReport]:
-        args = _check_abstract(bucket, abstract_args(bucket))
+        args = _freeze_args(_check_abstract(bucket, abstract_args(bucket)), frozen)
         if store is not None:
             start = time.perf_counter()
             key = store.key(
@@ -170,7 +181,25 @@ def capture(
         name=label, buckets=tuple(results[k][1] for k in keys), wall_secs=time.perf_counter() - start
     )
     programs = types.MappingProxyType({k: results[k][0] for k in keys})
-    return CapturedStep(name=label, programs=programs, report=report, donate_argnums=donated)
+    return CapturedStep(
+        name=label, programs=programs, report=report, donate_argnums=donated, frozen_argnums=frozen
+    )
+
+
+def _thawing(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` taking its `FrozenTree` arguments thawed (its signature kept: jit reads static names in it)."""
+
+    @functools.wraps(fn)
+    def thawed(*args, **kwargs):
+        return fn(*map(thaw, args), **kwargs)
+
+    return thawed
+
+
+def _freeze_args(args: tuple, frozen: tuple[int, ...]) -> tuple:
+    if not any(i < len(args) and not isinstance(args[i], FrozenTree) for i in frozen):
+        return args
+    return tuple(freeze(x) if i in frozen else x for i, x in enumerate(args))
 
 
 # -- replay -----------------------------------------------------------------------------------------
@@ -185,12 +214,14 @@ class CapturedStep:
       programs: bucket -> compiled program (read-only).
       report: what the capture cost.
       donate_argnums: the positional arguments each call consumes.
+      frozen_argnums: the positional arguments its programs take as a `FrozenTree` (`capture`).
     """
 
     name: str
     programs: Mapping[BucketKey, jax.stages.Compiled]
     report: CaptureReport
     donate_argnums: tuple[int, ...] = ()
+    frozen_argnums: tuple[int, ...] = ()
 
     def __contains__(self, bucket: object) -> bool:
         return bucket in self.programs
@@ -222,6 +253,7 @@ class CapturedStep:
                     f"{self.name} argument {i} was donated to an earlier step and its buffers are gone; pass "
                     "the state the previous step returned (e.g. cache, out = step.replay(bucket, cache, ...))"
                 )
+        args = _freeze_args(args, self.frozen_argnums)
         try:
             return program(*args)
         except TypeError as err:

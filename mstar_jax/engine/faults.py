@@ -37,6 +37,10 @@ class _FaultyStep:
     schedule: Callable[[int], Fault | None]
     calls: list[int]  # shared by every walk of the node
 
+    @property
+    def frozen_argnums(self) -> tuple[int, ...]:
+        return self.step.frozen_argnums
+
     def replay(self, bucket, params, cache, *args):
         self.calls[0] += 1
         fault = self.schedule(self.calls[0])

@@ -289,7 +289,7 @@ class TTSPrograms:
             fn, arguments = plans[walk]
             steps[walk] = capture(
                 fn, buckets[walk].keys(), arguments, static_kwargs=static, donate_argnums=1, name=walk,
-                progress=progress, max_workers=max_workers, store=store,
+                progress=progress, max_workers=max_workers, store=store, frozen_argnums=(0,),
             )  # fmt: skip
         return cls(buckets=buckets, steps=steps, codes_width=width, settings=model.settings)
 

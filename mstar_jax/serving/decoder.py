@@ -213,7 +213,7 @@ def capture_decoder(
         fn = fed(decode_block(step, steps=k, stops=True), **feeding) if block else one_step
         steps[walk] = capture(
             fn, buckets[walk].keys(), lambda key, block=block: arguments(key, block), donate_argnums=(1,),
-            name=f"{name} {walk}", fingerprint=fingerprint, progress=progress, **options,
+            frozen_argnums=(0,), name=f"{name} {walk}", fingerprint=fingerprint, progress=progress, **options,
         )  # fmt: skip
     return steps
 

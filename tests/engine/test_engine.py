@@ -18,6 +18,8 @@ import yaml
 from mstar_jax import cli
 from mstar_jax.compile import (
     Buckets,
+    CapturedStep,
+    FrozenTree,
     RecompileWarning,
     assert_no_compilations,
 )
@@ -52,6 +54,30 @@ def test_streams_complete_and_stream_iterator_yields_chunks_in_order(programs):
     assert sum(len(c.codes) for c in chunks) == 9
     assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
     assert engine.compilations == 0
+
+
+def test_every_step_gets_its_node_s_weights_frozen_once(programs, monkeypatch):
+    # The programs take the weights as a FrozenTree (capture's frozen_argnums): the engine flattens each
+    # node's nnx.State once, and every step gets that same object, holding the model's own arrays.
+    model, _ = programs
+    engine, (v0, _) = make_engine(programs)
+    given = []
+    replay = CapturedStep.replay
+    monkeypatch.setattr(
+        CapturedStep,
+        "replay",
+        lambda self, bucket, *args: given.append(args[0]) or replay(self, bucket, *args),
+    )
+    stream = engine.submit(request("frozen", v0, 9))
+    engine.run_until_idle()
+    assert_complete(stream)
+    weights = {id(x): x for x in given}
+    assert len(weights) == 2  # the talker's and the flow's
+    assert all(isinstance(x, FrozenTree) for x in weights.values())
+    own = [jax.tree.leaves(model.talker_params), jax.tree.leaves(model.flow_params)]
+    held = sorted((list(x.leaves) for x in weights.values()), key=len)
+    for leaves, expected in zip(held, sorted(own, key=len), strict=True):
+        assert all(a is b for a, b in zip(leaves, expected, strict=True))
 
 
 def test_run_until_idle_stops_after_max_steps_and_goes_on_where_it_stopped(programs):
