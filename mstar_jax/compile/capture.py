@@ -83,7 +83,7 @@ def capture(
     max_workers: int = 1,
     store: ExecutableStore | None = None,
     fingerprint: Any = None,
-    frozen_argnums: Sequence[int] = (),
+    frozen_argnums: int | Sequence[int] = (),
 ) -> CapturedStep:
     """Compile `fn` ahead of time for every bucket, or load it from `store`.
 
@@ -124,7 +124,7 @@ def capture(
     check_int("max_workers", max_workers, minimum=1)
     static = dict(static_kwargs or {})
     donated = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-    frozen = tuple(frozen_argnums)
+    frozen = (frozen_argnums,) if isinstance(frozen_argnums, int) else tuple(frozen_argnums)
     for i in frozen:
         check_int("frozen_argnums", i, minimum=0)
     if any(i in donated for i in frozen):

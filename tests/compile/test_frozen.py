@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mstar_jax.compile import BucketSet, ExecutableStore, FrozenTree, capture, count_compilations, freeze
+from mstar_jax.compile import (
+    BucketSet,
+    ExecutableStore,
+    FrozenTree,
+    ReplayError,
+    capture,
+    count_compilations,
+    freeze,
+)
 from mstar_jax.compile.frozen import thaw
 
 BUCKETS = BucketSet(graph_walk="tiny", batch_sizes=(1, 2), token_counts=(3,))
@@ -58,7 +66,7 @@ def test_freeze_keeps_the_leaves_and_thaws_to_the_tree():
 
 @pytest.mark.parametrize("frozen_argument", [True, False], ids=["frozen", "tree"])
 def test_a_frozen_capture_computes_what_the_tree_does(frozen_argument):
-    step = capture(_step, BUCKETS, _abstract, donate_argnums=1, frozen_argnums=(0,), progress=False)
+    step = capture(_step, BUCKETS, _abstract, donate_argnums=1, frozen_argnums=0, progress=False)
     assert step.frozen_argnums == (0,)
     x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
     params, state = (freeze(PARAMS) if frozen_argument else PARAMS), jnp.zeros((), jnp.int32)
@@ -96,3 +104,16 @@ def test_the_store_keeps_frozen_programs(tmp_path):
 def test_bad_frozen_argnums_are_refused(frozen_argnums, match):
     with pytest.raises((ValueError, TypeError), match=match):
         capture(_step, BUCKETS, _abstract, donate_argnums=1, frozen_argnums=frozen_argnums, progress=False)
+
+
+def test_weights_of_another_structure_are_refused_without_compiling():
+    step = capture(_step, BUCKETS, _abstract, donate_argnums=1, frozen_argnums=(0,), progress=False)
+    other = freeze({"kernel": jnp.ones((3, 4))})
+    state = jnp.zeros((), jnp.int32)
+    with (
+        count_compilations() as counter,
+        pytest.raises(ReplayError, match="arguments it was not compiled for"),
+    ):
+        step.replay(BUCKETS.key(1, 3), other, state, np.ones((1, 3), np.float32))
+    assert counter.count == 0
+    assert not state.is_deleted()  # refused before the donated state was consumed
