@@ -34,15 +34,14 @@ rounded up to BQ) that the wrapper slices and transposes to [N, T, H, D] (a smal
 A decode-shaped step (all of a row's query rows in one block) with `BlockSizes.split_keys` set (the
 default past 128 keys) splits the walk instead (flash-decoding): the grid's third axis is the split,
 each program walks `split_keys` of the retained keys (split 0 also the step's own keys and the sink
-logits) and writes its float32 softmax state, and `_merge_splits` weighs the states together in XLA,
-splits in a fixed order. Unsplit, a decode step of few rows ran N * G programs, each walking all its
+logits) and writes its float32 softmax state, and `gpu_merge.merge_splits` weighs the states together
+in XLA, splits in a fixed order. Unsplit, a decode step of few rows ran N * G programs, each walking all its
 keys alone: Gemma 3 270M's 8-row decode kept 8 of an H200's 132 multiprocessors busy.
 """
 
 import functools
 import importlib
 import math
-import operator
 import types
 import warnings
 
@@ -53,6 +52,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.sink_window_attention import table as tbl
 from kernels_pallas.sink_window_attention.gpu_blocks import MIN_DOT_DIM, BlockSizes, next_power_of_two
+from kernels_pallas.sink_window_attention.gpu_merge import merge_splits
 from kernels_pallas.sink_window_attention.validate import validate_inputs
 
 __all__ = ["BlockSizes", "sink_window_attention_gpu"]
@@ -148,8 +148,8 @@ def _sink_window_kernel(
 
     Unsplit, the outputs are o_ref [BQ, DP], the normalised tile. Split (grid axis 2 is the split, the
     query block is 0), they are the program's softmax state over its share of the retained keys:
-    acc_ref f32[BQ, DP], m_ref f32[BQ], l_ref f32[BQ], merged by `_merge_splits`. Split 0 also takes the
-    step's own keys and the sink logits, so each is counted once.
+    acc_ref f32[BQ, DP], m_ref f32[BQ], l_ref f32[BQ], merged by `gpu_merge.merge_splits`. Split 0 also
+    takes the step's own keys and the sink logits, so each is counted once.
     """
     plgpu = _triton()
     outputs = 3 if split_blocks else 1
@@ -279,29 +279,6 @@ def _sink_window_kernel(
     live = row_ok & (t < own) & (l > 0)
     out = acc / jnp.where(live, l, 1.0)[:, None]
     o_ref[...] = jnp.where(live[:, None], out, 0.0).astype(o_ref.dtype)
-
-
-def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array, *, own: jax.Array, group: int, steps: int):
-    """The tiles of a split walk: each row's split softmax states merged, splits in order.
-
-    Args:
-      acc: f32[N, G, S, Q, DP]; m, l: f32[N, G, S, Q], each split's state as `_online_softmax_step`
-        leaves it (m = -inf where a split saw no visible key), for the Q = T * H/G query rows.
-      own: i32[N] each row's step tokens (STEP_TOKENS, clipped to [0, T]).
-
-    Returns:
-      f32[N, G, Q, DP], as the unsplit kernel's tiles: zeros for query rows past `own` and rows that saw
-      no key. The sums run over splits in a fixed order, elementwise, so a row rounds alike in any batch.
-    """
-    top = jnp.max(m, axis=2)  # exact in any order
-    shift = jnp.where(top == -jnp.inf, 0.0, top)
-    weights = [jnp.exp(m[:, :, s] - shift) for s in range(m.shape[2])]
-    total = functools.reduce(operator.add, [w * l[:, :, s] for s, w in enumerate(weights)])
-    summed = functools.reduce(operator.add, [w[..., None] * acc[:, :, s] for s, w in enumerate(weights)])
-    t = jnp.arange(m.shape[3], dtype=jnp.int32) // group
-    live = (t[None, None, :] < jnp.minimum(own, steps)[:, None, None]) & (total > 0)
-    out = summed / jnp.where(live, total, 1.0)[..., None]
-    return jnp.where(live[..., None], out, 0.0)
 
 
 def sink_window_attention_gpu(
@@ -457,7 +434,7 @@ def sink_window_attention_gpu(
     if split_blocks:
         own = jnp.clip(table[:, tbl.STEP_TOKENS].astype(jnp.int32), 0, steps)
         acc, m, l = (x[:, :, :, :query_rows] for x in tiles)  # the rows the kernel wrote
-        tiles = _merge_splits(acc, m, l, own=jnp.repeat(own, rows_per_request), group=group, steps=steps)
+        tiles = merge_splits(acc, m, l, own=jnp.repeat(own, rows_per_request), group=group, steps=steps)
         tiles = tiles.astype(q.dtype)
     # [N, G, T * H/G, D] -> [N, T, G, H/G, D] -> [N, T, H, D]: query head h = g * H/G + h'.
     out = tiles[:, :, :query_rows, :dim].reshape(n_rows, kv_heads, steps, group, dim)
