@@ -28,7 +28,24 @@ def run_child(script: Path, *, devices: int = 8, timeout: float = 900) -> dict:
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
     assert child.returncode == 0, f"{script.name} failed:\n{child.stderr[-6000:]}"
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    return last_json(child.stdout)
+
+
+def last_json(stdout: str) -> dict:
+    """The findings a child printed: its last stdout line that parses as a JSON object.
+
+    A multi-process job's collectives library writes lines of its own to stdout, at times after the
+    child's findings (Gloo: "[Gloo] Rank 0 is connected to 1 peer ranks. ..."), so the last line is not
+    always the child's.
+    """
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            found = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(found, dict):
+            return found
+    raise AssertionError(f"no JSON object in the child's stdout:\n{stdout[-6000:]}")
 
 
 def free_port() -> int:

@@ -14,7 +14,6 @@ shard list over gloo (a real cross-process collective) and prints one JSON line.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from types import SimpleNamespace
 
@@ -24,7 +23,7 @@ import pytest
 
 from mstar_jax import distributed
 from mstar_jax.distributed import DistributedSettings, initialize, local_data_shards
-from tests.simulated_devices import report_as_process, run_processes
+from tests.simulated_devices import last_json, report_as_process, run_processes
 
 PROCESSES = 2
 LOCAL_DEVICES = 4
@@ -228,7 +227,7 @@ def test_two_processes_run_the_sharded_step_on_their_own_shards(tmp_path):
         devices=LOCAL_DEVICES,
         timeout=CHILD_TIMEOUT_S,
     )
-    results = [json.loads(stdout.strip().splitlines()[-1]) for stdout in outputs]
+    results = [last_json(stdout) for stdout in outputs]
     for p, result in enumerate(results):
         assert result["process"] == p
         assert result["process_count"] == PROCESSES
@@ -354,3 +353,12 @@ def child() -> dict:
 
 if __name__ == "__main__":
     report_as_process(child)
+
+
+def test_a_child_s_findings_are_its_last_json_line_not_its_last_line():
+    # Gloo writes to stdout too, at times after the child's findings (seen in CI).
+    gloo = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    stdout = f'{{"process": 0}}\n{gloo}\n'
+    assert last_json(stdout) == {"process": 0}
+    with pytest.raises(AssertionError, match="no JSON object"):
+        last_json("[Gloo] Rank 1 is connected to 1 peer ranks.\n[1, 2]\n")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.engine.mesh_child import MODEL, REQUESTS, serve
-from tests.simulated_devices import ROOT, run_processes
+from tests.simulated_devices import ROOT, last_json, run_processes
 
 PROCESSES, LOCAL_DEVICES = 2, 4
 TIMEOUT_S = 600
@@ -32,7 +32,7 @@ def served(tmp_path_factory) -> list[dict]:
         devices=LOCAL_DEVICES,
         timeout=TIMEOUT_S,
     )
-    return [json.loads(stdout.strip().splitlines()[-1]) for stdout in outputs]
+    return [last_json(stdout) for stdout in outputs]
 
 
 def test_each_process_serves_its_own_requests_on_its_own_shards(served):

@@ -8,7 +8,6 @@ sampled tokens), nothing compiles after warm-up and every slot comes back.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from mstar_jax.settings import EngineSettings
 from tests.models.gemma3.mesh_child import NEW_TOKENS, SLOTS, fields, prompts
 from tests.models.gemma3.test_model import CONFIG, random_tensors
 from tests.models.gemma3.test_serving import RETENTION
-from tests.simulated_devices import run_child, run_processes
+from tests.simulated_devices import last_json, run_child, run_processes
 
 CHILD = Path(__file__).with_name("mesh_child.py")
 TIMEOUT_S = 600
@@ -56,7 +55,7 @@ def test_two_processes_in_lockstep_pipelined_each_serve_their_own_prompts_on_the
     outputs = run_processes(
         ["-m", "tests.models.gemma3.mesh_child"], tmp_path, processes=2, devices=2, timeout=TIMEOUT_S
     )
-    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    results = [last_json(out) for out in outputs]
     for p, found in enumerate(results):
         assert found["process"] == p
         assert found["lockstep"]
