@@ -149,6 +149,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     backend = jax.default_backend()
+    if args.sweep and backend != "gpu":  # refused before any work
+        raise SystemExit(f"--sweep times compiled Triton kernels: it needs a GPU backend, not {backend}")
     dtype = jnp.dtype(args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16"))
     slots, active, groups, heads, dim = args.slots, args.active, args.kv_heads, args.heads, args.head_dim
     retained = args.sink + args.window
@@ -193,8 +195,6 @@ def main(argv: list[str] | None = None) -> None:
             continue
         cases[name] = back_to_back(fn, *arrays, calls=args.calls)
     if args.sweep:
-        if backend != "gpu":
-            raise SystemExit(f"--sweep times compiled Triton kernels: it needs a GPU backend, not {backend}")
         for blocks in sweep_blocks(query_rows=heads // groups, head_dim=dim, max_retained=retained):
             split = f" split {blocks.split_keys}" if blocks.split_keys else ""
             name = f"pallas_gpu {blocks.block_k}k {blocks.num_warps}w {blocks.num_stages}s{split}"
