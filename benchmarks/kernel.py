@@ -100,18 +100,31 @@ def back_to_back(fn, *args, calls: int):
     return run
 
 
-def sweep_blocks(*, query_rows: int, head_dim: int, max_retained: int) -> list[BlockSizes]:
-    """`--sweep`'s settings for a 16-bit decode step: key blocks × warps × pipelining stages, each with
-    the default split; then the default tiles with each split (keys a program: None, 64 .. 512)."""
-    default = BlockSizes.default(query_rows=query_rows, head_dim=head_dim, max_retained=max_retained)
+def sweep_blocks(
+    *, query_rows: int, head_dim: int, max_retained: int, kv_heads: int, itemsize: int = 2
+) -> list[BlockSizes]:
+    """`--sweep`'s settings for a decode step: key blocks × warps × pipelining stages, each with the
+    default split; then the default tiles with each split (keys a program: None, 64 .. 512). 16-bit
+    dtypes (`itemsize` 2) try key blocks 32-256, 4 or 8 warps and 2-4 stages; float32 (4) key blocks
+    16-64, 4-16 warps and 1 or 2 stages (its dots run on FMA units, `BlockSizes.default`)."""
+    default = BlockSizes.default(
+        query_rows=query_rows,
+        head_dim=head_dim,
+        max_retained=max_retained,
+        kv_heads=kv_heads,
+        itemsize=itemsize,
+    )
+    wide = itemsize >= 4
+    grid = ((16, 32, 64), (4, 8, 16), (1, 2)) if wide else ((32, 64, 128, 256), (4, 8), (2, 3, 4))
     tiles = [
         BlockSizes(block_q=default.block_q, block_k=block_k, num_warps=warps, num_stages=stages,
                    split_keys=None if default.split_keys is None else max(default.split_keys, block_k))
-        for block_k in (32, 64, 128, 256)
-        for warps in (4, 8)
-        for stages in (2, 3, 4)
+        for block_k in grid[0]
+        for warps in grid[1]
+        for stages in grid[2]
     ]  # fmt: skip
-    splits = [None, *(keys for keys in (64, 256, 512) if keys % default.block_k == 0)]
+    splits = [None, *(keys for keys in (64, 128, 256, 512) if keys % default.block_k == 0)]
+    splits = [keys for keys in splits if keys != default.split_keys]
     return tiles + [dataclasses.replace(default, split_keys=keys) for keys in splits]
 
 
@@ -154,6 +167,13 @@ def main(argv: list[str] | None = None) -> None:
     dtype = jnp.dtype(args.dtype if args.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16"))
     slots, active, groups, heads, dim = args.slots, args.active, args.kv_heads, args.heads, args.head_dim
     retained = args.sink + args.window
+    tile_shape = {
+        "query_rows": heads // groups,
+        "head_dim": dim,
+        "max_retained": retained,
+        "kv_heads": groups,
+        "itemsize": dtype.itemsize,
+    }
 
     # Streams well past the first wrap, each at its own ring offset; inactive slots are padding rows.
     rng = np.random.default_rng(args.seed)
@@ -195,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         cases[name] = back_to_back(fn, *arrays, calls=args.calls)
     if args.sweep:
-        for blocks in sweep_blocks(query_rows=heads // groups, head_dim=dim, max_retained=retained):
+        for blocks in sweep_blocks(**tile_shape):
             split = f" split {blocks.split_keys}" if blocks.split_keys else ""
             name = f"pallas_gpu {blocks.block_k}k {blocks.num_warps}w {blocks.num_stages}s{split}"
             fn = jax.jit(
@@ -223,10 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"bytes the step must read (retained K+V of active rows): {step_bytes / 1e6:.1f} MB")
     print(f"{ORDER_NOTE}, after {args.warmup} warm-up samples each")
     print(f"a sample: {args.calls} calls dispatched back to back, waited on once (hides the host's dispatch)")
-    default = BlockSizes.default(
-        query_rows=heads // groups, head_dim=dim, max_retained=retained, itemsize=dtype.itemsize
-    )
-    print(f"pallas_gpu: its default tiles, {default}")
+    print(f"pallas_gpu: its default tiles, {BlockSizes.default(**tile_shape)}")
     print(f"times: medians; ratios: median (min–max) over {args.repeats} repeats\n")
     baselines = {"copy": "copy (read + write)", "dpa": "dense dot_product_attention", "xla": "xla"}
     header = f"{'':34} {'time ms':>8} {'GB/s':>7}" + "".join(f" {'vs ' + b:>18}" for b in baselines)

@@ -368,7 +368,11 @@ def sink_window_attention_gpu(
     query_rows = steps * group
     if block_sizes is None:
         block_sizes = BlockSizes.default(
-            query_rows=query_rows, head_dim=dim, max_retained=max_retained, itemsize=q.dtype.itemsize
+            query_rows=query_rows,
+            head_dim=dim,
+            max_retained=max_retained,
+            kv_heads=kv_heads,
+            itemsize=q.dtype.itemsize,
         )
     padded_dim = next_power_of_two(dim)
     if not interpret:

@@ -9,7 +9,9 @@ import dataclasses
 MIN_DOT_DIM = 16
 # float32 tiles keep block_q * block_k * DP within this (see `BlockSizes.default`).
 F32_DOT_VOLUME = 2**17
-# Keys one program of a decode-shaped step walks by default (`BlockSizes.split_keys`).
+# A decode-shaped step splits its walk until each row has about this many programs over its KV heads
+# (`BlockSizes.split_keys`), each walking at least DECODE_SPLIT_KEYS keys.
+DECODE_PROGRAMS_PER_ROW = 8
 DECODE_SPLIT_KEYS = 128
 
 
@@ -62,35 +64,44 @@ class BlockSizes:
             )
 
     @classmethod
-    def default(cls, *, query_rows: int, head_dim: int, max_retained: int, itemsize: int = 2) -> "BlockSizes":
+    def default(
+        cls, *, query_rows: int, head_dim: int, max_retained: int, kv_heads: int, itemsize: int = 2
+    ) -> "BlockSizes":
         """Default tiles for `query_rows = T * (H / G)` query rows per KV head.
 
         Small problems get small tiles (a decode step of 4 grouped heads needs 16 rows, not 128); keys are
         never blocked past the padded key count. The rule keys on DP (the head dim padded to a power of
         two: D 80 and 96 build like 128) and the dtype, and was read off `ptxas -v` for sm_90a
         (`mstar_jax.compile.offline_gpu`, 270 cases: D 64-256 × GQA 1/4/8 × decode and prefill chunks
-        with and without a query window × K 32-8192; `tests/kernels/test_gpu_offline.py` keeps to it):
+        with and without a query window × K 32-8192; `tests/kernels/test_gpu_offline.py` keeps to it)
+        and timed on an H200 (`benchmarks/kernel.py --sweep`, `docs/guides/benchmarks.md`):
 
         * 16-bit dtypes (tensor-core dots): block_q <= 64, block_k 64 (32 at DP 256), 2 stages, 8 warps
           once block_q * DP >= 4096, else 4. No spills; at most 224 registers (DP 256, [64, 32]) and
           128 KiB of shared memory. 4 warps spilled at DP 128 [64, 64] and DP 256 [64, 32], and hit
           255 registers at DP 128 [32, 64] and DP 256 [16, 32].
         * float32 (HIGHEST precision runs the dots on FMA units: a thread holds its share of both operands
-          over the whole contraction, so registers grow with block_q * block_k * DP): 1 stage, 16 warps,
-          block_q <= 4096 / DP and block_q * block_k * DP <= 2**17. No spills; at most 102 registers
-          (of 128 at 16 warps) and 80 KiB of shared memory. The 16-bit tiles with 2 stages spilled in
-          all float32 cases but one (0.6-56 KB of spill stores) and took up to 256 KiB.
-        * A decode-shaped step (query rows within one `block_q` tile) over more than
-          `DECODE_SPLIT_KEYS` keys splits its walk, `DECODE_SPLIT_KEYS` keys a program (or one key block,
-          if larger). Measured on an H200 (`docs/guides/benchmarks.md`): unsplit, Gemma 3 270M's decode of
-          8 rows ran a grid of 8 programs, each walking its row's 512-576 keys alone: 356 µs a layer.
-          Split float32 tiles take half the key block: at [16, 64] and D 128 with both score terms the
-          split's bounds and sink seed spilled 40 B (128 registers); [16, 32] builds in 64, no spills.
+          over the whole contraction, so registers grow with block_q * block_k * DP / warps): 1 stage,
+          16 warps, block_q <= 4096 / DP and block_q * block_k * DP <= 2**17. No spills; at most 102
+          registers (of 128 at 16 warps) and 80 KiB of shared memory. The 16-bit tiles with 2 stages
+          spilled in all float32 cases but one (0.6-56 KB of spill stores) and took up to 256 KiB.
+          A step of at most 16 query rows per KV head (decode) takes [16, 32] at 8 warps: no spills
+          at D 64-256, split or not (at most 144 registers), where [16, 16] at 8 warps spilled 24 B
+          (D 256) and 4 warps spilled at D 128 and 256. On the H200, Gemma 3's decode tile (8 rows,
+          512 keys, D 256) ran in 81 µs so, against 192 µs at 16 warps; 2 stages ran 2-5× slower.
+        * A decode-shaped step (query rows within one `block_q` tile) is split (flash-decoding) when its
+          row has fewer than `DECODE_PROGRAMS_PER_ROW` KV heads: into that many programs over its KV
+          heads, each walking at least `DECODE_SPLIT_KEYS` keys (and whole key blocks). On the H200:
+          unsplit, Gemma 3 270M's decode of 8 rows (one KV head) ran a grid of 8 programs, each walking
+          its row's 512-576 keys alone, 356 µs a layer, and split it ran 1.8× more tokens/s; but 128
+          rows of 8 KV heads (1,024 programs) streamed 0.70 of copy bandwidth unsplit and 0.56 split
+          128 keys a program. The split depends on G, K and the tiles, never on the batch.
 
         Args:
           query_rows: query rows per KV head, T * H/G.
           head_dim: D.
           max_retained: K.
+          kv_heads: G.
           itemsize: bytes per element of the inputs (2: bfloat16 or float16; 4: float32).
         """
         padded_dim = max(next_power_of_two(head_dim), MIN_DOT_DIM)
@@ -98,17 +109,25 @@ class BlockSizes:
         max_keys = max(next_power_of_two(max_retained), MIN_DOT_DIM)
         if itemsize >= 4:
             block_q = min(block_q, max(MIN_DOT_DIM, 4096 // padded_dim))
-            block_k = min(64, F32_DOT_VOLUME // (block_q * padded_dim), max_keys)
-            num_warps, num_stages = 16, 1
+            decode = query_rows <= block_q
+            if query_rows <= MIN_DOT_DIM:  # one 16-row tile: 8 warps, 32 keys (see above)
+                block_k, num_warps = min(32, max_keys), 8
+            else:
+                block_k, num_warps = min(64, F32_DOT_VOLUME // (block_q * padded_dim), max_keys), 16
+            num_stages = 1
         else:
             block_q = min(block_q, 64)
+            decode = query_rows <= block_q
             block_k = min(32 if padded_dim > 128 else 64, max_keys)
             num_warps, num_stages = (8 if block_q * padded_dim >= 4096 else 4), 2
-        split_keys = max(DECODE_SPLIT_KEYS, block_k)
-        decode = query_rows <= block_q and max_retained > split_keys
-        if decode and itemsize >= 4:  # the split's bounds and sink seed cost registers: half the keys
-            block_k = max(MIN_DOT_DIM, block_k // 2)
+        split_keys = None
+        splits = -(-DECODE_PROGRAMS_PER_ROW // max(kv_heads, 1))
+        if decode and splits > 1:
+            per_split = -(-max_retained // splits)
+            split_keys = max(DECODE_SPLIT_KEYS, block_k, -(-per_split // block_k) * block_k)
+            if max_retained <= split_keys:
+                split_keys = None
         return cls(
             block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-            split_keys=split_keys if decode else None,
+            split_keys=split_keys,
         )  # fmt: skip

@@ -141,10 +141,14 @@ def test_split_walk_with_two_rows_per_request_a_padding_row_and_both_score_terms
 
 
 def test_default_tiles_split_a_long_decode():
-    # BlockSizes.default: 306 retained keys, float32: key blocks of 32 (half), 128 keys a program.
+    # BlockSizes.default: 306 retained keys on 2 KV heads, float32: 4 programs a row's KV head would walk
+    # 77 keys, under the least a split walks (128 keys, in key blocks of 32): 3 splits.
     case = cases.make_case("default_split", seed=123, batch=2, steps=1, window=300, written=[400, 1000])
-    blocks = BlockSizes.default(query_rows=2, head_dim=32, max_retained=case.max_retained, itemsize=4)
-    assert (blocks.block_k, blocks.split_keys) == (32, 128)
+    assert _arrays(case)[1].shape[2] == 2  # k: [B, T, G, D]
+    blocks = BlockSizes.default(
+        query_rows=2, head_dim=32, max_retained=case.max_retained, kv_heads=2, itemsize=4
+    )
+    assert (blocks.block_k, blocks.num_warps, blocks.split_keys) == (32, 8, 128)
     assert _grid(case, None) == (2, 2, 3)
     _check(case, block_sizes=None)
 
@@ -253,23 +257,36 @@ def test_empty_step_gives_empty_output():
 
 
 def test_default_block_sizes_are_triton_legal():
-    for query_rows, head_dim, max_retained in [(1, 64, 0), (2, 128, 20), (64, 256, 4096), (1024, 80, 300)]:
-        blocks = BlockSizes.default(query_rows=query_rows, head_dim=head_dim, max_retained=max_retained)
-        assert 16 <= blocks.block_q <= 64
-        assert 16 <= blocks.block_k <= 64
+    shapes = [(1, 64, 0, 1), (2, 128, 20, 2), (64, 256, 4096, 8), (1024, 80, 300, 1), (4, 256, 8192, 1)]
+    for query_rows, head_dim, max_retained, kv_heads in shapes:
+        for itemsize in (2, 4):
+            blocks = BlockSizes.default(
+                query_rows=query_rows, head_dim=head_dim, max_retained=max_retained, kv_heads=kv_heads,
+                itemsize=itemsize,
+            )  # fmt: skip
+            assert 16 <= blocks.block_q <= 64
+            assert 16 <= blocks.block_k <= 64
 
 
 @pytest.mark.parametrize("itemsize", [2, 4])
 def test_default_block_sizes_split_a_decode_walk_only(itemsize):
     default = functools.partial(BlockSizes.default, head_dim=256, itemsize=itemsize)
     # Gemma 3 270M's decode (4 query heads on 1 KV head), a global layer of up to 1,024 retained keys:
-    # 128 keys a program; float32 takes half the key block.
-    assert default(query_rows=4, max_retained=1024).split_keys == 128
-    unsplit = default(query_rows=128 * 4, max_retained=1024).block_k
-    assert default(query_rows=4, max_retained=1024).block_k == (16 if itemsize == 4 else unsplit)
-    assert default(query_rows=4, max_retained=129).split_keys == 128
-    assert default(query_rows=4, max_retained=128).split_keys is None  # one split's worth: no split
-    assert default(query_rows=128 * 4, max_retained=1024).split_keys is None  # a prefill chunk
+    # 8 programs a row, 128 keys each.
+    gemma = default(query_rows=4, max_retained=1024, kv_heads=1)
+    assert gemma.split_keys == 128
+    # float32 decode tiles: 8 warps, 32 keys a block (D 256); 16-bit ones keep theirs.
+    assert (gemma.block_k, gemma.num_warps) == (32, 8)
+    assert default(query_rows=4, max_retained=129, kv_heads=1).split_keys == 128  # the least a split walks
+    assert default(query_rows=4, max_retained=128, kv_heads=1).split_keys is None  # one split's worth
+    assert default(query_rows=4, max_retained=8192, kv_heads=1).split_keys == 1024  # 8 splits
+    assert default(query_rows=4, max_retained=8192, kv_heads=2).split_keys == 2048  # 4 splits of 2 heads
+    # A row of 8 KV heads is 8 programs already: unsplit (the H200's 128-row decode streamed 0.70 of
+    # copy unsplit, 0.56 split).
+    assert default(query_rows=4, max_retained=8192, kv_heads=8).split_keys is None
+    prefill = default(query_rows=128 * 4, max_retained=1024, kv_heads=1)
+    assert prefill.split_keys is None
+    assert prefill.num_warps == (16 if itemsize == 4 else 8)
 
 
 @pytest.mark.parametrize("split_keys", [0, -16, 24, 16.0, True, "32"])
