@@ -84,7 +84,7 @@ TRACES="$(mktemp -d)"  # the summaries travel, not the traces (tens of MB)
 trap 'rm -rf "$TRACES"' EXIT
 step engine "$PYTHON" -m benchmarks.engine "${ENGINE[@]}" --trace "$TRACES/engine"
 step gemma "$PYTHON" -m benchmarks.gemma_decode "${GEMMA[@]}" --trace "$TRACES/gemma"
-step profile "$PYTHON" -m benchmarks.trace_summary "$TRACES/engine" "$TRACES/gemma" --top 12
+step profile "$PYTHON" -m benchmarks.trace_summary "$TRACES/engine" "$TRACES/gemma" --top 20
 
 figure() {  # figure NAME PATTERN: the last line of NAME's log matching PATTERN, trimmed
   grep -E "$2" "$OUT/$1.log" 2>/dev/null | tail -1 | sed -E 's/^ +//; s/ +/ /g'

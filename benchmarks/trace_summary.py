@@ -5,7 +5,8 @@ session (`benchmarks/device_session.sh`) summarises both, since the trace files 
 back from a lent machine. For each device lane (a `/device:` process: a GPU or TPU), its span from the
 first op's start to the last op's end, the time some op ran (busy) and their ratio; the ops that took
 the most device time; and the host's events with the most time, inclusive of what they call (nested
-events are each counted, so their totals do not add up to the wall time).
+events are each counted, so their totals do not add up to the wall time), then with the most self time
+(outside the events nested in them, on their thread: where the host's time went).
 
 Run: python -m benchmarks.trace_summary DIR_OR_FILE [DIR_OR_FILE ...] [--top N]
 """
@@ -113,8 +114,35 @@ def _ops(events: Sequence[dict]) -> tuple[Op, ...]:
     return tuple(sorted(ops, key=lambda op: -op.total_us))
 
 
-def summarise(events: Sequence[dict]) -> tuple[tuple[Lane, ...], tuple[Op, ...]]:
-    """(device lanes, the host's events by inclusive time) of complete (`"ph": "X"`) events."""
+def self_times(events: Sequence[dict]) -> list[dict]:
+    """`events` (complete ones) with each `dur` less the time of the events nested directly in it on its
+    thread (`pid`, `tid`): what it spent itself. An event nests in the latest one open at its start that
+    it ends within."""
+    out = []
+    by_thread: dict[tuple, list[dict]] = collections.defaultdict(list)
+    for e in events:
+        by_thread[e.get("pid"), e.get("tid")].append(e)
+    for thread in by_thread.values():
+        stack: list[list] = []  # [event, end, time of its direct children]
+        for e in sorted(thread, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0)))):
+            start, dur = float(e["ts"]), float(e.get("dur", 0.0))
+            while stack and not (start < stack[-1][1] and start + dur <= stack[-1][1]):
+                out.append(_closed(stack.pop()))
+            if stack:
+                stack[-1][2] += dur
+            stack.append([e, start + dur, 0.0])
+        out.extend(_closed(entry) for entry in reversed(stack))
+    return out
+
+
+def _closed(entry: list) -> dict:
+    event, _, children = entry
+    return {**event, "dur": max(0.0, float(event.get("dur", 0.0)) - children)}
+
+
+def summarise(events: Sequence[dict]) -> tuple[tuple[Lane, ...], tuple[Op, ...], tuple[Op, ...]]:
+    """(device lanes, the host's events by inclusive time, the host's events by self time) of complete
+    (`"ph": "X"`) events."""
     process = {
         e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
     }
@@ -129,10 +157,10 @@ def summarise(events: Sequence[dict]) -> tuple[tuple[Lane, ...], tuple[Op, ...]]
         intervals = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in mine]
         span = max(end for _, end in intervals) - min(start for start, _ in intervals)
         lanes.append(Lane(name, span, busy_time(intervals), _ops(mine)))
-    return tuple(lanes), _ops(host)
+    return tuple(lanes), _ops(host), _ops(self_times(host))
 
 
-def report(lanes: Sequence[Lane], host: Sequence[Op], *, top: int) -> list[str]:
+def report(lanes: Sequence[Lane], host: Sequence[Op], host_self: Sequence[Op] = (), *, top: int) -> list[str]:
     """The summary's lines."""
     lines = []
     for lane in lanes:
@@ -149,11 +177,17 @@ def report(lanes: Sequence[Lane], host: Sequence[Op], *, top: int) -> list[str]:
             )
     if not lanes:
         lines.append("no device lane (on a CPU, XLA's work runs on the host's threads, below)")
-    lines.append(f"host, inclusive times (nested events each counted), top {top}:")
-    lines.append(f"  {'ms':>9} {'count':>7} {'median µs':>10}  event")
-    for op in host[:top]:
-        lines.append(f"  {op.total_us / 1e3:9.2f} {op.count:7d} {op.median_us:10.1f}  {op.name[:90]}")
+    lines += _host_table("host, inclusive times (nested events each counted)", host, top)
+    if host_self:
+        lines += _host_table("host, self times (outside their nested events)", host_self, top)
     return lines
+
+
+def _host_table(title: str, ops: Sequence[Op], top: int) -> list[str]:
+    lines = [f"{title}, top {top}:", f"  {'ms':>9} {'count':>7} {'median µs':>10}  event"]
+    return lines + [
+        f"  {op.total_us / 1e3:9.2f} {op.count:7d} {op.median_us:10.1f}  {op.name[:90]}" for op in ops[:top]
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -171,9 +205,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     shares = []
     for given, path in zip(args.traces, paths, strict=True):
-        lanes, host = summarise(load_events(path))
+        lanes, host, host_self = summarise(load_events(path))
         print(f"benchmarks/trace_summary.py: {path}")
-        print("\n".join(report(lanes, host, top=args.top)) + "\n")
+        print("\n".join(report(lanes, host, host_self, top=args.top)) + "\n")
         busy = ", ".join(f"{lane.busy_us / lane.span_us:.2f}" for lane in lanes if lane.span_us)
         shares.append(f"{given.name} {busy or 'no device lane'}")
     print(f"device busy ÷ span: {'; '.join(shares)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import gzip
 import json
 import os
@@ -43,7 +44,7 @@ def test_summarise_splits_device_lanes_from_the_host():
         _op(1, "copy", 160, 10),  # overlaps the second attention (another stream): counted once
         _op(2, "step", 90, 200), _op(2, "dispatch", 95, 20), {"ph": "i", "pid": 1, "name": "marker", "ts": 0},
     ])  # fmt: skip
-    (lane,), host = trace_summary.summarise(events)
+    (lane,), host, host_self = trace_summary.summarise(events)
     assert lane.name == "/device:GPU:0"
     assert lane.span_us == 200 - 100
     assert lane.busy_us == 30 + 5 + 50
@@ -51,10 +52,44 @@ def test_summarise_splits_device_lanes_from_the_host():
         ("attention", 2, 80, 40), ("copy", 1, 10, 10), ("matmul", 1, 5, 5),
     ]  # fmt: skip
     assert [(op.name, op.total_us) for op in host] == [("step", 200), ("dispatch", 20)]
+    assert [(op.name, op.total_us) for op in host_self] == [("step", 180), ("dispatch", 20)]
     lines = trace_summary.report([lane], host, top=1)
     assert lines[0] == "/device:GPU:0: busy 0.1 of 0.1 ms (busy ÷ span 0.85), 4 ops"
     assert sum("attention" in line for line in lines) == 1
     assert not any("copy" in line for line in lines)
+
+
+def _nested(rng, lo: int, hi: int, depth: int, tid: int) -> list[dict]:
+    """Disjoint events within [lo, hi) on thread `tid`, each with events nested in it, as a thread's are
+    (none spans all of [lo, hi): which of two equal events nests in the other is anyone's guess)."""
+    events, at = [], lo
+    while depth and at < hi - 2 and rng.random() < 0.7:
+        start = int(rng.integers(at, hi - 1))
+        end = int(rng.integers(start + 1, hi + (start > lo)))
+        events.append({"ph": "X", "pid": 2, "tid": tid, "name": f"e{len(events)}d{depth}", "ts": start,
+                       "dur": end - start})  # fmt: skip
+        events += _nested(rng, start, end, depth - 1, tid)
+        at = end
+    return events
+
+
+def test_self_times_are_what_no_nested_event_covers():
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        events = _nested(rng, 0, 200, 4, tid=1) + _nested(rng, 0, 200, 3, tid=2)
+        rng.shuffle(events)
+        # Brute force: each time unit belongs to the innermost (shortest) event of its thread covering it.
+        expected = collections.Counter()
+        for tid in (1, 2):
+            mine = [e for e in events if e["tid"] == tid]
+            for t in range(200):
+                covering = [e for e in mine if e["ts"] <= t < e["ts"] + e["dur"]]
+                if covering:
+                    innermost = min(covering, key=lambda e: e["dur"])
+                    expected[tid, innermost["name"], innermost["ts"]] += 1
+        got = {(e["tid"], e["name"], e["ts"]): e["dur"] for e in trace_summary.self_times(events)}
+        assert len(got) == len(events)
+        assert got == {key: expected.get(key, 0) for key in got}
 
 
 def test_main_reads_the_newest_trace_below_a_folder(tmp_path, capsys):
