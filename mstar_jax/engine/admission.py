@@ -2,8 +2,8 @@
 step does when a resource refuses some of its rows.
 
 - `AllocationFailed` (no free slot): offload an idle stream (paused by its client) from the resource
-  that ran out and retry; with none to offload, hold the refused request for `hold_backoff_s` and run
-  the others.
+  that ran out and retry; with none to offload, hold for `hold_backoff_s` the refused request and every
+  other row's that no free slot is left for, and run the others.
 - `RequestOffloading` (the request's state is on the host): reload it and retry; if it does not fit
   yet, treat it as `AllocationFailed`.
 - `AdmitRuntimeError` (terminal), or an admit that raises: find the request(s) it is about by admitting
@@ -73,7 +73,7 @@ class Admission:
                 self._counters["allocation_failed"] += 1
                 if self._evict(node, full.failed_resource, exclude=rids):
                     continue
-                rows = self.hold(rows, {reason.request_id})
+                rows = self.hold(rows, self._left_out(node, full.failed_resource, rows, reason.request_id))
             elif not full.ok and isinstance(reason, RequestOffloading):
                 if node.runner.reload(reason.request_id) or (
                     self._evict(node, full.failed_resource, exclude=rids)
@@ -143,6 +143,19 @@ class Admission:
             return FullAdmitOutcome(
                 AdmitOutcome(False, False, AdmitRuntimeError(f"admit raised {err!r}")), node.key
             )
+
+    @staticmethod
+    def _left_out(node: Node, key: str | None, rows: list, refused: str) -> set[str]:
+        """`refused` and the requests of `rows` (in bucket order) that would need a slot of cache `key`
+        past its free ones. The cache claims first slots in row order, all or none, naming the first
+        request left out: holding those past it together is where refusing them one by one, a declare
+        and an admit each, ends (a crowd of new streams at a full cache cost one retry, not one each)."""
+        manager = node.runner[key or node.key]
+        need = [
+            rid for rid in (r.stream.request_id for r in rows)
+            if manager.slot_of(rid) is None and not manager.is_offloaded(rid)
+        ]  # fmt: skip
+        return {refused, *need[manager.free_slots :]}
 
     def hold(self, rows: list, rids: set[str]) -> list:
         """Hold the requests `rids` for `hold_backoff_s`; return the other rows."""

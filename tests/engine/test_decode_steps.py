@@ -18,6 +18,7 @@ import pytest
 from benchmarks.soak import FakeClock
 from mstar_jax.compile import ExecutableStore
 from mstar_jax.engine import Engine, Phase, TTSPrograms, tts_buckets
+from mstar_jax.engine.admission import Admission
 from mstar_jax.engine.build import EXECUTABLES
 from mstar_jax.engine.faults import inject_faults
 from mstar_jax.models.streaming_tts.model import TALKER_DECODE
@@ -102,6 +103,34 @@ def test_each_member_of_a_crowd_hears_what_it_hears_alone_at_one_step(blocks, al
     assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
     if pipelined:
         assert engine.overlap["rows_fed_on_device"] > 0
+
+
+def test_new_streams_at_a_full_cache_are_held_together_after_one_refusal(blocks, alone, monkeypatch):
+    """Both talker slots are taken and two new streams arrive: their prefill step is refused once
+    (AllocationFailed names the first) and both are held, not one refusal, declare and admit a row; every
+    stream still hears what it hears alone."""
+    attempts, admit = [], Admission.admit
+
+    def counted(self, node, rows, bucket=None):
+        before = self._counters["allocation_failed"]
+        out = admit(self, node, rows, bucket)
+        attempts.append((len(rows), self._counters["allocation_failed"] - before))
+        return out
+
+    monkeypatch.setattr(Admission, "admit", counted)
+    engine = block_engine(blocks)
+    running = [engine.submit(request(f"run{i}", VOICES[i], 70, 4, seed=i)) for i in range(2)]
+    while engine.talker.free_slots:
+        engine.step()
+    late = [engine.submit(request(f"new{i}", VOICES[2 - i], 6, 3, seed=5 + i)) for i in range(2)]
+    attempts.clear()
+    engine.run_until_idle()
+    assert (2, 1) in attempts  # a step of both new rows at the full cache, refused once
+    assert max(refused for _, refused in attempts) == 1
+    assert engine.counters["holds"] >= 2
+    for stream in running + late:
+        assert_complete(stream)
+        assert_same_output(stream, alone(stream.request))
 
 
 def test_a_stream_offloaded_and_reloaded_between_blocks_hears_what_it_hears_alone(blocks, alone, pipelined):
