@@ -89,6 +89,9 @@ class BlockSizes:
           at D 64-256, split or not (at most 144 registers), where [16, 16] at 8 warps spilled 24 B
           (D 256) and 4 warps spilled at D 128 and 256. On the H200, Gemma 3's decode tile (8 rows,
           512 keys, D 256) ran in 81 µs so, against 192 µs at 16 warps; 2 stages ran 2-5× slower.
+          A larger decode-shaped tile (17-64 rows at small DP) keeps 16 warps, split at half the key
+          block: with both score terms, a split [16, 64] at D 128 and 16 warps spilled 40 B, [16, 32]
+          none.
         * A decode-shaped step (query rows within one `block_q` tile) is split (flash-decoding) when its
           row has fewer than `DECODE_PROGRAMS_PER_ROW` KV heads: into that many programs over its KV
           heads, each walking at least `DECODE_SPLIT_KEYS` keys (and whole key blocks). On the H200:
@@ -127,6 +130,8 @@ class BlockSizes:
             split_keys = max(DECODE_SPLIT_KEYS, block_k, -(-per_split // block_k) * block_k)
             if max_retained <= split_keys:
                 split_keys = None
+        if split_keys and num_warps == 16:  # a split's bounds and sink seed cost registers: half the keys
+            block_k = max(MIN_DOT_DIM, block_k // 2)
         return cls(
             block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
             split_keys=split_keys,

@@ -289,6 +289,14 @@ def test_default_block_sizes_split_a_decode_walk_only(itemsize):
     assert prefill.num_warps == (16 if itemsize == 4 else 8)
 
 
+def test_a_wider_float32_decode_tile_keeps_16_warps_and_splits_at_half_the_key_block():
+    # 32 query rows per KV head at D 64 (a 4-token step of 8 grouped heads): one query block of 32.
+    default = functools.partial(BlockSizes.default, query_rows=32, head_dim=64, max_retained=1024, itemsize=4)
+    split, unsplit = default(kv_heads=1), default(kv_heads=8)
+    assert (split.block_q, split.block_k, split.num_warps, split.split_keys) == (32, 32, 16, 128)
+    assert (unsplit.block_q, unsplit.block_k, unsplit.num_warps, unsplit.split_keys) == (32, 64, 16, None)
+
+
 @pytest.mark.parametrize("split_keys", [0, -16, 24, 16.0, True, "32"])
 def test_split_keys_must_be_a_multiple_of_the_key_block(split_keys):
     with pytest.raises(ValueError, match=rf"split_keys={split_keys!r} must be None or a positive multiple"):
