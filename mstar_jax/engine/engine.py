@@ -222,6 +222,8 @@ class ServingEngine:
         stream.last_step_at = stream.submitted_at
         for node in self.nodes.values():
             node.runner.ingest_request(rid)
+        if self.served.table is not None:
+            self.served.table.attach(stream)
         self.streams[rid] = stream
         self.finished.pop(rid, None)
         return stream
@@ -391,6 +393,8 @@ class ServingEngine:
             node.runner.remove_request(rid)
         stream.phase, stream.failure, stream.finished_at = phase, failure, self.clock()
         stream.error = None if failure is None else str(failure)
+        if self.served.table is not None:
+            self.served.table.detach(stream)  # its columns move back onto the client's handle
         self.streams.pop(rid, None)
         self.finished[rid] = stream
         if self.history is not None and len(self.finished) > self.history:

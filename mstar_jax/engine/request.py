@@ -24,6 +24,7 @@ from mstar_jax.serving.stream import (
     StepFailedError,
 )
 from mstar_jax.serving.stream import Stream as ServedStream
+from mstar_jax.serving.table import Column
 
 __all__ = [
     "AudioChunk",
@@ -110,7 +111,7 @@ class Stream(ServedStream):
     has the fields every request has: phase, failure, timings, pause, holds, faults).
 
     Attributes:
-      codes: the codec frames generated so far.
+      codes: the codec frames generated so far (`add_codes` and `keep_codes` change it).
       chunks: the audio chunks decoded so far, in order.
       on_chunk: called with each new chunk (from the engine's thread).
       first_audio_at: clock stamp of its first chunk (None until then).
@@ -121,23 +122,57 @@ class Stream(ServedStream):
       codes_in_flight: codes of talker steps dispatched but not read back yet (a pipelined engine).
       feed: `(talker step, row)`: where the newest of those codes sits in that step's device output,
         which the next talker step reads its input token from; None once read.
+
+    The counters, the feed and what the scheduler reads of the request (`frames`, `prompt_len`, the
+    voice's `voice_frames` and `voice_index`, `codes_read` and `last_code` of `codes`) are `Column`s,
+    in the engine's `StreamTable` while it serves the stream (`TTSServing.table`).
     """
 
     codes: list[int] = dataclasses.field(default_factory=list)
     chunks: list[AudioChunk] = dataclasses.field(default_factory=list)
     on_chunk: Callable[[AudioChunk], None] | None = None
     first_audio_at: float | None = None
-    prefilled: int = 0
-    talker_written: int = 0
-    flow_written: int = 0
+    prefilled: int = Column(np.int64, 0)
+    talker_written: int = Column(np.int64, 0)
+    flow_written: int = Column(np.int64, 0)
     replay_codes: tuple[int, ...] = ()
-    codes_in_flight: int = 0
-    feed: tuple[int, int] | None = None
+    codes_in_flight: int = Column(np.int64, 0)
+    feed_step: int = dataclasses.field(default=Column(np.int64, -1), init=False, repr=False)
+    feed_index: int = dataclasses.field(default=Column(np.int64, -1), init=False, repr=False)
+    codes_read: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
+    last_code: int = dataclasses.field(default=Column(np.int64, -1), init=False, repr=False)
+    frames: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
+    prompt_len: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
+    """Tokens the talker reads before its first frame: the text and BOS."""
+    voice_frames: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
+    voice_index: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        request = self.request
+        self.frames, self.prompt_len = request.frames, len(request.text) + 1
+        self.voice_frames, self.voice_index = request.voice.frames, request.voice.index
+        if self.codes:
+            self.codes_read, self.last_code = len(self.codes), self.codes[-1]
 
     @property
-    def prompt_len(self) -> int:
-        """Tokens the talker reads before its first frame: the text and BOS."""
-        return len(self.request.text) + 1
+    def feed(self) -> tuple[int, int] | None:
+        step = self.feed_step
+        return None if step < 0 else (step, self.feed_index)
+
+    @feed.setter
+    def feed(self, feed: tuple[int, int] | None) -> None:
+        self.feed_step, self.feed_index = (-1, -1) if feed is None else feed
+
+    def add_codes(self, codes: list[int]) -> None:
+        """Append generated codes (at least one)."""
+        self.codes.extend(codes)
+        self.codes_read, self.last_code = len(self.codes), codes[-1]
+
+    def keep_codes(self, count: int) -> None:
+        """Drop every code after the first `count` (a rewind)."""
+        del self.codes[count:]
+        self.codes_read, self.last_code = len(self.codes), (self.codes[-1] if self.codes else -1)
 
     @property
     def talker_done(self) -> bool:

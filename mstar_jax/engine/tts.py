@@ -48,6 +48,7 @@ from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps, notify
 from mstar_jax.serving.stream import DECODE, FLUSH, PREFILL, Phase
+from mstar_jax.serving.table import StreamTable, slots_of
 from mstar_jax.settings import EngineSettings
 
 __all__ = ["Engine", "TTSServing"]
@@ -101,6 +102,7 @@ class TTSServing(ServedModel):
         self._prefill_room = buckets[TALKER_MIXED].prefill_rows[-1] if TALKER_MIXED in buckets else 0
         self._flow_chunk = min(model.config.flow_chunk, buckets.max_tokens(FLOW_CHUNK))
         self._warm_up_voice: Voice | None = None
+        self.table = StreamTable(Stream)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -129,18 +131,17 @@ class TTSServing(ServedModel):
     def rows(
         self, node: Node, streams: Sequence[Stream], *, now: float, max_batch: int, in_flight: int | None
     ) -> list[tuple[list, str | None]]:
+        # `streams` are the table's streams: the scheduler reads their state there.
         if node.name == FLOW:
-            return [(flow_rows(streams, now=now, max_batch=max_batch, chunk=self._flow_chunk), FLOW_CHUNK)]
-        rows = {
-            "now": now, "max_batch": max_batch, "prefill_tokens": self._prefill_tokens,
-            "bos": self.model.bos, "text_vocab": self.model.text_vocab, "in_flight": in_flight,
-            "decode_steps": self.decode_steps,
-        }  # fmt: skip
-        decode, prefill = talker_rows(streams, prefill_room=self._prefill_room, **rows)
-        if self._prefill_room:
+            return [(flow_rows(self.table, now=now, max_batch=max_batch, chunk=self._flow_chunk), FLOW_CHUNK)]
+        combined = bool(self._prefill_room)  # else (decode blocks) prefill runs as its own program
+        decode, prefill = talker_rows(
+            self.table, now=now, max_batch=max_batch, prefill_tokens=self._prefill_tokens,
+            prefill_room=self._prefill_room if combined else None, bos=self.model.bos,
+            text_vocab=self.model.text_vocab, in_flight=in_flight, decode_steps=self.decode_steps,
+        )  # fmt: skip
+        if combined:
             return [(decode + prefill, None)]
-        if decode:  # no combined walk (decode blocks): prefill runs as its own program
-            _, prefill = talker_rows([s for s in streams if s.phase is not DECODE], prefill_room=0, **rows)
         return [(decode, TALKER_DECODE), (prefill, TALKER_PREFILL)]
 
     def choose_bucket(self, node: Node, rows: Sequence, *, rows_per_shard: int | None = None):
@@ -159,11 +160,12 @@ class TTSServing(ServedModel):
 
     def positions(self, node: Node, streams: Sequence[Stream]) -> np.ndarray:
         # `Voice.position`, a batch at once: i64[B, 3] of (source_len, written, source).
-        if node.name == FLOW:
-            table = [(s.request.voice.frames, s.flow_written, s.request.voice.index) for s in streams]
-        else:
-            table = [(s.request.voice.frames, s.talker_written, s.request.voice.index) for s in streams]
-        return np.fromiter(itertools.chain.from_iterable(table), np.int64, 3 * len(table)).reshape(-1, 3)
+        slots, c = slots_of(streams), self.table.columns
+        if (slots < 0).any():  # a stream the engine does not serve (yet): read from the objects
+            table = [(s.voice_frames, s.written_in(node.name), s.voice_index) for s in streams]
+            return np.array(table, np.int64).reshape(-1, 3)
+        written = c["flow_written" if node.name == FLOW else "talker_written"]
+        return np.stack([c["voice_frames"][slots], written[slots], c["voice_index"][slots]], axis=1)
 
     def block_steps(self, bucket) -> int:
         return bucket.num_tokens if bucket.graph_walk == TALKER_DECODE else 1
@@ -174,54 +176,56 @@ class TTSServing(ServedModel):
     # -- outputs ------------------------------------------------------------------------------------
 
     def dispatched(self, step: InFlight, now: float) -> None:
+        # Every row's counters at once, in the table (a step's rows are distinct live streams).
+        slots, c = slots_of(row.stream for row in step.rows), self.table.columns
+        if (slots < 0).any():  # the engine dispatches only live streams' rows
+            raise RuntimeError(f"a {step.node.name} step was dispatched with a stream that has ended")
+        c["last_step_at"][slots] = now
         if step.node.name == FLOW:
-            for row in step.rows:
-                stream = row.stream
-                stream.flow_written += len(row.codes)  # the row's span
-                stream.last_step_at = now
+            c["flow_written"][slots] += [len(row.codes) for row in step.rows]  # each row's span
             return
-        emits, steps, serial = [], self.decode_steps, step.serial
-        for row, index in zip(step.rows, step.indices, strict=True):
-            stream = row.stream
-            stream.last_step_at = now
-            # A decode row's block gives a code per step; a prompt's last chunk gives the first code.
-            if row.decode:
-                stream.talker_written += row.steps
-                emit = row.steps
-            else:
-                stream.talker_written += len(row.tokens)
-                stream.prefilled += len(row.tokens)
-                stream.phase = PREFILL
-                emit = int(stream.prefilled == stream.prompt_len)
-            emits.append(emit)
-            if emit:
-                stream.codes_in_flight += emit
-                stream.feed = (serial, index * steps + emit - 1)  # its newest code, flattened
-                stream.phase = DECODE
-            if len(stream.codes) + stream.codes_in_flight >= stream.request.frames:  # all scheduled
-                stream.phase = FLUSH  # its talker slot is freed once its last code is read
-        step.emits = tuple(emits)
+        n = len(slots)
+        decode = np.fromiter([row.decode for row in step.rows], bool, n)
+        span = np.fromiter([row.span for row in step.rows], np.int64, n)
+        c["talker_written"][slots] += span
+        prefill = slots[~decode]
+        c["prefilled"][prefill] += span[~decode]
+        c["phase"][prefill] = PREFILL.code
+        # A decode row's block gives a code per step; a prompt's last chunk gives the first code.
+        emits = np.where(decode, span, c["prefilled"][slots] == c["prompt_len"][slots])
+        emitting = emits > 0
+        coming, emit = slots[emitting], emits[emitting]
+        c["codes_in_flight"][coming] += emit
+        c["feed_step"][coming] = step.serial  # its newest code, flattened
+        c["feed_index"][coming] = np.asarray(step.indices, np.int64)[emitting] * self.decode_steps + emit - 1
+        c["phase"][coming] = DECODE.code
+        scheduled = c["codes_read"][slots] + c["codes_in_flight"][slots] >= c["frames"][slots]
+        c["phase"][slots[scheduled]] = FLUSH.code  # its talker slot is freed once its last code is read
+        step.emits = emits
 
     def read(self, step: InFlight, outputs: Any, now: float, ops: StreamOps) -> None:
         if step.node.name == FLOW:
             self._flow_read(step, outputs, now, ops)
             return
-        n = len(step.indices)  # every row's block of codes, in one conversion (rows 0 .. n - 1: a slice)
-        codes = (outputs[:n] if step.indices == list(range(n)) else outputs[step.indices]).tolist()
-        serial, steps = step.serial, self.decode_steps
-        for row, index, emits, block in zip(step.rows, step.indices, step.emits, codes, strict=True):
-            stream = row.stream
-            if not emits or stream.phase.finished:
-                continue
-            if stream.feed == (serial, index * steps + emits - 1):
-                stream.feed = None
-            stream.codes_in_flight -= emits
-            stream.faults = 0
+        n = len(step.indices)  # every row's block of codes (rows 0 .. n - 1: a slice)
+        codes = outputs[:n] if step.indices == list(range(n)) else outputs[step.indices]
+        # The rows still served (one ended since dispatch left the table) that have codes coming.
+        slots, emits = slots_of(row.stream for row in step.rows), step.emits
+        taken = np.flatnonzero((slots >= 0) & (emits > 0))
+        slots, emits, c = slots[taken], emits[taken], self.table.columns
+        newest = np.asarray(step.indices, np.int64)[taken] * self.decode_steps + emits - 1
+        read = (c["feed_step"][slots] == step.serial) & (c["feed_index"][slots] == newest)
+        c["feed_step"][slots[read]], c["feed_index"][slots[read]] = -1, -1
+        c["codes_in_flight"][slots] -= emits
+        c["faults"][slots] = 0
+        rows = step.rows
+        for i, block, emit in zip(taken.tolist(), codes[taken].tolist(), emits.tolist(), strict=True):
+            stream = rows[i].stream
             if stream.replay_codes:
-                if not self._append_codes(stream, block[:emits], ops):
+                if not self._append_codes(stream, block[:emit], ops):
                     continue
             else:
-                stream.codes.extend(block[:emits])
+                stream.add_codes(block[:emit])
             if len(stream.codes) >= stream.request.frames:  # the talker is done
                 # Held until now, so a fault that loses a step in flight still finds the stream among
                 # the cache's holders, and rewinds it.
@@ -238,7 +242,7 @@ class TTSServing(ServedModel):
                     f"frame {index}, where it had generated {before}"
                 ))  # fmt: skip
                 return False
-        stream.codes.extend(codes)
+        stream.add_codes(codes)
         return True
 
     def _flow_read(self, step: InFlight, outputs: tuple, now: float, ops: StreamOps) -> None:
@@ -299,7 +303,7 @@ class TTSServing(ServedModel):
             return
         if len(stream.codes) > len(stream.replay_codes):  # an earlier replay may still be catching up
             stream.replay_codes = tuple(stream.codes)
-        del stream.codes[codes:]
+        stream.keep_codes(codes)
         stream.codes_in_flight, stream.feed = 0, None  # an engine rewinds only with nothing in flight
         stream.phase, stream.prefilled, stream.talker_written = phase, prefilled, talker_written
 
