@@ -16,6 +16,7 @@ import numpy as np
 from mstar_jax.checks import check_int
 from mstar_jax.engine.voices import Voice
 from mstar_jax.serving.stream import (
+    FedStream,
     Phase,
     ReplayMismatchError,
     RequestCancelledError,
@@ -23,7 +24,6 @@ from mstar_jax.serving.stream import (
     StateLostError,
     StepFailedError,
 )
-from mstar_jax.serving.stream import Stream as ServedStream
 from mstar_jax.serving.table import Column
 
 __all__ = [
@@ -106,25 +106,23 @@ class AudioChunk(NamedTuple):
 
 
 @dataclasses.dataclass(eq=False)
-class Stream(ServedStream):
+class Stream(FedStream):
     """A speech request's progress and output; `request` is its `TTSRequest` (`mstar_jax.serving.Stream`
-    has the fields every request has: phase, failure, timings, pause, holds, faults).
+    has the fields every request has: phase, failure, timings, pause, holds, faults; `FedStream` the
+    talker's prompt read, `prefilled` and `prompt_len` (the text and BOS), and its `feed`).
 
     Attributes:
       codes: the codec frames generated so far (`add_codes` and `keep_codes` change it).
       chunks: the audio chunks decoded so far, in order.
       on_chunk: called with each new chunk (from the engine's thread).
       first_audio_at: clock stamp of its first chunk (None until then).
-      prefilled: prompt tokens (text, then BOS) the talker has read.
       talker_written, flow_written: entries committed to each cache.
       replay_codes: after a fault rewound its talker, the codes it had generated, which the replay
         must generate again.
       codes_in_flight: codes of talker steps dispatched but not read back yet (a pipelined engine).
-      feed: `(talker step, row)`: where the newest of those codes sits in that step's device output,
-        which the next talker step reads its input token from; None once read.
 
-    The counters, the feed and what the scheduler reads of the request (`frames`, `prompt_len`, the
-    voice's `voice_frames` and `voice_index`, `codes_read` and `last_code` of `codes`) are `Column`s,
+    The counters, the feed and what the scheduler reads of the request (`frames`, the voice's
+    `voice_frames` and `voice_index`, `codes_read` and `last_code` of `codes`) are `Column`s,
     in the engine's `StreamTable` while it serves the stream (`TTSServing.table`).
     """
 
@@ -132,18 +130,13 @@ class Stream(ServedStream):
     chunks: list[AudioChunk] = dataclasses.field(default_factory=list)
     on_chunk: Callable[[AudioChunk], None] | None = None
     first_audio_at: float | None = None
-    prefilled: int = Column(np.int64, 0)
     talker_written: int = Column(np.int64, 0)
     flow_written: int = Column(np.int64, 0)
     replay_codes: tuple[int, ...] = ()
     codes_in_flight: int = Column(np.int64, 0)
-    feed_step: int = dataclasses.field(default=Column(np.int64, -1), init=False, repr=False)
-    feed_index: int = dataclasses.field(default=Column(np.int64, -1), init=False, repr=False)
     codes_read: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
     last_code: int = dataclasses.field(default=Column(np.int64, -1), init=False, repr=False)
     frames: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
-    prompt_len: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
-    """Tokens the talker reads before its first frame: the text and BOS."""
     voice_frames: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
     voice_index: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
 
@@ -154,15 +147,6 @@ class Stream(ServedStream):
         self.voice_frames, self.voice_index = request.voice.frames, request.voice.index
         if self.codes:
             self.codes_read, self.last_code = len(self.codes), self.codes[-1]
-
-    @property
-    def feed(self) -> tuple[int, int] | None:
-        step = self.feed_step
-        return None if step < 0 else (step, self.feed_index)
-
-    @feed.setter
-    def feed(self, feed: tuple[int, int] | None) -> None:
-        self.feed_step, self.feed_index = (-1, -1) if feed is None else feed
 
     def add_codes(self, codes: list[int]) -> None:
         """Append generated codes (at least one)."""

@@ -18,11 +18,16 @@ from typing import NamedTuple
 import numpy as np
 
 from mstar_jax.engine.request import Stream
-from mstar_jax.serving.decoder import DecodeRow
+from mstar_jax.serving.rows import Counters, DecodeRow, decode_rows
 from mstar_jax.serving.stream import DECODE, FLUSH, Phase
 from mstar_jax.serving.table import StreamTable
 
-__all__ = ["FlowRow", "TalkerRow", "flow_rows", "talker_rows"]
+__all__ = ["TALKER_COUNTERS", "FlowRow", "TalkerRow", "flow_rows", "talker_rows"]
+
+TALKER_COUNTERS = Counters(
+    written="talker_written", in_flight="codes_in_flight", made="codes_read", limit="frames", last="last_code"
+)
+"""The talker's count columns in the streams' table (`serving/rows.py`)."""
 
 
 TalkerRow = DecodeRow
@@ -87,24 +92,15 @@ def talker_rows(
     if prefill_room is not None:
         room = max_batch - len(decode)
         prefill = prefill[: min(room, prefill_room) if len(decode) else room]
-    streams, new = table.streams, tuple.__new__
-    left = c["frames"][decode] - c["codes_read"][decode] - c["codes_in_flight"][decode]  # not scheduled
-    steps = np.minimum(decode_steps, left)
-    fed = c["feed_step"][decode] == (-2 if in_flight is None else in_flight)  # its code is on the device
-    tokens = np.where(fed, text_vocab, text_vocab + c["last_code"][decode])
-    feed = np.where(fed, c["feed_index"][decode], -1)
-    decode_rows = [
-        new(TalkerRow, (streams[slot], (token,), True, row_feed, row_steps))
-        for slot, token, row_feed, row_steps in zip(
-            decode.tolist(), tokens.tolist(), feed.tolist(), steps.tolist(), strict=True
-        )
-    ]
     prefill_rows = []
     for slot, done in zip(prefill.tolist(), c["prefilled"][prefill].tolist(), strict=True):
-        stream = streams[slot]
-        chunk = (*stream.request.text, bos)[done : done + prefill_tokens]
-        prefill_rows.append(TalkerRow(stream, chunk, False))
-    return decode_rows, prefill_rows
+        stream = table.streams[slot]
+        prefill_rows.append(
+            TalkerRow(stream, (*stream.request.text, bos)[done : done + prefill_tokens], False)
+        )
+    return decode_rows(
+        table, decode, TALKER_COUNTERS, decode_steps=decode_steps, in_flight=in_flight, offset=text_vocab
+    ), prefill_rows
 
 
 def flow_rows(table: StreamTable, *, now: float, max_batch: int, chunk: int) -> list[FlowRow]:

@@ -32,7 +32,7 @@ from mstar_jax.engine.build import build_from_deployment
 from mstar_jax.engine.engine import ServingEngine
 from mstar_jax.engine.programs import TTSPrograms
 from mstar_jax.engine.request import AudioChunk, ReplayMismatchError, Stream, TTSRequest
-from mstar_jax.engine.scheduler import FlowRow, flow_rows, talker_rows
+from mstar_jax.engine.scheduler import TALKER_COUNTERS, FlowRow, flow_rows, talker_rows
 from mstar_jax.engine.voices import Voice, VoiceBank
 from mstar_jax.models.streaming_tts.model import (
     FLOW_CHUNK,
@@ -47,7 +47,8 @@ from mstar_jax.resources.kv.bounded.config import StreamPosition
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps, notify
-from mstar_jax.serving.stream import DECODE, FLUSH, PREFILL, Phase
+from mstar_jax.serving.rows import count_dispatched, count_read, dispatched_slots
+from mstar_jax.serving.stream import Phase
 from mstar_jax.serving.table import StreamTable, slots_of
 from mstar_jax.settings import EngineSettings
 
@@ -177,31 +178,14 @@ class TTSServing(ServedModel):
 
     def dispatched(self, step: InFlight, now: float) -> None:
         # Every row's counters at once, in the table (a step's rows are distinct live streams).
-        slots, c = slots_of(row.stream for row in step.rows), self.table.columns
-        if (slots < 0).any():  # the engine dispatches only live streams' rows
-            raise RuntimeError(f"a {step.node.name} step was dispatched with a stream that has ended")
-        c["last_step_at"][slots] = now
-        if step.node.name == FLOW:
-            c["flow_written"][slots] += [len(row.codes) for row in step.rows]  # each row's span
+        if step.node.name != FLOW:
+            step.emits = count_dispatched(
+                self.table, step, TALKER_COUNTERS, decode_steps=self.decode_steps, now=now
+            )
             return
-        n = len(slots)
-        decode = np.fromiter([row.decode for row in step.rows], bool, n)
-        span = np.fromiter([row.span for row in step.rows], np.int64, n)
-        c["talker_written"][slots] += span
-        prefill = slots[~decode]
-        c["prefilled"][prefill] += span[~decode]
-        c["phase"][prefill] = PREFILL.code
-        # A decode row's block gives a code per step; a prompt's last chunk gives the first code.
-        emits = np.where(decode, span, c["prefilled"][slots] == c["prompt_len"][slots])
-        emitting = emits > 0
-        coming, emit = slots[emitting], emits[emitting]
-        c["codes_in_flight"][coming] += emit
-        c["feed_step"][coming] = step.serial  # its newest code, flattened
-        c["feed_index"][coming] = np.asarray(step.indices, np.int64)[emitting] * self.decode_steps + emit - 1
-        c["phase"][coming] = DECODE.code
-        scheduled = c["codes_read"][slots] + c["codes_in_flight"][slots] >= c["frames"][slots]
-        c["phase"][slots[scheduled]] = FLUSH.code  # its talker slot is freed once its last code is read
-        step.emits = emits
+        slots, c = dispatched_slots(self.table, step), self.table.columns
+        c["last_step_at"][slots] = now
+        c["flow_written"][slots] += [len(row.codes) for row in step.rows]  # each row's span
 
     def read(self, step: InFlight, outputs: Any, now: float, ops: StreamOps) -> None:
         if step.node.name == FLOW:
@@ -210,14 +194,8 @@ class TTSServing(ServedModel):
         n = len(step.indices)  # every row's block of codes (rows 0 .. n - 1: a slice)
         codes = outputs[:n] if step.indices == list(range(n)) else outputs[step.indices]
         # The rows still served (one ended since dispatch left the table) that have codes coming.
-        slots, emits = slots_of(row.stream for row in step.rows), step.emits
-        taken = np.flatnonzero((slots >= 0) & (emits > 0))
-        slots, emits, c = slots[taken], emits[taken], self.table.columns
-        newest = np.asarray(step.indices, np.int64)[taken] * self.decode_steps + emits - 1
-        read = (c["feed_step"][slots] == step.serial) & (c["feed_index"][slots] == newest)
-        c["feed_step"][slots[read]], c["feed_index"][slots[read]] = -1, -1
-        c["codes_in_flight"][slots] -= emits
-        c["faults"][slots] = 0
+        taken = count_read(self.table, step, TALKER_COUNTERS, decode_steps=self.decode_steps)
+        emits = np.asarray(step.emits)[taken]
         rows = step.rows
         for i, block, emit in zip(taken.tolist(), codes[taken].tolist(), emits.tolist(), strict=True):
             stream = rows[i].stream

@@ -16,6 +16,7 @@ import numpy as np
 from mstar_jax.serving.table import Column
 
 __all__ = [
+    "FedStream",
     "Phase",
     "ReplayMismatchError",
     "RequestCancelledError",
@@ -121,3 +122,31 @@ class Stream:
     def written_in(self, node: str) -> int:
         """Entries committed to the caches of `node`."""
         raise NotImplementedError
+
+
+@dataclasses.dataclass(eq=False)
+class FedStream(Stream):
+    """A stream of a feeding node (one that generates a token a step, fed to its next step on the device):
+    the prompt it reads and where its newest token waits.
+
+    Attributes:
+      prefilled: prompt tokens read.
+      prompt_len: tokens it reads before it generates (its model sets it).
+      feed: `(step, row)`: where the newest token of its steps in flight sits in that step's device
+        output, which its next step reads its input token from; None once read. Stored as the columns
+        `feed_step` (-1: none) and `feed_index`.
+    """
+
+    prefilled: int = Column(np.int64, 0)
+    prompt_len: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
+    feed_step: int = dataclasses.field(default=Column(np.int64, -1), init=False, repr=False)
+    feed_index: int = dataclasses.field(default=Column(np.int64, -1), init=False, repr=False)
+
+    @property
+    def feed(self) -> tuple[int, int] | None:
+        step = self.feed_step
+        return None if step < 0 else (step, self.feed_index)
+
+    @feed.setter
+    def feed(self, feed: tuple[int, int] | None) -> None:
+        self.feed_step, self.feed_index = (-1, -1) if feed is None else feed
