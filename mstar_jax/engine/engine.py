@@ -106,6 +106,7 @@ class ServingEngine:
         self.steps_run = 0
         self.streams: dict[str, Stream] = {}  # live, in arrival order
         self.finished: dict[str, Stream] = {}
+        self._ended = 0  # streams ended so far: rows formed before one ends are filtered again
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=history)
         self.counters: collections.Counter[str] = collections.Counter()
         # What a pipelined engine overlapped: decode rows whose token stayed on the device, and steps
@@ -334,12 +335,12 @@ class ServingEngine:
                 node, list(self.streams.values()), now=now if turn == 0 else self.clock(),
                 max_batch=self.max_batch, in_flight=None if in_flight is None else in_flight.serial,
             )  # fmt: skip
-            faults = self.counters["faults"]
+            faults, ended = self.counters["faults"], self._ended
             for rows, walk in programs:
                 if self.counters["faults"] != faults:
                     rows = []  # formed before a fault failed or rewound their streams: stale
-                # A client's callback (an earlier program's outputs) may have ended some meanwhile.
-                rows = [row for row in rows if not row.stream.phase.finished]
+                if self._ended != ended:  # a client's callback (an earlier program's outputs) ended some
+                    rows = [row for row in rows if not row.stream.phase.finished]
                 if rows or self.lockstep:  # in lockstep every process enters every program (lockstep.py)
                     ran |= dispatch.run(node, rows, walk)
             if node.feeds:
@@ -396,6 +397,7 @@ class ServingEngine:
         if self.served.table is not None:
             self.served.table.detach(stream)  # its columns move back onto the client's handle
         self.streams.pop(rid, None)
+        self._ended += 1
         self.finished[rid] = stream
         if self.history is not None and len(self.finished) > self.history:
             del self.finished[next(iter(self.finished))]
