@@ -112,7 +112,8 @@ class Stream(FedStream):
     talker's prompt read, `prefilled` and `prompt_len` (the text and BOS), and its `feed`).
 
     Attributes:
-      codes: the codec frames generated so far (`add_codes` and `keep_codes` change it).
+      codes: the codec frames generated so far (`codes_read` and `last_code` follow it: change it
+        with `add_codes` and `keep_codes`, or update those columns with it).
       chunks: the audio chunks decoded so far, in order.
       on_chunk: called with each new chunk (from the engine's thread).
       first_audio_at: clock stamp of its first chunk (None until then).

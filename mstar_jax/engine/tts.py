@@ -194,25 +194,30 @@ class TTSServing(ServedModel):
         n = len(step.indices)  # every row's block of codes (rows 0 .. n - 1: a slice)
         codes = outputs[:n] if step.indices == list(range(n)) else outputs[step.indices]
         # The rows still served (one ended since dispatch left the table) that have codes coming.
-        taken = count_read(self.table, step, TALKER_COUNTERS, decode_steps=self.decode_steps)
-        emits = np.asarray(step.emits)[taken]
-        rows = step.rows
-        for i, block, emit in zip(taken.tolist(), codes[taken].tolist(), emits.tolist(), strict=True):
-            stream = rows[i].stream
-            if stream.replay_codes:
-                if not self._append_codes(stream, block[:emit], ops):
-                    continue
-            else:
-                stream.add_codes(block[:emit])
+        taken, slots = count_read(self.table, step, TALKER_COUNTERS, decode_steps=self.decode_steps)
+        emits, blocks, rows = np.asarray(step.emits)[taken], codes[taken], step.rows
+        kept = np.ones(len(taken), bool)
+        rows_read = zip(taken.tolist(), blocks.tolist(), emits.tolist(), strict=True)
+        for j, (i, block, emit) in enumerate(rows_read):
+            stream, new = rows[i].stream, block[:emit]
+            if stream.replay_codes and not self._replays(stream, new, ops):
+                kept[j] = False  # failed: the stream has left the table
+                continue
+            stream.codes.extend(new)
             if len(stream.codes) >= stream.request.frames:  # the talker is done
                 # Held until now, so a fault that loses a step in flight still finds the stream among
                 # the cache's holders, and rewinds it.
                 ops.release(stream, TALKER)
+        # `Stream.add_codes`'s columns, every stream that took codes at once.
+        slots, emits, c = slots[kept], emits[kept], self.table.columns
+        c["codes_read"][slots] += emits
+        c["last_code"][slots] = blocks[kept, emits - 1]
 
-    def _append_codes(self, stream: Stream, codes: list[int], ops: StreamOps) -> bool:
-        """Add generated codes, in order; after a rewind each must be the code generated there before."""
+    def _replays(self, stream: Stream, codes: list[int], ops: StreamOps) -> bool:
+        """Whether generated codes, the next after the stream's, are those it generated there before a
+        rewind (its `replay_codes`); fail the stream if not."""
         start = len(stream.codes)
-        replayed = stream.replay_codes[start : start + len(codes)] if stream.replay_codes else ()
+        replayed = stream.replay_codes[start : start + len(codes)]
         for index, (code, before) in enumerate(zip(codes, replayed, strict=False), start):  # replaying only
             if code != before:
                 ops.fail(stream, ReplayMismatchError(
@@ -220,7 +225,6 @@ class TTSServing(ServedModel):
                     f"frame {index}, where it had generated {before}"
                 ))  # fmt: skip
                 return False
-        stream.add_codes(codes)
         return True
 
     def _flow_read(self, step: InFlight, outputs: tuple, now: float, ops: StreamOps) -> None:
@@ -245,12 +249,13 @@ class TTSServing(ServedModel):
                 samples[i, : len(row.codes) * SAMPLES_PER_FRAME]
                 for i, row in zip(step.indices, rows, strict=True)
             ]
+        slots = slots_of(row.stream for row in rows)
+        self.table.columns["faults"][slots[slots >= 0]] = 0  # the streams still served: a step came back
         for row, row_codes, row_mel, row_samples in zip(rows, codes, mel, samples, strict=True):
             stream, span = row.stream, len(row.codes)
             if stream.phase.finished:  # cancelled by an earlier row's callback, or before it came back
                 continue
             chunk = AudioChunk(row.start, row_codes, row_mel, row_samples)
-            stream.faults = 0
             if stream.chunks and row.start < stream.frames_decoded:  # replayed: the listener has it
                 if not _same_chunk(chunk, stream.chunks):
                     ops.fail(stream, ReplayMismatchError(

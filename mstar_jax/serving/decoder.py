@@ -372,7 +372,7 @@ class GreedyDecoder(ServedModel):
         step.emits = count_dispatched(self.table, step, COUNTERS, decode_steps=self.decode_steps, now=now)
 
     def read(self, step: InFlight, outputs: Any, now: float, ops: StreamOps) -> None:
-        taken = count_read(self.table, step, COUNTERS, decode_steps=self.decode_steps)
+        taken, _ = count_read(self.table, step, COUNTERS, decode_steps=self.decode_steps)
         indices = np.asarray(step.indices)[taken]
         for i, tokens in zip(taken.tolist(), outputs[indices].tolist(), strict=True):
             stream = step.rows[i].stream

@@ -128,10 +128,16 @@ def count_dispatched(
     return emits
 
 
-def count_read(table: StreamTable, step: InFlight, counters: Counters, *, decode_steps: int) -> np.ndarray:
+def count_read(
+    table: StreamTable, step: InFlight, counters: Counters, *, decode_steps: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Account a step's outputs read back: a stream's tokens are no longer in flight, its feed is cleared
-    if it was this step's, its faults reset. Returns the indices (into `step.rows`) of the rows whose
-    tokens their stream takes: those emitting whose stream is still served."""
+    if it was this step's, its faults reset.
+
+    Returns:
+      (indices into `step.rows`, table slots) of the rows whose tokens their stream takes: those
+      emitting whose stream is still served.
+    """
     slots, emits = slots_of(row.stream for row in step.rows), np.asarray(step.emits, np.int64)
     taken = np.flatnonzero((slots >= 0) & (emits > 0))
     slots, emits, c = slots[taken], emits[taken], table.columns
@@ -140,4 +146,4 @@ def count_read(table: StreamTable, step: InFlight, counters: Counters, *, decode
     c["feed_step"][slots[read]], c["feed_index"][slots[read]] = -1, -1
     c[counters.in_flight][slots] -= emits
     c["faults"][slots] = 0
-    return taken
+    return taken, slots

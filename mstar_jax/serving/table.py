@@ -33,8 +33,8 @@ class Column:
     Args:
       dtype: the column's NumPy type.
       default: the field's value before anything sets it.
-      load, store: the field's value from a stored scalar, and back (default: the Python type of
-        `default`, and the value as it is).
+      load, store: the field's value from the stored Python scalar (`ndarray.item`), and back (default:
+        the value as it is, both ways: an int, float or bool column gives back an int, float or bool).
     """
 
     def __init__(
@@ -46,8 +46,7 @@ class Column:
         store: Callable[[Any], Any] | None = None,
     ):
         self.dtype, self.default = np.dtype(dtype), default
-        self.load = load or type(default)
-        self.store = store or (lambda value: value)
+        self.load, self.store = load, store
         self.name = ""
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -59,14 +58,15 @@ class Column:
         slot = stream._slot
         if slot == _DETACHED:
             return stream.__dict__.get(self.name, self.default)
-        return self.load(stream._table.columns[self.name][slot])
+        value = stream._table.columns[self.name].item(slot)
+        return value if self.load is None else self.load(value)
 
     def __set__(self, stream: Any, value: Any) -> None:
         slot = stream._slot
         if slot == _DETACHED:
             stream.__dict__[self.name] = value
         else:
-            stream._table.columns[self.name][slot] = self.store(value)
+            stream._table.columns[self.name][slot] = value if self.store is None else self.store(value)
 
 
 def columns_of(stream_type: type) -> dict[str, Column]:
@@ -101,8 +101,16 @@ class StreamTable:
 
     def __init__(self, stream_type: type, capacity: int = 64):
         check_int("StreamTable capacity", capacity, minimum=1)
-        self._fields = columns_of(stream_type)
-        self.columns = {name: np.zeros(capacity, c.dtype) for name, c in self._fields.items()}
+        fields = columns_of(stream_type)
+        # The columns of one dtype are the columns of one 2-D block, so attach and detach move a stream's
+        # values with one row write and one `tolist` per block, not one NumPy call per field.
+        by_dtype: dict[np.dtype, list[Column]] = {}
+        for field in fields.values():
+            by_dtype.setdefault(field.dtype, []).append(field)
+        self._groups = list(by_dtype.values())
+        self._blocks = [np.zeros((capacity, len(group)), group[0].dtype) for group in self._groups]
+        self.columns: dict[str, np.ndarray] = {}
+        self._views()
         self.streams: list[Any] = [None] * capacity
         self._arrival = np.zeros(capacity, np.int64)
         self._free = list(range(capacity - 1, -1, -1))  # popped from the end: the lowest slot first
@@ -123,8 +131,9 @@ class StreamTable:
             self._grow()
         slot = self._free.pop()
         values = stream.__dict__
-        for name, field in self._fields.items():
-            self.columns[name][slot] = field.store(values.pop(name, field.default))
+        for block, group in zip(self._blocks, self._groups, strict=True):
+            row = [values.pop(field.name, field.default) for field in group]
+            block[slot] = [v if f.store is None else f.store(v) for v, f in zip(row, group, strict=True)]
         self.streams[slot] = stream
         self._arrival[slot] = self._arrivals
         self._arrivals += 1
@@ -137,8 +146,10 @@ class StreamTable:
         slot = stream._slot
         if slot == _DETACHED or stream._table is not self:
             return
-        for name, field in self._fields.items():
-            stream.__dict__[name] = field.load(self.columns[name][slot])
+        values = stream.__dict__
+        for block, group in zip(self._blocks, self._groups, strict=True):
+            for field, value in zip(group, block[slot].tolist(), strict=True):
+                values[field.name] = value if field.load is None else field.load(value)
         stream._table, stream._slot = None, _DETACHED
         self.streams[slot] = None
         self._free.append(slot)
@@ -153,10 +164,14 @@ class StreamTable:
             self._order.setflags(write=False)
         return self._order
 
+    def _views(self) -> None:
+        for block, group in zip(self._blocks, self._groups, strict=True):
+            self.columns.update({field.name: block[:, j] for j, field in enumerate(group)})
+
     def _grow(self) -> None:
         old = len(self.streams)
-        for name, array in self.columns.items():
-            self.columns[name] = np.concatenate([array, np.zeros(old, array.dtype)])
+        self._blocks = [np.concatenate([block, np.zeros_like(block)]) for block in self._blocks]
+        self._views()
         self._arrival = np.concatenate([self._arrival, np.zeros(old, np.int64)])
         self.streams.extend([None] * old)
         self._free.extend(range(2 * old - 1, old - 1, -1))
