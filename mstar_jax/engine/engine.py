@@ -223,8 +223,6 @@ class ServingEngine:
         stream.last_step_at = stream.submitted_at
         for node in self.nodes.values():
             node.runner.ingest_request(rid)
-        if self.served.table is not None:
-            self.served.table.attach(stream)
         self.streams[rid] = stream
         self.finished.pop(rid, None)
         return stream
@@ -394,8 +392,6 @@ class ServingEngine:
             node.runner.remove_request(rid)
         stream.phase, stream.failure, stream.finished_at = phase, failure, self.clock()
         stream.error = None if failure is None else str(failure)
-        if self.served.table is not None:
-            self.served.table.detach(stream)  # its columns move back onto the client's handle
         self.streams.pop(rid, None)
         self._ended += 1
         self.finished[rid] = stream

@@ -16,7 +16,6 @@ import numpy as np
 from mstar_jax.checks import check_int
 from mstar_jax.engine.voices import Voice
 from mstar_jax.serving.stream import (
-    FedStream,
     Phase,
     ReplayMismatchError,
     RequestCancelledError,
@@ -24,7 +23,7 @@ from mstar_jax.serving.stream import (
     StateLostError,
     StepFailedError,
 )
-from mstar_jax.serving.table import Column
+from mstar_jax.serving.stream import Stream as ServedStream
 
 __all__ = [
     "AudioChunk",
@@ -106,58 +105,39 @@ class AudioChunk(NamedTuple):
 
 
 @dataclasses.dataclass(eq=False)
-class Stream(FedStream):
+class Stream(ServedStream):
     """A speech request's progress and output; `request` is its `TTSRequest` (`mstar_jax.serving.Stream`
-    has the fields every request has: phase, failure, timings, pause, holds, faults; `FedStream` the
-    talker's prompt read, `prefilled` and `prompt_len` (the text and BOS), and its `feed`).
+    has the fields every request has: phase, failure, timings, pause, holds, faults).
 
     Attributes:
-      codes: the codec frames generated so far (`codes_read` and `last_code` follow it: change it
-        with `add_codes` and `keep_codes`, or update those columns with it).
+      codes: the codec frames generated so far.
       chunks: the audio chunks decoded so far, in order.
       on_chunk: called with each new chunk (from the engine's thread).
       first_audio_at: clock stamp of its first chunk (None until then).
+      prefilled: prompt tokens (text, then BOS) the talker has read.
       talker_written, flow_written: entries committed to each cache.
       replay_codes: after a fault rewound its talker, the codes it had generated, which the replay
         must generate again.
       codes_in_flight: codes of talker steps dispatched but not read back yet (a pipelined engine).
-
-    The counters, the feed and what the scheduler reads of the request (`frames`, the voice's
-    `voice_frames` and `voice_index`, `codes_read` and `last_code` of `codes`) are `Column`s,
-    in the engine's `StreamTable` while it serves the stream (`TTSServing.table`).
+      feed: `(talker step, row)`: where the newest of those codes sits in that step's device output,
+        which the next talker step reads its input token from; None once read.
     """
 
     codes: list[int] = dataclasses.field(default_factory=list)
     chunks: list[AudioChunk] = dataclasses.field(default_factory=list)
     on_chunk: Callable[[AudioChunk], None] | None = None
     first_audio_at: float | None = None
-    talker_written: int = Column(np.int64, 0)
-    flow_written: int = Column(np.int64, 0)
+    prefilled: int = 0
+    talker_written: int = 0
+    flow_written: int = 0
     replay_codes: tuple[int, ...] = ()
-    codes_in_flight: int = Column(np.int64, 0)
-    codes_read: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
-    last_code: int = dataclasses.field(default=Column(np.int64, -1), init=False, repr=False)
-    frames: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
-    voice_frames: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
-    voice_index: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
+    codes_in_flight: int = 0
+    feed: tuple[int, int] | None = None
 
-    def __post_init__(self):
-        super().__post_init__()
-        request = self.request
-        self.frames, self.prompt_len = request.frames, len(request.text) + 1
-        self.voice_frames, self.voice_index = request.voice.frames, request.voice.index
-        if self.codes:
-            self.codes_read, self.last_code = len(self.codes), self.codes[-1]
-
-    def add_codes(self, codes: list[int]) -> None:
-        """Append generated codes (at least one)."""
-        self.codes.extend(codes)
-        self.codes_read, self.last_code = len(self.codes), codes[-1]
-
-    def keep_codes(self, count: int) -> None:
-        """Drop every code after the first `count` (a rewind)."""
-        del self.codes[count:]
-        self.codes_read, self.last_code = len(self.codes), (self.codes[-1] if self.codes else -1)
+    @property
+    def prompt_len(self) -> int:
+        """Tokens the talker reads before its first frame: the text and BOS."""
+        return len(self.request.text) + 1
 
     @property
     def talker_done(self) -> bool:

@@ -1,7 +1,6 @@
 """Batch formation: which rows run in the next talker step and the next flow step.
 
-Pure policy over the streams' host state, read as their `StreamTable`'s columns (no device work, no
-resources): the engine admits what this
+Pure policy over the streams' host state (no device work, no resources): the engine admits what this
 returns, drops rows the resources refuse, and runs the rest.
 
 - Talker: decode rows first (they hold the latency of audio already promised), then prefill chunks
@@ -13,21 +12,14 @@ returns, drops rows the resources refuse, and runs the rest.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
-import numpy as np
-
 from mstar_jax.engine.request import Stream
-from mstar_jax.serving.rows import Counters, DecodeRow, decode_rows
-from mstar_jax.serving.stream import DECODE, FLUSH, Phase
-from mstar_jax.serving.table import StreamTable
+from mstar_jax.serving.decoder import DecodeRow
+from mstar_jax.serving.stream import DECODE, FLUSH
 
-__all__ = ["TALKER_COUNTERS", "FlowRow", "TalkerRow", "flow_rows", "talker_rows"]
-
-TALKER_COUNTERS = Counters(
-    written="talker_written", in_flight="codes_in_flight", made="codes_read", limit="frames", last="last_code"
-)
-"""The talker's count columns in the streams' table (`serving/rows.py`)."""
+__all__ = ["FlowRow", "TalkerRow", "flow_rows", "talker_rows"]
 
 
 TalkerRow = DecodeRow
@@ -51,26 +43,25 @@ class FlowRow(NamedTuple):
 
 
 def talker_rows(
-    table: StreamTable,
+    streams: Iterable[Stream],
     *,
     now: float,
     max_batch: int,
     prefill_tokens: int,
-    prefill_room: int | None,
+    prefill_room: int,
     bos: int,
     text_vocab: int,
     in_flight: int | None = None,
     decode_steps: int = 1,
 ) -> tuple[list[TalkerRow], list[TalkerRow]]:
-    """The next talker step's decode rows and prefill rows, from the live streams' columns.
+    """The next talker step's decode rows and prefill rows.
 
     Args:
-      table: the live streams' state (`Stream`'s columns), read in arrival order.
+      streams: live streams, in arrival order.
       now: the engine clock (held streams wait until their `hold_until`).
       max_batch: most rows in one step.
       prefill_tokens: most prompt tokens per prefill row (the largest prefill bucket).
-      prefill_room: most prefill rows beside decode rows (the combined bucket's room at `max_batch`);
-        None: decode and prefill rows run as two programs, each of up to `max_batch` rows.
+      prefill_room: most prefill rows beside decode rows (the combined bucket's room at `max_batch`).
       bos: the token after the text.
       text_vocab: offset of codec tokens among the talker's input tokens.
       in_flight: the talker step dispatched but not read back (`Stream.feed`), if any.
@@ -78,42 +69,53 @@ def talker_rows(
         its stream has frames left, at most K.
 
     Returns:
-      (decode rows, prefill rows), first come first served; with a `prefill_room`, prefill rows are
-      capped at it when decode rows run.
+      (decode rows, prefill rows); prefill rows are capped at `prefill_room` only when decode rows run.
     """
-    slots, c = table.order(), table.columns
-    phase, codes, frames = c["phase"][slots], c["codes_read"][slots], c["frames"][slots]
-    # What can run: not ended, paused or held, nor flushing (every code scheduled), a code still to come.
-    held = c["paused"][slots] | (c["hold_until"][slots] > now)
-    runnable = (phase < FLUSH.code) & ~held & (codes < frames)
-    decoding = phase == DECODE.code
-    decode = slots[runnable & decoding][:max_batch]
-    prefill = slots[runnable & ~decoding][:max_batch]  # no step takes more (rows beyond wait for the next)
-    if prefill_room is not None:
-        room = max_batch - len(decode)
-        prefill = prefill[: min(room, prefill_room) if len(decode) else room]
-    prefill_rows = []
-    for slot, done in zip(prefill.tolist(), c["prefilled"][prefill].tolist(), strict=True):
-        stream = table.streams[slot]
-        prefill_rows.append(
-            TalkerRow(stream, (*stream.request.text, bos)[done : done + prefill_tokens], False)
-        )
-    return decode_rows(
-        table, decode, TALKER_COUNTERS, decode_steps=decode_steps, in_flight=in_flight, offset=text_vocab
-    ), prefill_rows
+    decode, prefill = [], []
+    for stream in streams:
+        phase = stream.phase
+        # Skip what cannot run (ended, paused, held) or has every code: inline, as this loop visits every
+        # live stream every round.
+        if (
+            phase is FLUSH
+            or (phase is not DECODE and phase.finished)
+            or stream.paused
+            or stream.hold_until > now
+        ):
+            continue
+        codes, frames = stream.codes, stream.request.frames
+        if len(codes) >= frames:
+            continue
+        if phase is not DECODE:
+            if len(prefill) < max_batch:  # no step takes more (rows beyond wait for the next)
+                prompt = (*stream.request.text, bos)
+                chunk = prompt[stream.prefilled : stream.prefilled + prefill_tokens]
+                prefill.append(TalkerRow(stream, chunk, False))
+            continue
+        if len(decode) == max_batch:
+            continue
+        steps = min(decode_steps, frames - len(codes) - stream.codes_in_flight)  # frames not scheduled
+        feed = stream.feed
+        if feed is not None and feed[0] == in_flight:
+            decode.append(TalkerRow(stream, (text_vocab,), True, feed[1], steps))
+        else:
+            decode.append(TalkerRow(stream, (text_vocab + codes[-1],), True, -1, steps))
+    room = max_batch - len(decode)
+    if decode:
+        room = min(room, prefill_room)
+    return decode, prefill[:room]
 
 
-def flow_rows(table: StreamTable, *, now: float, max_batch: int, chunk: int) -> list[FlowRow]:
-    """The next flow step's rows, from the live streams' columns: whole chunks, or the last frames of a
-    finished talker."""
-    slots, c = table.order(), table.columns
-    codes, start = c["codes_read"][slots], c["flow_written"][slots]
-    ready = codes - start
-    runnable = (c["phase"][slots] < Phase.DONE.code) & ~c["paused"][slots] & (c["hold_until"][slots] <= now)
-    whole = (ready >= chunk) | ((ready > 0) & (codes >= c["frames"][slots]))  # or the talker is done
-    taken = np.flatnonzero(runnable & whole)[:max_batch]
+def flow_rows(streams: Iterable[Stream], *, now: float, max_batch: int, chunk: int) -> list[FlowRow]:
+    """The next flow step's rows: whole chunks, or the last frames of a finished talker."""
     rows = []
-    for slot, first, count in zip(*(a[taken].tolist() for a in (slots, start, ready)), strict=True):
-        stream = table.streams[slot]
-        rows.append(FlowRow(stream, first, tuple(stream.codes[first : first + min(chunk, count)])))
+    for stream in streams:
+        if stream.phase.finished or stream.paused or stream.hold_until > now:  # ended, paused or held
+            continue
+        codes, start = stream.codes, stream.flow_written
+        ready = len(codes) - start
+        if ready >= chunk or (ready > 0 and len(codes) >= stream.request.frames):  # the talker is done
+            rows.append(FlowRow(stream, start, tuple(codes[start : start + min(chunk, ready)])))
+        if len(rows) == max_batch:
+            break
     return rows

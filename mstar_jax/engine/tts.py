@@ -32,7 +32,7 @@ from mstar_jax.engine.build import build_from_deployment
 from mstar_jax.engine.engine import ServingEngine
 from mstar_jax.engine.programs import TTSPrograms
 from mstar_jax.engine.request import AudioChunk, ReplayMismatchError, Stream, TTSRequest
-from mstar_jax.engine.scheduler import TALKER_COUNTERS, FlowRow, flow_rows, talker_rows
+from mstar_jax.engine.scheduler import FlowRow, flow_rows, talker_rows
 from mstar_jax.engine.voices import Voice, VoiceBank
 from mstar_jax.models.streaming_tts.model import (
     FLOW_CHUNK,
@@ -47,9 +47,7 @@ from mstar_jax.resources.kv.bounded.config import StreamPosition
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps, notify
-from mstar_jax.serving.rows import count_dispatched, count_read, dispatched_slots
-from mstar_jax.serving.stream import Phase
-from mstar_jax.serving.table import StreamTable, slots_of
+from mstar_jax.serving.stream import DECODE, FLUSH, PREFILL, Phase
 from mstar_jax.settings import EngineSettings
 
 __all__ = ["Engine", "TTSServing"]
@@ -103,7 +101,6 @@ class TTSServing(ServedModel):
         self._prefill_room = buckets[TALKER_MIXED].prefill_rows[-1] if TALKER_MIXED in buckets else 0
         self._flow_chunk = min(model.config.flow_chunk, buckets.max_tokens(FLOW_CHUNK))
         self._warm_up_voice: Voice | None = None
-        self.table = StreamTable(Stream)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -132,17 +129,18 @@ class TTSServing(ServedModel):
     def rows(
         self, node: Node, streams: Sequence[Stream], *, now: float, max_batch: int, in_flight: int | None
     ) -> list[tuple[list, str | None]]:
-        # `streams` are the table's streams: the scheduler reads their state there.
         if node.name == FLOW:
-            return [(flow_rows(self.table, now=now, max_batch=max_batch, chunk=self._flow_chunk), FLOW_CHUNK)]
-        combined = bool(self._prefill_room)  # else (decode blocks) prefill runs as its own program
-        decode, prefill = talker_rows(
-            self.table, now=now, max_batch=max_batch, prefill_tokens=self._prefill_tokens,
-            prefill_room=self._prefill_room if combined else None, bos=self.model.bos,
-            text_vocab=self.model.text_vocab, in_flight=in_flight, decode_steps=self.decode_steps,
-        )  # fmt: skip
-        if combined:
+            return [(flow_rows(streams, now=now, max_batch=max_batch, chunk=self._flow_chunk), FLOW_CHUNK)]
+        rows = {
+            "now": now, "max_batch": max_batch, "prefill_tokens": self._prefill_tokens,
+            "bos": self.model.bos, "text_vocab": self.model.text_vocab, "in_flight": in_flight,
+            "decode_steps": self.decode_steps,
+        }  # fmt: skip
+        decode, prefill = talker_rows(streams, prefill_room=self._prefill_room, **rows)
+        if self._prefill_room:
             return [(decode + prefill, None)]
+        if decode:  # no combined walk (decode blocks): prefill runs as its own program
+            _, prefill = talker_rows([s for s in streams if s.phase is not DECODE], prefill_room=0, **rows)
         return [(decode, TALKER_DECODE), (prefill, TALKER_PREFILL)]
 
     def choose_bucket(self, node: Node, rows: Sequence, *, rows_per_shard: int | None = None):
@@ -161,12 +159,11 @@ class TTSServing(ServedModel):
 
     def positions(self, node: Node, streams: Sequence[Stream]) -> np.ndarray:
         # `Voice.position`, a batch at once: i64[B, 3] of (source_len, written, source).
-        slots, c = slots_of(streams), self.table.columns
-        if (slots < 0).any():  # a stream the engine does not serve (yet): read from the objects
-            table = [(s.voice_frames, s.written_in(node.name), s.voice_index) for s in streams]
-            return np.array(table, np.int64).reshape(-1, 3)
-        written = c["flow_written" if node.name == FLOW else "talker_written"]
-        return np.stack([c["voice_frames"][slots], written[slots], c["voice_index"][slots]], axis=1)
+        if node.name == FLOW:
+            table = [(s.request.voice.frames, s.flow_written, s.request.voice.index) for s in streams]
+        else:
+            table = [(s.request.voice.frames, s.talker_written, s.request.voice.index) for s in streams]
+        return np.fromiter(itertools.chain.from_iterable(table), np.int64, 3 * len(table)).reshape(-1, 3)
 
     def block_steps(self, bucket) -> int:
         return bucket.num_tokens if bucket.graph_walk == TALKER_DECODE else 1
@@ -177,47 +174,63 @@ class TTSServing(ServedModel):
     # -- outputs ------------------------------------------------------------------------------------
 
     def dispatched(self, step: InFlight, now: float) -> None:
-        # Every row's counters at once, in the table (a step's rows are distinct live streams).
-        if step.node.name != FLOW:
-            step.emits = count_dispatched(
-                self.table, step, TALKER_COUNTERS, decode_steps=self.decode_steps, now=now
-            )
+        if step.node.name == FLOW:
+            for row in step.rows:
+                stream = row.stream
+                stream.flow_written += len(row.codes)  # the row's span
+                stream.last_step_at = now
             return
-        slots, c = dispatched_slots(self.table, step), self.table.columns
-        c["last_step_at"][slots] = now
-        c["flow_written"][slots] += [len(row.codes) for row in step.rows]  # each row's span
+        emits, steps, serial = [], self.decode_steps, step.serial
+        for row, index in zip(step.rows, step.indices, strict=True):
+            stream = row.stream
+            stream.last_step_at = now
+            # A decode row's block gives a code per step; a prompt's last chunk gives the first code.
+            if row.decode:
+                stream.talker_written += row.steps
+                emit = row.steps
+            else:
+                stream.talker_written += len(row.tokens)
+                stream.prefilled += len(row.tokens)
+                stream.phase = PREFILL
+                emit = int(stream.prefilled == stream.prompt_len)
+            emits.append(emit)
+            if emit:
+                stream.codes_in_flight += emit
+                stream.feed = (serial, index * steps + emit - 1)  # its newest code, flattened
+                stream.phase = DECODE
+            if len(stream.codes) + stream.codes_in_flight >= stream.request.frames:  # all scheduled
+                stream.phase = FLUSH  # its talker slot is freed once its last code is read
+        step.emits = tuple(emits)
 
     def read(self, step: InFlight, outputs: Any, now: float, ops: StreamOps) -> None:
         if step.node.name == FLOW:
             self._flow_read(step, outputs, now, ops)
             return
-        n = len(step.indices)  # every row's block of codes (rows 0 .. n - 1: a slice)
-        codes = outputs[:n] if step.indices == list(range(n)) else outputs[step.indices]
-        # The rows still served (one ended since dispatch left the table) that have codes coming.
-        taken, slots = count_read(self.table, step, TALKER_COUNTERS, decode_steps=self.decode_steps)
-        emits, blocks, rows = np.asarray(step.emits)[taken], codes[taken], step.rows
-        kept = np.ones(len(taken), bool)
-        rows_read = zip(taken.tolist(), blocks.tolist(), emits.tolist(), strict=True)
-        for j, (i, block, emit) in enumerate(rows_read):
-            stream, new = rows[i].stream, block[:emit]
-            if stream.replay_codes and not self._replays(stream, new, ops):
-                kept[j] = False  # failed: the stream has left the table
+        n = len(step.indices)  # every row's block of codes, in one conversion (rows 0 .. n - 1: a slice)
+        codes = (outputs[:n] if step.indices == list(range(n)) else outputs[step.indices]).tolist()
+        serial, steps = step.serial, self.decode_steps
+        for row, index, emits, block in zip(step.rows, step.indices, step.emits, codes, strict=True):
+            stream = row.stream
+            if not emits or stream.phase.finished:
                 continue
-            stream.codes.extend(new)
+            if stream.feed == (serial, index * steps + emits - 1):
+                stream.feed = None
+            stream.codes_in_flight -= emits
+            stream.faults = 0
+            if stream.replay_codes:
+                if not self._append_codes(stream, block[:emits], ops):
+                    continue
+            else:
+                stream.codes.extend(block[:emits])
             if len(stream.codes) >= stream.request.frames:  # the talker is done
                 # Held until now, so a fault that loses a step in flight still finds the stream among
                 # the cache's holders, and rewinds it.
                 ops.release(stream, TALKER)
-        # `Stream.add_codes`'s columns, every stream that took codes at once.
-        slots, emits, c = slots[kept], emits[kept], self.table.columns
-        c["codes_read"][slots] += emits
-        c["last_code"][slots] = blocks[kept, emits - 1]
 
-    def _replays(self, stream: Stream, codes: list[int], ops: StreamOps) -> bool:
-        """Whether generated codes, the next after the stream's, are those it generated there before a
-        rewind (its `replay_codes`); fail the stream if not."""
+    def _append_codes(self, stream: Stream, codes: list[int], ops: StreamOps) -> bool:
+        """Add generated codes, in order; after a rewind each must be the code generated there before."""
         start = len(stream.codes)
-        replayed = stream.replay_codes[start : start + len(codes)]
+        replayed = stream.replay_codes[start : start + len(codes)] if stream.replay_codes else ()
         for index, (code, before) in enumerate(zip(codes, replayed, strict=False), start):  # replaying only
             if code != before:
                 ops.fail(stream, ReplayMismatchError(
@@ -225,6 +238,7 @@ class TTSServing(ServedModel):
                     f"frame {index}, where it had generated {before}"
                 ))  # fmt: skip
                 return False
+        stream.codes.extend(codes)
         return True
 
     def _flow_read(self, step: InFlight, outputs: tuple, now: float, ops: StreamOps) -> None:
@@ -249,13 +263,12 @@ class TTSServing(ServedModel):
                 samples[i, : len(row.codes) * SAMPLES_PER_FRAME]
                 for i, row in zip(step.indices, rows, strict=True)
             ]
-        slots = slots_of(row.stream for row in rows)
-        self.table.columns["faults"][slots[slots >= 0]] = 0  # the streams still served: a step came back
         for row, row_codes, row_mel, row_samples in zip(rows, codes, mel, samples, strict=True):
             stream, span = row.stream, len(row.codes)
             if stream.phase.finished:  # cancelled by an earlier row's callback, or before it came back
                 continue
             chunk = AudioChunk(row.start, row_codes, row_mel, row_samples)
+            stream.faults = 0
             if stream.chunks and row.start < stream.frames_decoded:  # replayed: the listener has it
                 if not _same_chunk(chunk, stream.chunks):
                     ops.fail(stream, ReplayMismatchError(
@@ -286,7 +299,7 @@ class TTSServing(ServedModel):
             return
         if len(stream.codes) > len(stream.replay_codes):  # an earlier replay may still be catching up
             stream.replay_codes = tuple(stream.codes)
-        stream.keep_codes(codes)
+        del stream.codes[codes:]
         stream.codes_in_flight, stream.feed = 0, None  # an engine rewinds only with nothing in flight
         stream.phase, stream.prefilled, stream.talker_written = phase, prefilled, talker_written
 

@@ -18,7 +18,6 @@ from mstar_jax.serving.feed import fed
 from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps
 from mstar_jax.serving.sampling import gumbel_noise, sample
 from mstar_jax.serving.stream import (
-    FedStream,
     Phase,
     ReplayMismatchError,
     RequestCancelledError,
@@ -27,7 +26,6 @@ from mstar_jax.serving.stream import (
     StepFailedError,
     Stream,
 )
-from mstar_jax.serving.table import StreamTable
 from mstar_jax.serving.transaction import Declared, Resources, abort, admit, declare, run_admitted
 
 __all__ = [
@@ -35,7 +33,6 @@ __all__ = [
     "DecodeRow",
     "DecoderPrograms",
     "DecoderStream",
-    "FedStream",
     "GreedyDecoder",
     "InFlight",
     "LayerAttention",
@@ -50,7 +47,6 @@ __all__ = [
     "StepFailedError",
     "Stream",
     "StreamOps",
-    "StreamTable",
     "abort",
     "abstract",
     "admit",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +34,8 @@ from mstar_jax.resources.step import BucketKey
 from mstar_jax.serving.abstract import abstract, shaped
 from mstar_jax.serving.feed import fed
 from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps, notify
-from mstar_jax.serving.rows import Counters, DecodeRow, count_dispatched, count_read, decode_rows
 from mstar_jax.serving.steps import decode_block
-from mstar_jax.serving.stream import DECODE, FLUSH, FedStream, Phase, ReplayMismatchError
-from mstar_jax.serving.table import Column, StreamTable
+from mstar_jax.serving.stream import DECODE, FLUSH, PREFILL, Phase, ReplayMismatchError, Stream
 
 __all__ = [
     "MAX_STOP_TOKENS",
@@ -54,8 +52,8 @@ MAX_STOP_TOKENS = 16
 
 
 @dataclasses.dataclass(eq=False)
-class DecoderStream(FedStream):
-    """A decoder request's progress and tokens (`FedStream`: its prompt read and its feed).
+class DecoderStream(Stream):
+    """A decoder request's progress and tokens.
 
     Attributes:
       tokens: the tokens delivered so far (a fault's replay never takes one back).
@@ -63,28 +61,21 @@ class DecoderStream(FedStream):
         `len(tokens)` while a replay regenerates delivered tokens, which must come out the same.
       on_output: called with each new token (from the engine's thread); None: nobody listens.
       first_token_at: clock stamp of its first token (None until then).
+      prefilled: prompt tokens read.
       written: entries committed to the node's caches.
       tokens_in_flight: tokens of steps dispatched but not read back yet (a pipelined engine).
-
-    `generated`, `written`, `tokens_in_flight`, `last_token` (`tokens[generated - 1]`) and `max_new`
-    (the request's `max_new_tokens`) are `Column`s, in the model's `StreamTable` while the engine serves
-    the stream (`GreedyDecoder.table`).
+      feed: `(step, row)`: where the newest of those tokens sits in that step's device output; None once
+        read.
     """
 
     tokens: list[int] = dataclasses.field(default_factory=list)
-    generated: int = Column(np.int64, 0)
+    generated: int = 0
     on_output: Callable[[int], None] | None = None
     first_token_at: float | None = None
-    written: int = Column(np.int64, 0)
-    tokens_in_flight: int = Column(np.int64, 0)
-    last_token: int = dataclasses.field(default=Column(np.int64, -1), init=False, repr=False)
-    max_new: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.max_new = self.request.max_new_tokens
-        self.prompt_len = len(getattr(self.request, "prompt", ()))  # its model may say otherwise
-        self.last_token = self.tokens[self.generated - 1] if self.generated else -1
+    prefilled: int = 0
+    written: int = 0
+    tokens_in_flight: int = 0
+    feed: tuple[int, int] | None = None
 
     def written_in(self, node: str) -> int:
         return self.written
@@ -93,6 +84,26 @@ class DecoderStream(FedStream):
     def tokens_scheduled(self) -> int:
         """Tokens generated or being generated."""
         return self.generated + self.tokens_in_flight
+
+
+class DecodeRow(NamedTuple):
+    """One stream's part of a step: `tokens` written at its end; `feed` >= 0: the token is the step in
+    flight's output there (its index in them, flattened; `tokens` is then a placeholder). A decode row
+    of a block (`serving/steps.py`) takes `steps` one-token steps from its one input token.
+
+    A NamedTuple: the engine builds one per stream per step, which a frozen dataclass makes four times
+    as costly (its `__init__` sets each field through `object.__setattr__`)."""
+
+    stream: Stream
+    tokens: tuple[int, ...]
+    decode: bool
+    feed: int = -1
+    steps: int = 1
+
+    @property
+    def span(self) -> int:
+        """Entries the row writes: a decode row's steps, a prefill row's tokens."""
+        return self.steps if self.decode else len(self.tokens)
 
 
 def fed_width(buckets: Buckets, shards: int = 1) -> int:
@@ -207,11 +218,6 @@ def capture_decoder(
     return steps
 
 
-COUNTERS = Counters(
-    written="written", in_flight="tokens_in_flight", made="generated", limit="max_new", last="last_token"
-)
-
-
 class GreedyDecoder(ServedModel):
     """A `ServedModel` of one feeding decoder node (module doc).
 
@@ -255,7 +261,6 @@ class GreedyDecoder(ServedModel):
             no_feed = jax.device_put(no_feed, NamedSharding(mesh, P()))
         walks = programs.buckets.walks
         self.nodes = (Node(name, runner, keys, params, walks, feeds=True, no_feed=no_feed),)
-        self.table = StreamTable(self.stream_type)
 
     # -- hooks --------------------------------------------------------------------------------------
 
@@ -287,9 +292,7 @@ class GreedyDecoder(ServedModel):
         if not isinstance(request, self.request_type):
             raise TypeError(f"request={request!r} must be a {self.request_type.__name__}")
         self.check(request)
-        stream = self.stream_type(request, on_output=on_output, submitted_at=now)
-        stream.prompt_len = len(self.prompt(stream))
-        return stream
+        return self.stream_type(request, on_output=on_output, submitted_at=now)
 
     def outputs(self, stream: DecoderStream) -> list[int]:
         return stream.tokens
@@ -311,20 +314,20 @@ class GreedyDecoder(ServedModel):
         not the step's that was in flight. On a mesh a round is always one decode program and one prefill
         program (either may have no rows), so every process of a multi-process mesh enters the same
         programs in the same order (`engine/lockstep.py`)."""
-        # `streams` are the table's streams: their state is read there, every live slot at once.
-        slots, c = self.table.order(), self.table.columns
-        phase = c["phase"][slots]
-        runnable = (phase < FLUSH.code) & ~c["paused"][slots] & (c["hold_until"][slots] <= now)  # not ended
-        decoding = phase == DECODE.code
-        decode = decode_rows(
-            self.table, slots[runnable & decoding][:max_batch], COUNTERS,  # the rest wait for the next round
-            decode_steps=self.decode_steps, in_flight=in_flight,
-        )  # fmt: skip
-        prefill = []
-        for slot in slots[runnable & ~decoding].tolist():
-            stream = self.table.streams[slot]
-            done = stream.prefilled
-            prefill.append(DecodeRow(stream, tuple(self.prompt(stream)[done : done + self.chunk]), False))
+        decode, prefill = [], []
+        for s in streams:
+            if s.phase.finished or s.phase is FLUSH or s.paused or s.hold_until > now:
+                continue
+            if s.phase is not DECODE:
+                chunk = self.prompt(s)[s.prefilled : s.prefilled + self.chunk]
+                prefill.append(DecodeRow(s, tuple(chunk), decode=False))
+                continue
+            steps = min(self.decode_steps, s.request.max_new_tokens - s.tokens_scheduled)
+            if s.feed is not None and s.feed[0] == in_flight:
+                decode.append(DecodeRow(s, (0,), decode=True, feed=s.feed[1], steps=steps))
+            else:
+                decode.append(DecodeRow(s, (s.tokens[s.generated - 1],), decode=True, steps=steps))
+        decode = decode[:max_batch]  # the rest wait for the next round
         fixed = self.mesh is not None
         if self.decode_walk == self.prefill_walk:
             rows, walk = decode + prefill, self.decode_walk
@@ -369,24 +372,42 @@ class GreedyDecoder(ServedModel):
     # -- outputs ------------------------------------------------------------------------------------
 
     def dispatched(self, step: InFlight, now: float) -> None:
-        step.emits = count_dispatched(self.table, step, COUNTERS, decode_steps=self.decode_steps, now=now)
+        emits, steps = [], self.decode_steps
+        for row, index in zip(step.rows, step.indices, strict=True):
+            stream = row.stream
+            stream.written += row.span
+            stream.last_step_at = now
+            if not row.decode:
+                stream.prefilled += row.span
+                stream.phase = PREFILL
+            # A decode row's block gives a token per step; a prompt's last chunk gives the first token.
+            emits.append(row.steps if row.decode else int(stream.prefilled == len(self.prompt(stream))))
+            if emits[-1]:
+                stream.tokens_in_flight += emits[-1]
+                stream.feed = (step.serial, index * steps + emits[-1] - 1)  # its newest token, flattened
+                stream.phase = DECODE
+            if stream.tokens_scheduled >= stream.request.max_new_tokens:
+                stream.phase = FLUSH  # its last token is coming: no step needs it as input
+        step.emits = tuple(emits)
 
     def read(self, step: InFlight, outputs: Any, now: float, ops: StreamOps) -> None:
-        taken, _ = count_read(self.table, step, COUNTERS, decode_steps=self.decode_steps)
-        indices = np.asarray(step.indices)[taken]
-        for i, tokens in zip(taken.tolist(), outputs[indices].tolist(), strict=True):
-            stream = step.rows[i].stream
-            if stream.phase.finished:  # an earlier row's callback ended it
+        for row, index, emits in zip(step.rows, step.indices, step.emits, strict=True):
+            stream = row.stream
+            if stream.phase.finished or not emits:
                 continue
-            for token in tokens[: step.emits[i]]:  # in order; a block's row may end at any of them
-                if not self._deliver(stream, token, now, ops):
+            if stream.feed == (step.serial, index * self.decode_steps + emits - 1):
+                stream.feed = None
+            stream.tokens_in_flight -= emits
+            stream.faults = 0
+            for token in outputs[index, :emits]:  # in order; a block's row may end at any of them
+                if not self._deliver(stream, int(token), now, ops):
                     break
 
     def _deliver(self, stream: DecoderStream, token: int, now: float, ops: StreamOps) -> bool:
         """Hand `stream` its next generated token; False once the stream has ended (done, failed or
         cancelled), so the tokens after it are dropped."""
         at = stream.generated
-        stream.generated, stream.last_token = at + 1, token
+        stream.generated += 1
         if at < len(stream.tokens):  # replayed after a fault: the client has it already
             if stream.tokens[at] != token:
                 ops.fail(stream, ReplayMismatchError(
@@ -415,4 +436,3 @@ class GreedyDecoder(ServedModel):
         stream.tokens_in_flight, stream.feed = 0, None  # an engine rewinds only with nothing in flight
         stream.phase, stream.prefilled = phase, prefilled
         stream.written, stream.generated = written, generated
-        stream.last_token = stream.tokens[generated - 1] if generated else -1

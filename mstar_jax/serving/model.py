@@ -31,7 +31,6 @@ from mstar_jax.resources.kv.bounded.config import StreamPosition
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import BucketKey
 from mstar_jax.serving.stream import RequestError, Stream
-from mstar_jax.serving.table import StreamTable
 
 __all__ = ["InFlight", "Node", "ServedModel", "StreamOps", "notify"]
 
@@ -93,7 +92,7 @@ class InFlight:
       positions: each real row's stream length (entries written) when the step started.
       compilations: programs compiled during it (0 after warm-up).
       emits: how many tokens each row produces that its stream reads back (set at dispatch, by the
-        model; a sequence of ints, a tuple or an array): 0, 1, or a decode block's steps.
+        model): 0, 1, or a decode block's steps.
     """
 
     node: Node
@@ -105,7 +104,7 @@ class InFlight:
     started: float
     positions: tuple[int, ...]
     compilations: int
-    emits: Sequence[int] = ()
+    emits: tuple[int, ...] = ()
 
 
 class StreamOps(Protocol):
@@ -145,16 +144,12 @@ class ServedModel(abc.ABC):
       programs: the captured programs: `buckets` (`Buckets`) and `steps` (graph walk -> `CapturedStep`).
       mesh: the device mesh its arrays live on (None: one device).
       decode_steps: K, the one-token steps its decode programs run (`block_steps`), as captured.
-      table: where its live streams' `Column`s live (`StreamTable`), or None: on the stream objects. The
-        engine attaches each stream it accepts and detaches it when it ends, so a model's loops may
-        read every live stream's state from the table's arrays.
     """
 
     nodes: tuple[Node, ...]
     programs: Any
     mesh: Any = None
     decode_steps: int = 1
-    table: StreamTable | None = None
 
     @abc.abstractmethod
     def new_stream(self, request: Any, *, on_output: Any, now: float) -> Stream:
@@ -176,8 +171,7 @@ class ServedModel(abc.ABC):
 
         Args:
           node: the node.
-          streams: the live streams, in arrival order (a model with a `table` may read the same
-            streams there instead).
+          streams: the live streams, in arrival order.
           now: the engine clock (held and paused streams wait).
           max_batch: most rows in one program.
           in_flight: the serial of the node's step still on the device (a feeding node), or None.

@@ -11,12 +11,7 @@ import dataclasses
 import enum
 from typing import Any
 
-import numpy as np
-
-from mstar_jax.serving.table import Column
-
 __all__ = [
-    "FedStream",
     "Phase",
     "ReplayMismatchError",
     "RequestCancelledError",
@@ -66,18 +61,11 @@ class Phase(enum.Enum):
         # `finished`: whether the request ended. A member's attribute, not a property: the engine asks it
         # of every row at every step, and a property is a Python call each time.
         self.finished = value in ("done", "failed", "cancelled")
-        self.code = len(type(self).__members__)  # its entry in a `StreamTable`'s phase column
-
-    @classmethod
-    def of_code(cls, code: int) -> Phase:
-        """The phase a `StreamTable` stores as `code`."""
-        return _PHASES[code]
 
 
 # The members the engine's loops test and set per row per step, as module names: a member looked up on
 # its Enum class goes through the class's __getattr__ (Python 3.11), a global does not.
 PREFILL, DECODE, FLUSH = Phase.PREFILL, Phase.DECODE, Phase.FLUSH
-_PHASES = tuple(Phase)
 
 
 @dataclasses.dataclass(eq=False)
@@ -94,27 +82,20 @@ class Stream:
       last_step_at: when a step last ran for it (for idle offloading).
       hold_until: the engine retries its admission from then on (after a refusal for lack of room).
       faults: failed steps it was in whose device state survived (it fails after a few).
-
-    `phase`, `paused`, `last_step_at`, `hold_until` and `faults` are `Column`s: while the engine serves
-    the stream they live in its model's `StreamTable` (a table stores a phase as its `Phase.code`, which
-    orders the phases as declared: every finished one's is at least `Phase.DONE.code`).
     """
 
     request: Any
-    phase: Phase = Column(np.int8, Phase.WAITING, load=_PHASES.__getitem__, store=lambda p: p.code)
+    phase: Phase = Phase.WAITING
     error: str | None = None
     failure: RequestError | None = None
     submitted_at: float = 0.0
     finished_at: float | None = None
-    paused: bool = Column(np.bool_, False)
-    last_step_at: float = Column(np.float64, 0.0)
-    hold_until: float = Column(np.float64, 0.0)
-    faults: int = Column(np.int64, 0)
+    paused: bool = False
+    last_step_at: float = 0.0
+    hold_until: float = 0.0
+    faults: int = 0
     request_id: str = dataclasses.field(init=False, repr=False)
     """The request's id (`request.request_id`): an attribute, which the engine reads per row per step."""
-
-    _table = None  # the `StreamTable` holding its columns, and its slot there (-1: on the object)
-    _slot = -1
 
     def __post_init__(self):
         self.request_id = self.request.request_id
@@ -122,31 +103,3 @@ class Stream:
     def written_in(self, node: str) -> int:
         """Entries committed to the caches of `node`."""
         raise NotImplementedError
-
-
-@dataclasses.dataclass(eq=False)
-class FedStream(Stream):
-    """A stream of a feeding node (one that generates a token a step, fed to its next step on the device):
-    the prompt it reads and where its newest token waits.
-
-    Attributes:
-      prefilled: prompt tokens read.
-      prompt_len: tokens it reads before it generates (its model sets it).
-      feed: `(step, row)`: where the newest token of its steps in flight sits in that step's device
-        output, which its next step reads its input token from; None once read. Stored as the columns
-        `feed_step` (-1: none) and `feed_index`.
-    """
-
-    prefilled: int = Column(np.int64, 0)
-    prompt_len: int = dataclasses.field(default=Column(np.int64, 0), init=False, repr=False)
-    feed_step: int = dataclasses.field(default=Column(np.int64, -1), init=False, repr=False)
-    feed_index: int = dataclasses.field(default=Column(np.int64, -1), init=False, repr=False)
-
-    @property
-    def feed(self) -> tuple[int, int] | None:
-        step = self.feed_step
-        return None if step < 0 else (step, self.feed_index)
-
-    @feed.setter
-    def feed(self, feed: tuple[int, int] | None) -> None:
-        self.feed_step, self.feed_index = (-1, -1) if feed is None else feed

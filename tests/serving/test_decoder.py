@@ -75,21 +75,8 @@ class Ops:
         raise AssertionError("a one-node decoder gives nothing back early")
 
 
-def stream(rid: str, prompt=(1, 2, 3, 4, 5, 6), new=3, feed=None, **fields) -> DecoderStream:
-    made = DecoderStream(Request(rid, prompt, new, **fields.pop("request", {})), **fields)
-    made.feed = feed
-    return made
-
-
-def served(model: GreedyDecoder, *streams: DecoderStream) -> list[DecoderStream]:
-    """`streams`, attached to the model's table in order, as the engine attaches what it accepts."""
-    for s in streams:
-        model.table.attach(s)
-    return list(streams)
-
-
-def new_stream(model: GreedyDecoder, request: Request, on_output=None) -> DecoderStream:
-    return served(model, model.new_stream(request, on_output=on_output, now=0.0))[0]
+def stream(rid: str, prompt=(1, 2, 3, 4, 5, 6), new=3, **fields) -> DecoderStream:
+    return DecoderStream(Request(rid, prompt, new, **fields.pop("request", {})), **fields)
 
 
 def step_of(model: GreedyDecoder, rows: list, serial: int) -> InFlight:
@@ -115,8 +102,7 @@ def test_rows_skip_what_waits_and_feed_decode_rows_from_the_step_in_flight():
         stream("held", hold_until=10.0),
     ]
     new = stream("new", prefilled=4, written=4, phase=Phase.PREFILL)
-    live = served(model, *waiting, new, host, fed)
-    programs = model.rows(model.nodes[0], live, now=1.0, max_batch=8, in_flight=5)
+    programs = model.rows(model.nodes[0], [*waiting, new, host, fed], now=1.0, max_batch=8, in_flight=5)
     assert programs == [
         (
             [
@@ -133,15 +119,11 @@ def test_every_decode_row_is_in_the_rounds_first_program_and_the_rest_wait():
     model = OneWalk()
     decoding = [stream(f"d{i}", phase=Phase.DECODE, tokens=[i], generated=1) for i in range(3)]
     new = [stream(f"p{i}") for i in range(3)]
-    programs = model.rows(
-        model.nodes[0], served(model, *new, *decoding), now=0.0, max_batch=2, in_flight=None
-    )
+    programs = model.rows(model.nodes[0], [*new, *decoding], now=0.0, max_batch=2, in_flight=None)
     ids = [[row.stream.request_id for row in rows] for rows, _ in programs]
     assert ids == [["d0", "d1"], ["p0", "p1"], ["p2"]]  # d2 waits: a later program cannot read the feed
     two = TwoWalks()
-    for s in (*new, *decoding):
-        model.table.detach(s)
-    programs = two.rows(two.nodes[0], served(two, *new, *decoding), now=0.0, max_batch=2, in_flight=None)
+    programs = two.rows(two.nodes[0], [*new, *decoding], now=0.0, max_batch=2, in_flight=None)
     ids = [([row.stream.request_id for row in rows], walk) for rows, walk in programs]
     assert ids == [(["d0", "d1"], "decode"), (["p0", "p1"], "prefill"), (["p2"], "prefill")]
 
@@ -164,9 +146,11 @@ def test_one_token_rows_run_the_decode_walk_and_the_inputs_end_with_the_extra_on
 def test_a_stream_runs_its_prompt_then_generates_to_its_limit_or_a_stop_token():
     model, ops = OneWalk(), Ops()
     heard = []
-    s = new_stream(model, Request("r", (1, 2, 3, 4, 5, 6), 3, stop_tokens=(42,)), heard.append)
+    s = model.new_stream(
+        Request("r", (1, 2, 3, 4, 5, 6), 3, stop_tokens=(42,)), on_output=heard.append, now=0.0
+    )
     first = run(model, [DecodeRow(s, (1, 2, 3, 4), decode=False)], 1, [99], ops)
-    assert first.emits.tolist() == [0]
+    assert first.emits == (False,)
     assert s.phase is Phase.PREFILL
     assert s.tokens == []
     run(model, [DecodeRow(s, (5, 6), decode=False)], 2, [7], ops)  # the last chunk: the first token
@@ -174,7 +158,7 @@ def test_a_stream_runs_its_prompt_then_generates_to_its_limit_or_a_stop_token():
     run(model, [DecodeRow(s, (7,), decode=True)], 3, [42], ops)
     assert s.tokens == heard == [7, 42]
     assert ops.finished == ["r"]
-    t = new_stream(model, Request("t", (1,), 2))
+    t = model.new_stream(Request("t", (1,), 2), on_output=None, now=0.0)
     run(model, [DecodeRow(t, (1,), decode=False)], 4, [5], ops)
     step = step_of(model, [DecodeRow(t, (5,), decode=True)], 5)
     model.dispatched(step, now=3.0)
@@ -192,8 +176,8 @@ def test_a_callback_that_raises_fails_its_stream_only():
     def broken(token: int) -> None:
         raise KeyError(token)
 
-    bad = new_stream(model, Request("bad", (1,), 4), broken)
-    good = new_stream(model, Request("good", (1,), 4))
+    bad = model.new_stream(Request("bad", (1,), 4), on_output=broken, now=0.0)
+    good = model.new_stream(Request("good", (1,), 4), on_output=None, now=0.0)
     run(model, [DecodeRow(bad, (1,), decode=False), DecodeRow(good, (1,), decode=False)], 1, [3, 4], ops)
     assert isinstance(ops.failed["bad"], RequestError)
     assert "request 'bad': on_output raised KeyError(3)" in str(ops.failed["bad"])
@@ -204,7 +188,7 @@ def test_a_callback_that_raises_fails_its_stream_only():
 def test_a_replay_is_checked_against_the_delivered_tokens_and_not_delivered_again():
     model, ops = OneWalk(), Ops()
     heard = []
-    s = new_stream(model, Request("r", (1,), 5), heard.append)
+    s = model.new_stream(Request("r", (1,), 5), on_output=heard.append, now=0.0)
     run(model, [DecodeRow(s, (1,), decode=False)], 1, [3], ops)
     mark = model.mark(s)
     run(model, [DecodeRow(s, (3,), decode=True)], 2, [4], ops)
