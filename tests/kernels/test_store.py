@@ -355,6 +355,49 @@ def test_single_buffered_windows_match_the_oracle(monkeypatch, make):
     _check(case, new_k, new_v)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reversed"])
+@pytest.mark.parametrize("batch", [1, 3, 9])
+def test_xla_store_of_one_token_matches_the_oracle(batch, reverse, dtype):
+    # T = 1 (decode), which the geometries above never take: random stream states (writes into the sink,
+    # the ring and past its wraps), R 2, a read-only row where B > 1, two padding rows; and a table of
+    # padding rows only changes nothing.
+    c = {"rows_per_request": 2, "heads": 2, "kv_heads": 2, "head_dim": 64, "sink": 3, "window": 7}
+    spans = [1] * (batch - 1) + [0 if batch > 1 else 1]
+    one = cases.make_case(
+        "one_token", seed=20 + batch, batch=batch, steps=1, slots=batch + 2, source_len=0, spans=spans,
+        padding_rows=2, reverse=reverse, dtype=dtype, **c,
+    )  # fmt: skip
+    case = _concatenate("one_token", [one], capacity=one.cache_k.shape[3], dtype=dtype, seed=21)
+    assert case.k.shape[1] == 1
+    assert sum(row[tbl.write_cols(w)[2]] for row in case.table for w in range(3)) > 0  # something written
+    store_xla = functools.partial(_store, reverse=reverse, implementation="xla", interpret=False)
+    _check(case, *jax.device_get(store_xla(case.cache_k, case.cache_v, case.k, case.v, case.table)))
+
+    padding = layout.padding_rows(case.table.shape[0], case.cache_k.shape[0] - 1)
+    same_k, same_v = jax.device_get(store_xla(case.cache_k, case.cache_v, case.k, case.v, padding))
+    np.testing.assert_array_equal(_bits(same_k), _bits(case.cache_k))
+    np.testing.assert_array_equal(_bits(same_v), _bits(case.cache_v))
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_xla_store_after_reads_stays_in_place(steps):
+    # The XLA store runs after the reads behind `after` without copying the layer. (Straight-line updates
+    # after an `optimization_barrier` would not: XLA:CPU removes barriers before it places copies.)
+    specs = _specs(slots=65, capacity=64, steps=steps, batch=8)
+
+    def step(cache_k, cache_v, k, v, table):
+        after = cache_k[table[:, tbl.SLOT], :, :, 0].sum() + cache_v[table[:, tbl.SLOT]].sum()
+        return store.store_step_after(
+            cache_k, cache_v, k, v, table, after, reverse=False, implementation="xla"
+        )
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*specs).compile()
+    layer = int(np.prod(specs[0].shape)) * 4
+    assert offline_tpu.large_copies(compiled, layer // 4) == []
+    assert compiled.memory_analysis().alias_size_in_bytes == 2 * layer
+
+
 def test_casts_the_step_to_the_cache_dtype():
     table = _one_row_table(written=0, span=2, window=2, reverse=False)
     cache = np.zeros((2, 1, 1, 8, 128), jnp.bfloat16)
