@@ -163,3 +163,46 @@ def test_the_engine_guides_walkthrough_shows_the_steps_code_as_it_is():
         line.strip() for line in (ROOT / "tests" / "serving" / "byte_model.py").read_text().splitlines()
     }
     assert [line for line in shown.splitlines() if line.strip() not in source] == []
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["synchronous", "pipelined"])
+def test_a_stream_a_callback_cancels_mid_round_is_offered_no_further_row(params, alone, pipelined):
+    # One row a program, three streams with rows in a round: the first stream's first byte comes back
+    # while the round's later programs are still to run, and its callback cancels the third stream. The
+    # engine must not offer the ended stream's row to admission (which would refuse it: work for nothing).
+    engine = ServingEngine(
+        ByteServing(params, slots=3), settings=EngineSettings(max_batch=1, pipelined=pipelined)
+    )
+    engine.warm_up()
+    offered, admit = [], engine._admission.admit
+
+    def recording_admit(node, rows, bucket=None):
+        offered.extend((row.stream.request_id, row.stream.phase) for row in rows)
+        return admit(node, rows, bucket)
+
+    engine._admission.admit = recording_admit
+    formed, rows_of = set(), engine.served.rows
+
+    def recording_rows(*args, **kwargs):
+        programs = rows_of(*args, **kwargs)
+        formed.update(row.stream.request_id for rows, _ in programs for row in rows)
+        return programs
+
+    engine.served.rows = recording_rows
+    heard = []
+
+    def first_cancels_third(byte: int) -> None:
+        heard.append(byte)
+        if len(heard) == 1:
+            engine.cancel("third")
+
+    first = engine.submit(ByteRequest("first", PROMPTS[2], NEW), on_output=first_cancels_third)
+    second = engine.submit(ByteRequest("second", PROMPTS[0], NEW))
+    third = engine.submit(ByteRequest("third", PROMPTS[1], NEW))
+    engine.run_until_idle()
+    assert (first.phase, second.phase, third.phase) == (Phase.DONE, Phase.DONE, Phase.CANCELLED)
+    assert "third" in formed  # a round formed its row (the cancel came before its program ran)
+    assert not [rid for rid, phase in offered if phase.finished]
+    assert first.tokens == heard == alone[2]
+    assert second.tokens == alone[0]
+    assert engine.served.manager.free_slots == 3
