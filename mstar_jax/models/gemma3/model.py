@@ -50,13 +50,9 @@ AttendFn = Callable[[object, bool, int, jax.Array, jax.Array, jax.Array], tuple[
 layer's queries meet their keys; `index` counts layers of its kind (local or global) from 0."""
 
 
-# Each projection's weight layout (`Linear`): `[O, I]` where the output is the narrower side.
-_OUT_MAJOR = {"wqkv": False, "wo": True, "gate_up": False, "down": True}
-
 # A parameter's path (its attribute names) -> (its GGUF tensor names, whether to transpose): GGUF and
-# PyTorch hold a linear weight as [out, in], `Linear` as [in, out] unless `out_major`; several names are
-# concatenated along `out` first (one matrix-vector product instead of three or two). Block tensors are
-# `blk.{i}.` + a name.
+# PyTorch hold a linear weight as [out, in], as `Linear` does; several names are concatenated along `out`
+# (one matrix-vector product instead of three or two). Block tensors are `blk.{i}.` + a name.
 _GGUF_NAMES = {
     ("embed_t",): (("token_embd.weight",), True),
     ("norm", "scale"): (("output_norm.weight",), False),
@@ -68,7 +64,7 @@ _GGUF_NAMES = {
         )
     },
     **{
-        ("blocks", attr, "weight"): (tuple(f"{name}.weight" for name in names), not _OUT_MAJOR[attr])
+        ("blocks", attr, "weight"): (tuple(f"{name}.weight" for name in names), False)
         for attr, names in (
             ("wqkv", ("attn_q", "attn_k", "attn_v")), ("wo", ("attn_output",)),
             ("gate_up", ("ffn_gate", "ffn_up")), ("down", ("ffn_down",)),
@@ -78,24 +74,20 @@ _GGUF_NAMES = {
 
 
 class Linear(nnx.Module):
-    """`x [..., I] -> [..., O]` without bias, the weight held `[I, O]`, or `[O, I]` if `out_major`.
+    """`x [..., I] -> [..., O]` without bias, the weight held `[O, I]` (as GGUF and PyTorch hold it).
 
-    A decode step's products are matrix-vector ones, bound by reading the weight, and XLA:CPU reads the
-    two layouts at different speeds: `[I, O]` is faster where O is the larger (the queries, keys and
-    values; gate and up), `[O, I]` where I is (the attention's output, down): 26 against 19 GB/s for
-    down's 2,048 x 640 on a 2-core AMD EPYC, 27 against 24 for gate and up's 640 x 4,096.
+    A decode step's products are matrix-vector ones, bound by reading the weight. Each output is then
+    the product of x with one contiguous row, and XLA:CPU streams every projection of Gemma 3 270M
+    faster this way than from `[I, O]`, most of all the widest (queries, keys and values; gate and up):
+    `benchmarks/matvec_layouts.py` measures both layouts of each.
     """
 
-    def __init__(self, features_in: int, features_out: int, *, out_major: bool, dtype, rngs: nnx.Rngs):
-        self.out_major = out_major
-        shape = (features_out, features_in) if out_major else (features_in, features_out)
-        init = nnx.initializers.lecun_normal(
-            in_axis=-1 if out_major else -2, out_axis=-2 if out_major else -1
-        )
-        self.weight = nnx.Param(init(rngs.params(), shape, dtype))
+    def __init__(self, features_in: int, features_out: int, *, dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2)
+        self.weight = nnx.Param(init(rngs.params(), (features_out, features_in), dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("...i,oi->...o" if self.out_major else "...i,io->...o", x, self.weight[...])
+        return jnp.einsum("...i,oi->...o", x, self.weight[...])
 
 
 class Gemma3Block(nnx.Module):
@@ -107,17 +99,17 @@ class Gemma3Block(nnx.Module):
         self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.rope_base = c.rope_global_base if is_global else c.rope_local_base
         norm = lambda dim: RMSNorm(dim, epsilon=c.rms_eps, param_dtype=dtype, rngs=rngs)  # noqa: E731
-        linear = lambda name, i, o: Linear(i, o, out_major=_OUT_MAJOR[name], dtype=dtype, rngs=rngs)  # noqa: E731
+        linear = lambda i, o: Linear(i, o, dtype=dtype, rngs=rngs)  # noqa: E731
         self.attn_norm, self.post_attn_norm = norm(c.d_model), norm(c.d_model)
         self.q_norm, self.k_norm = norm(c.head_dim), norm(c.head_dim)
         # Queries, keys and values in one matrix, gate and up in another: a decode step's products are
         # matrix-vector ones, bound by reading the weights, and XLA:CPU streams one wide matrix faster
         # than two or three narrow ones read in turn.
-        self.wqkv = linear("wqkv", c.d_model, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
-        self.wo = linear("wo", c.num_heads * c.head_dim, c.d_model)
+        self.wqkv = linear(c.d_model, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+        self.wo = linear(c.num_heads * c.head_dim, c.d_model)
         self.mlp_norm, self.post_mlp_norm = norm(c.d_model), norm(c.d_model)
-        self.gate_up = linear("gate_up", c.d_model, 2 * c.ffn_dim)
-        self.down = linear("down", c.ffn_dim, c.d_model)
+        self.gate_up = linear(c.d_model, 2 * c.ffn_dim)
+        self.down = linear(c.ffn_dim, c.d_model)
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, E], positions i32[B, T] -> q [B, T, H, D], k and v [B, T, G, D] (q, k normed, rotated)."""
