@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import ORDER_NOTE, describe, interleaved_times, quick_label, ratios
+from benchmarks.timing import ORDER_NOTE, describe, interleaved_times, positive_int, quick_label, ratios
 
 PROJECTIONS = {
     "queries, keys, values": (640, 1536),
@@ -33,16 +33,6 @@ PROJECTIONS = {
 LAYOUTS = ("[O, I]", "[I, O]")
 _SPEC = {"[O, I]": "bi,oi->bo", "[I, O]": "bi,io->bo"}
 _FEEDBACK = 1e-3  # how much of each product's mean the next product's input takes
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
 
 
 def weights(shape: tuple[int, int], layers: int, seed: int = 0) -> list[np.ndarray]:
@@ -77,9 +67,9 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="2 layers, 3 repeats (labelled)")
     parser.add_argument(
-        "--layers", type=_positive_int, default=None, help="copies of each weight (default 18)"
+        "--layers", type=positive_int, default=None, help="copies of each weight (default 18)"
     )
-    parser.add_argument("--repeats", type=_positive_int, default=None, help="runs each way (default 15)")
+    parser.add_argument("--repeats", type=positive_int, default=None, help="runs each way (default 15)")
     args = parser.parse_args(argv)
     layers = args.layers or (2 if args.quick else 18)
     repeats = args.repeats or (3 if args.quick else 15)

@@ -18,6 +18,7 @@ Usage, from the repository root (`python -m benchmarks.NAME`, or imported as `be
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import random
 import statistics
@@ -25,7 +26,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, TypeVar
 
-__all__ = ["ORDER_NOTE", "Spread", "describe", "interleaved_times", "quick_label", "ratios"]
+__all__ = [
+    "ORDER_NOTE", "Spread", "describe", "interleaved_times", "positive_int", "quick_label", "ratios",
+]  # fmt: skip
 
 K = TypeVar("K")
 Order = Literal["shuffle", "rotate"]
@@ -152,3 +155,14 @@ def describe(
 def quick_label(quick: bool, what: str) -> str:
     """The label a `--quick` run prints beside its figures (empty for a full run)."""
     return f" [--quick: {what}; not a full run's figures]" if quick else ""
+
+
+def positive_int(text: str) -> int:
+    """An argparse `type` for counts: an int of at least 1, else a message naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value

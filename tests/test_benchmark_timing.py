@@ -1,5 +1,8 @@
 """benchmarks/timing.py: every case once per repeat in a fresh order, ratios per repeat, median and spread."""
 
+import argparse
+import re
+
 import pytest
 
 from benchmarks import timing
@@ -61,3 +64,15 @@ def test_bad_arguments_are_refused():
 def test_quick_label():
     assert timing.quick_label(False, "x") == ""
     assert "--quick: 2 repeats" in timing.quick_label(True, "2 repeats")
+
+
+def test_positive_int_takes_counts_and_names_what_it_refuses():
+    assert timing.positive_int("1") == 1
+    assert timing.positive_int("32") == 32
+    refused = [
+        ("0", "0 must be at least 1"), ("-3", "-3 must be at least 1"),
+        ("1.5", "'1.5' is not an integer"), ("nan", "'nan' is not an integer"),
+    ]  # fmt: skip
+    for text, message in refused:
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+            timing.positive_int(text)
