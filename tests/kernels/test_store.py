@@ -503,11 +503,11 @@ def test_write_step_and_attend_pass_the_implementation_through(monkeypatch):
     monkeypatch.setattr(bounded_attention, "sink_window_attention", lambda *a, **kw: a[0])
     monkeypatch.setattr(bounded_attention, "write_step", record_write)
     config = dataclasses.make_dataclass(
-        "Config", ["max_retained", "query_window", "reverse_step_order", "num_layers"]
+        "Config", ["max_retained", "query_window", "reverse_step_order", "num_layers", "max_source_len"]
     )
     cache = dataclasses.make_dataclass("Cache", ["k", "v"])((cache_k,), (cache_v,))
     bounded_attention.attend(
-        cache, cache, BoundedKVPlan(table), 0, k, k, v, config=config(8, None, True, 1),
+        cache, cache, BoundedKVPlan(table), 0, k, k, v, config=config(8, None, True, 1, 4),
         implementation="pallas_gpu", interpret=marker,
     )  # fmt: skip
     assert (forwarded["implementation"], forwarded["interpret"]) == ("pallas_gpu", marker)

@@ -11,7 +11,7 @@ from mstar_jax.checks import is_int
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank, write_step
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig
 
-__all__ = ["attend", "check_layer", "check_step_width"]
+__all__ = ["attend", "check_layer", "check_step_width", "readable_source"]
 
 
 def check_layer(layer: object, config: BoundedKVConfig) -> None:
@@ -68,6 +68,17 @@ def check_step_width(plan: BoundedKVPlan, q: jax.Array) -> None:
     )
 
 
+def readable_source(store: jax.Array, config: BoundedKVConfig) -> jax.Array:
+    """One layer's source store `[V, R, G, L, D]` as attention reads it: empty (`L = 0`) when the config
+    has no source prefix (`max_source_len = 0`).
+
+    Such a bank still allocates one store tile (`store_capacity`) that no plan reads; every kernel takes
+    an empty store, and the XLA path then drops the part (it gathered, scored and masked the tile's 8
+    entries in every layer of every step).
+    """
+    return store[:, :, :, :0] if config.max_source_len == 0 else store
+
+
 def attend(
     cache: BoundedKVCache,
     bank: SourceBank,
@@ -122,7 +133,8 @@ def attend(
     terms = {name: x for name, x in (("rel_bias", rel_bias), ("sink_logits", sink_logits)) if x is not None}
     with jax.named_scope(f"bounded_kv_layer{layer}"):
         out = sink_window_attention(
-            q, k, v, cache.k[layer], cache.v[layer], bank.k[layer], bank.v[layer], plan.table,
+            q, k, v, cache.k[layer], cache.v[layer],
+            readable_source(bank.k[layer], config), readable_source(bank.v[layer], config), plan.table,
             max_retained=config.max_retained, query_window=config.query_window, scale=scale, **terms,
             implementation=implementation, interpret=interpret,
         )  # fmt: skip

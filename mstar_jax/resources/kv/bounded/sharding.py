@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.sink_window_attention import sink_window_attention
 from mstar_jax.checks import check_int
-from mstar_jax.resources.kv.bounded.attention import attend, check_layer, check_step_width
+from mstar_jax.resources.kv.bounded.attention import attend, check_layer, check_step_width, readable_source
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig
 
@@ -319,6 +319,7 @@ def sharded_attend(
 def _attend_shard(cache_k, cache_v, bank_k, bank_v, table, q, k, v, *, config, write, **options):
     """One shard's `attend` on one layer: a local cache `[S + 1, ...]` whose padding slot is S."""
     if not write:
+        bank_k, bank_v = readable_source(bank_k, config), readable_source(bank_v, config)
         return sink_window_attention(
             q, k, v, cache_k, cache_v, bank_k, bank_v, table, max_retained=config.max_retained,
             query_window=config.query_window, **options,

@@ -436,6 +436,43 @@ def test_source_bank_shapes():
     assert SourceBank.abstract(empty, 2).k[0].shape == (2, 2, 2, 8, 4)
 
 
+def _dot_count(config: BoundedKVConfig) -> int:
+    jaxpr = jax.make_jaxpr(partial(run_step, config=config))(*_abstract_step_args(config))
+    return str(jaxpr).count("dot_general[")
+
+
+def test_attention_reads_no_bank_tile_without_a_source_prefix():
+    # A bank of max_source_len = 0 keeps one store tile no plan reads (above); attention gets the empty
+    # store instead, so the XLA path scores and weighs two parts a layer (slot, step), not three.
+    with_source = _config(num_layers=2, rows_per_request=1, retention=SinkWindow(2, 30))
+    without = _config(num_layers=2, rows_per_request=1, retention=SinkWindow(2, 30), max_source_len=0,
+                      min_source_len=0)  # fmt: skip
+    assert _dot_count(with_source) == 2 * 2 * 3
+    assert _dot_count(without) == 2 * 2 * 2
+    # Same bits as attending over the unread tile (here NaN: a read of it would show).
+    rng = np.random.default_rng(4)
+    cache = BoundedKVCache.create(without)
+    cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), cache)
+    bank = jax.tree.map(lambda x: jnp.full(x.shape, np.nan, x.dtype), SourceBank.create(without, 2))
+    assert bank.k[0].shape[3] == 8
+    table = layout.plan_table(
+        slot=[3, 1], source=[0, 1], source_len=[0, 0], written=[40, 2], span=[1, 1], step_tokens=[1, 1],
+        sink=[2, 2], window=[30, 30], window_includes_step=[False, False], sink_capacity=2, reverse=False,
+    )  # fmt: skip
+    q = jnp.asarray(rng.standard_normal((2, 1, 2, 4)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 1, 2, 4)), jnp.float32) for _ in range(2))
+    plan = BoundedKVPlan(table)
+    for layer in range(2):
+        got, _ = attend(cache, bank, plan, layer, q, k, v, config=without, implementation="xla")
+        tile = jnp.zeros_like(bank.k[layer])  # the tile as it used to be read: never valid, so masked
+        want = sink_window_attention(
+            q, k, v, cache.k[layer], cache.v[layer], tile, tile, table, max_retained=without.max_retained,
+            implementation="xla",
+        )  # fmt: skip
+        assert np.isfinite(np.asarray(got)).all()
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_plan_counts_requests():
     assert BoundedKVPlan(layout.padding_rows(3, 0)).num_requests == 3
 
