@@ -21,6 +21,7 @@ from jax import lax
 
 from kernels_pallas.sink_window_attention import sink_window_attention
 from kernels_pallas.sink_window_attention import table as tbl
+from kernels_pallas.sink_window_attention.reference import sink_window_attention_reference
 from mstar_jax.resources.kv.bounded import layout
 from mstar_jax.resources.kv.bounded.attention import attend
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank, write_step
@@ -471,6 +472,12 @@ def test_attention_reads_no_bank_tile_without_a_source_prefix():
         )  # fmt: skip
         assert np.isfinite(np.asarray(got)).all()
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        # And the float64 reference, reading the NaN bank through the table: nothing of it is retained.
+        ref = sink_window_attention_reference(
+            q, k, v, cache.k[layer], cache.v[layer], bank.k[layer], bank.v[layer], table
+        )  # fmt: skip
+        assert np.abs(ref).max() > 0.1  # the rows attend real keys
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_plan_counts_requests():
