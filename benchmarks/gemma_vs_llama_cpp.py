@@ -17,6 +17,13 @@ each engine reads it and greedily generates N tokens.
   default: the local layers keep their 512-position window, as ours do), flash attention off;
   `n_threads` = the cores this process may use. Logits of the last position only, read as NumPy.
 
+- Our products alone: only the weight products of one decode step (each layer's four matrix-vector
+  products, then the output projection and its argmax: `benchmarks/gemma_step_parts.py`'s chain, checked
+  against its float64 oracle first) on the same weights, N - 1 of them back to back, timed as a case of
+  its own: no attention, norms, cache or host. It bounds what any change outside the products can reach:
+  where it is not above llama.cpp's whole decode step in a run, nothing but faster products would bring
+  our decode there.
+
 Prefill rate (the same program whatever K): L over the time from the request to its first token (the
 prompt read, one argmax); decode rate: N - 1 over the time from there to the last token. Every
 (engine, length) case is timed once per repeat, in a fresh random order each repeat
@@ -154,6 +161,25 @@ class LlamaCpp:
         return first - start, time.perf_counter() - first, tokens
 
 
+class Products:
+    """Our decode step's weight products alone (`gemma_step_parts.products`), checked, then jitted."""
+
+    def __init__(self, config, model):
+        from benchmarks.gemma_step_parts import check_products, layer_weights, products
+
+        self.weights, self.embed_t = layer_weights(model), model.embed_t[...]
+        self.x = jax.random.normal(jax.random.key(2), (1, config.d_model)) * 0.1
+        check_products(config, self.weights, self.embed_t, self.x)
+        self.chain = jax.jit(lambda w, e, h: products(config, w, e, h)[0])
+
+    def run(self, steps: int) -> float:
+        """Seconds for `steps` chains, one after the other (each waited for, as a decode step is)."""
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.chain(self.weights, self.embed_t, self.x).block_until_ready()
+        return time.perf_counter() - start
+
+
 def float32_gguf(reader, tensors, path: pathlib.Path | None, scratch: str) -> pathlib.Path:
     """The F32 GGUF of `tensors` at `path` (written once, kept) or in `scratch` (written every run)."""
     from tests.models.gemma3.llama_reference import write_float32_copy
@@ -182,6 +208,18 @@ def table(lengths, ks, rates, repeats: int) -> list[str]:
                 describe(ratios(ours, theirs), ".2f", repeats=False),
             ]
             rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def products_table(lengths, rates, repeats: int) -> list[str]:
+    rows = [
+        "| tokens | our products alone, steps/s | llama.cpp decode tokens/s | products ÷ llama.cpp |",
+        "|---|---|---|---|",
+    ]
+    for length in lengths:
+        ours, theirs = rates["products", length][-repeats:], rates["llama.cpp", length, "decode"][-repeats:]
+        cells = [f"{length:,}", describe(ours, ".1f", repeats=False), describe(theirs, ".1f", repeats=False)]
+        rows.append("| " + " | ".join([*cells, describe(ratios(ours, theirs), ".2f", repeats=False)]) + " |")
     return rows
 
 
@@ -276,17 +314,32 @@ def main(argv=None) -> None:
 
             return run
 
+        products = Products(config, model)
+        print("our products alone: the chain equals its float64 oracle")
+
+        def products_case(length):
+            def run() -> float:
+                seconds = products.run(count - 1)
+                rates["products", length].append((count - 1) / seconds)
+                return seconds
+
+            return run
+
         cases = {
             (name, n): case(name, e, n)
             for n in lengths
             for name, e in (*((f"ours K={k}", e) for k, e in ours.items()), ("llama.cpp", theirs))
         }
+        cases.update({("products", n): products_case(n) for n in lengths})
         try:
             interleaved_times(cases, repeats, self_timed=True)
         finally:
             theirs.llama.close()  # before the scratch directory holding its file goes
     print(f"timing: {ORDER_NOTE}; {repeats} repeat(s) after one untimed run each; median (min–max)\n")
     print("\n".join(table(lengths, ks, rates, repeats)))
+    print("\nour decode step's weight products alone (no attention, norms, cache or host) against "
+          "llama.cpp's whole decode step, the same repeats:")  # fmt: skip
+    print("\n".join(products_table(lengths, rates, repeats)))
     print(f"\ngreedy tokens, the first {SHOWN} after each prompt:")
     for length in lengths:
         for k in ks:

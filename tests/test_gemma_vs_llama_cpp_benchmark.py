@@ -44,6 +44,26 @@ def test_the_table_has_every_length_and_phase(output):
             assert re.fullmatch(SPREAD, cell), (row, cell)
 
 
+def test_the_products_alone_have_a_row_per_length_against_llama_cpp_decode(output):
+    assert "our products alone: the chain equals its float64 oracle" in output
+    header = "| tokens | our products alone, steps/s | llama.cpp decode tokens/s | products ÷ llama.cpp |"
+    lines = output.splitlines()
+    rows = lines[lines.index(header) + 2 :][:2]
+    assert [row.split(" | ")[0] for row in rows] == ["| 32", "| 64"]
+    decode = {
+        row.split(" | ")[0]: row.split(" | ")[4]
+        for row in lines
+        if re.match(r"\| [\d,]+ \| decode \| 1 \|", row)
+    }
+    for row in rows:
+        cells = row.strip("| ").split(" | ")
+        assert len(cells) == 4, row
+        for cell in cells[1:]:
+            assert re.fullmatch(SPREAD, cell), (row, cell)
+        # the llama.cpp column is the same samples as the main table's llama.cpp decode rate
+        assert cells[2] == decode["| " + cells[0]], (row, decode)
+
+
 def test_both_engines_generate_the_same_greedy_tokens(output):
     lines = [line for line in output.splitlines() if re.match(r"\s+[\d,]+, K = [18]: ours \[", line)]
     assert len(lines) == 4, output  # each length, at K = 1 and 8

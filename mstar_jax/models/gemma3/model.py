@@ -18,9 +18,11 @@ as stored (`x * w`): the GGUF conversion stores Gemma's `1 + w` already (see `gg
 
 The tied embedding is held transposed, `[E, V]`, in the output projection's layout: a decode step's
 logits are a matrix-vector product over all 262,144 words, the largest read of the step (671 MB in
-float32, more than every layer together), and XLA:CPU streams `h @ W[E, V]` about twice as fast as
-`W[V, E] @ h` (measured on a 2-core AMD EPYC: 25 against 45 ms). The lookup then gathers a column per
-token, 640 scattered reads (40 KB of cache lines), nothing beside the projection.
+float32, more than every layer together). Alone, XLA:CPU streamed `h @ W[E, V]` faster than
+`W[V, E] @ h` on a 2-core AMD EPYC (25 against 45 ms in one run, 19.6 against 22.3 ms in another);
+within a whole decode step the two layouts were within that host's noise (an A/B: `[V, E]` at 1.019
+(0.898–1.179) of `[E, V]`, docs/guides/gemma3.md). The lookup then gathers a column per token, 640
+scattered reads (40 KB of cache lines), nothing beside the projection.
 
 Shape legend: B requests, T step tokens, E d_model, H query heads, G K/V heads, D head dim, F MLP width,
 V vocabulary.
