@@ -16,6 +16,8 @@ Per case: ms a step and its share of the step (case ÷ step within each repeat),
 `step - no attention` is the attention, the cache write and the host's work; `no attention - products`
 the norms, RoPE, GELU and residuals; `products - output` the layers' products. Before timing, the products
 chain is checked against a float64 NumPy oracle of the same chain (and its argmax against the oracle's).
+Every argmax is the model's own (`mstar_jax.serving.sampling.argmax`, two passes over the logits), as the
+step's; runs before 2026-12-05's last took `jnp.argmax`, about 1 ms slower over 262,144 words.
 
 Run: python -m benchmarks.gemma_step_parts [--quick] [--tiny] [--prompt P] [--repeats R] [--number N]
 """
@@ -35,6 +37,7 @@ from benchmarks.timing import ORDER_NOTE, describe, interleaved_times, positive_
 from mstar_jax.models.gemma3.gguf import GEMMA3_270M, Gemma3Config
 from mstar_jax.models.gemma3.model import Gemma3
 from mstar_jax.models.gemma3.stream import Gemma3Streams
+from mstar_jax.serving.sampling import argmax
 
 CASES = ("step", "no attention", "products", "output")
 
@@ -66,7 +69,8 @@ def products(config: Gemma3Config, weights: Weights, embed_t: jax.Array, x: jax.
         gelu = 0.5 * gate * (1 + xp.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
         x = x + (gelu * up) @ down.T
     logits = norm(x) @ embed_t
-    return xp.argmax(logits, axis=-1), logits
+    # The jitted chain takes its argmax as the model's step does (two passes, `sampling.argmax`).
+    return (argmax(logits) if xp is jnp else np.argmax(logits, axis=-1)), logits
 
 
 def check_products(config: Gemma3Config, weights: Weights, embed_t: jax.Array, x: jax.Array) -> None:
@@ -137,10 +141,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     def no_attention(params, token):
         net = nnx.merge(graphdef, params)
         hidden, _ = net(token.reshape(1, 1), jnp.full((1, 1), prompt, jnp.int32), None, identity)
-        return jnp.argmax(net.logits(hidden[:, 0]), axis=-1)
+        return argmax(net.logits(hidden[:, 0]))
 
     products_step = jax.jit(lambda w, e, h: products(config, w, e, h)[0])
-    output_step = jax.jit(lambda e, h: jnp.argmax(h @ e, axis=-1))
+    output_step = jax.jit(lambda e, h: argmax(h @ e))
     state = {"token": token}
 
     def step():

@@ -62,6 +62,10 @@ def test_the_products_alone_have_a_row_per_length_against_llama_cpp_decode(outpu
             assert re.fullmatch(SPREAD, cell), (row, cell)
         # the llama.cpp column is the same samples as the main table's llama.cpp decode rate
         assert cells[2] == decode["| " + cells[0]], (row, decode)
+        # --quick times one repeat: the ratio is products ÷ llama.cpp of those two rates (not inverted)
+        products, theirs, ratio = (float(cell.split(" ")[0]) for cell in cells[1:])
+        rounding = 0.005 + products / theirs * 0.1 / min(products, theirs)  # rates printed to 0.1
+        assert ratio == pytest.approx(products / theirs, abs=rounding), row
 
 
 def test_both_engines_generate_the_same_greedy_tokens(output):
