@@ -8,6 +8,15 @@ the most device time; and the host's events with the most time, inclusive of wha
 events are each counted, so their totals do not add up to the wall time), then with the most self time
 (outside the events nested in them, on their thread: where the host's time went).
 
+On a CPU, XLA's programs run as thunks on the host's own threads, so there is no device lane; each
+thunk event names its program (`hlo_module`) and the execution it belongs to (`run_id`). For each
+program (a module and its thunks a run, so captured buckets of one function stay apart), its runs'
+medians of: the span from the first thunk's start to the last one's end; the time an XLA dot ran; the
+time a YNNPACK fusion (XLA:CPU's library products and the ops fused with them) ran and no dot did; the
+time any other thunk ran and no product did; and the time no thunk ran on any thread (`idle`: the
+executor handing work between its threads, or waiting). In each run the four add up to its span
+(their medians need not).
+
 Run: python -m benchmarks.trace_summary DIR_OR_FILE [DIR_OR_FILE ...] [--top N]
 """
 
@@ -140,6 +149,66 @@ def _closed(entry: list) -> dict:
     return {**event, "dur": max(0.0, float(event.get("dur", 0.0)) - children)}
 
 
+@dataclasses.dataclass(frozen=True)
+class HostProgram:
+    """An XLA:CPU program's runs: per run in µs, the median over its runs (see the module docstring)."""
+
+    module: str
+    thunks: int
+    runs: int
+    span_us: float
+    dots_us: float
+    ynn_us: float
+    other_us: float
+    idle_us: float
+
+
+def host_programs(events: Sequence[dict]) -> tuple[HostProgram, ...]:
+    """The XLA:CPU programs of the trace's thunk events (complete events whose `args` name an `hlo_op`,
+    an `hlo_module` and a `run_id`), the most span first."""
+    runs: dict[tuple, list[tuple[str, float, float]]] = collections.defaultdict(list)
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("ph") == "X" and {"hlo_op", "hlo_module", "run_id"} <= args.keys():
+            start = float(e["ts"])
+            runs[args["hlo_module"], args["run_id"]].append(
+                (e["name"], start, start + float(e.get("dur", 0.0)))
+            )
+    parts: dict[tuple[str, int], list[tuple[float, ...]]] = collections.defaultdict(list)
+    for (module, _), thunks in runs.items():
+        spans = [(start, end) for _, start, end in thunks]
+        dots = [(start, end) for name, start, end in thunks if name.startswith("dot")]
+        products = dots + [(start, end) for name, start, end in thunks if name.startswith("ynn")]
+        span = max(end for _, end in spans) - min(start for start, _ in spans)
+        busy, dot, product = busy_time(spans), busy_time(dots), busy_time(products)
+        parts[module, len(thunks)].append((span, dot, product - dot, busy - product, span - busy))
+    programs = [
+        HostProgram(
+            module,
+            thunks,
+            len(samples),
+            *(statistics.median(column) for column in zip(*samples, strict=True)),
+        )
+        for (module, thunks), samples in parts.items()
+    ]
+    return tuple(sorted(programs, key=lambda p: -p.span_us * p.runs))
+
+
+def program_table(programs: Sequence[HostProgram]) -> list[str]:
+    """The XLA:CPU programs as lines: ms a run, medians over its runs."""
+    if not programs:
+        return []
+    columns = ("span", "dots", "YNNPACK", "other", "idle")
+    head = f"  {'runs':>5} {'thunks':>7} " + " ".join(f"{c:>8}" for c in columns) + "  program"
+    lines = ["XLA:CPU programs on the host's threads, ms a run (medians over its runs):", head]
+    for p in programs:
+        cells = (p.span_us, p.dots_us, p.ynn_us, p.other_us, p.idle_us)
+        lines.append(
+            f"  {p.runs:5d} {p.thunks:7d} " + " ".join(f"{c / 1e3:8.2f}" for c in cells) + f"  {p.module}"
+        )
+    return lines
+
+
 def summarise(events: Sequence[dict]) -> tuple[tuple[Lane, ...], tuple[Op, ...], tuple[Op, ...]]:
     """(device lanes, the host's events by inclusive time, the host's events by self time) of complete
     (`"ph": "X"`) events."""
@@ -205,9 +274,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     shares = []
     for given, path in zip(args.traces, paths, strict=True):
-        lanes, host, host_self = summarise(load_events(path))
+        events = load_events(path)
+        lanes, host, host_self = summarise(events)
         print(f"benchmarks/trace_summary.py: {path}")
-        print("\n".join(report(lanes, host, host_self, top=args.top)) + "\n")
+        lines = report(lanes, host, host_self, top=args.top) + program_table(host_programs(events))
+        print("\n".join(lines) + "\n")
         busy = ", ".join(f"{lane.busy_us / lane.span_us:.2f}" for lane in lanes if lane.span_us)
         shares.append(f"{given.name} {busy or 'no device lane'}")
     print(f"device busy ÷ span: {'; '.join(shares)}")

@@ -130,3 +130,65 @@ def test_the_trace_argument_takes_a_folder_not_a_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--trace", str(tmp_path / "a_file")])
     assert "a_file is a file; --trace takes a folder" in capsys.readouterr().err
+
+
+def _thunk(tid: int, name: str, ts: int, dur: int, run: str, module: str = "jit_step") -> dict:
+    args = {"hlo_op": name, "hlo_module": module, "run_id": run}
+    return {"ph": "X", "pid": 2, "tid": tid, "name": name, "ts": ts, "dur": dur, "args": args}
+
+
+def test_host_programs_split_each_run_into_dots_ynnpack_other_and_idle():
+    rng = np.random.default_rng(2)
+    events, expected = [], collections.defaultdict(list)
+    for run in range(7):
+        count = int(rng.integers(1, 9))
+        thunks = [
+            _thunk(int(rng.integers(1, 4)), f"{rng.choice(['dot', 'ynn_fusion', 'add_fusion'])}.{i}",
+                   1000 * run + int(rng.integers(0, 90)), int(rng.integers(0, 20)), str(run))
+            for i in range(count)
+        ]  # fmt: skip
+        events += thunks
+        # Brute force: which kinds of thunk run in each µs of the run's span.
+        first, last = min(t["ts"] for t in thunks), max(t["ts"] + t["dur"] for t in thunks)
+        tally = collections.Counter()
+        for at in range(first, last):
+            kinds = {
+                t["name"].split("_")[0].split(".")[0] for t in thunks if t["ts"] <= at < t["ts"] + t["dur"]
+            }
+            tally["dot" if "dot" in kinds else "ynn" if "ynn" in kinds else "other" if kinds else "idle"] += 1
+        key = ("jit_step", count)
+        expected[key].append((last - first, tally["dot"], tally["ynn"], tally["other"], tally["idle"]))
+    events += [
+        _op(2, "ThunkExecutor::Execute", 0, 5000),  # no hlo_op: not a thunk
+        _thunk(1, "dot.1", 9000, 30, run="x", module="jit_prefill"),
+    ]  # fmt: skip
+    expected["jit_prefill", 1].append((30, 30, 0, 0, 0))
+    programs = trace_summary.host_programs(events)
+    got = {(p.module, p.thunks): p for p in programs}
+    assert got.keys() == expected.keys()
+    for key, samples in expected.items():
+        p = got[key]
+        medians = tuple(float(np.median(column)) for column in zip(*samples, strict=True))
+        assert p.runs == len(samples)
+        assert (p.span_us, p.dots_us, p.ynn_us, p.other_us, p.idle_us) == pytest.approx(medians)
+    lines = trace_summary.program_table(programs)
+    assert lines[0].startswith("XLA:CPU programs")
+    assert lines[1].split() == ["runs", "thunks", "span", "dots", "YNNPACK", "other", "idle", "program"]
+    assert lines[2:] == [
+        f"  {p.runs:5d} {p.thunks:7d} "
+        + " ".join(f"{v / 1e3:8.2f}" for v in (p.span_us, p.dots_us, p.ynn_us, p.other_us, p.idle_us))
+        + f"  {p.module}"
+        for p in sorted(programs, key=lambda p: -p.span_us * p.runs)
+    ]
+    assert trace_summary.program_table(()) == []
+
+
+def test_main_prints_the_host_programs_of_a_cpu_trace(tmp_path, capsys):
+    path = tmp_path / trace_summary.TRACE_NAME
+    thunks = [_thunk(1, "dot.0", 0, 30, "1"), _thunk(2, "add_fusion", 40, 10, "1")]
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": _trace(thunks)}, f)
+    trace_summary.main([str(path)])
+    out = capsys.readouterr().out.splitlines()
+    table = out.index("XLA:CPU programs on the host's threads, ms a run (medians over its runs):")
+    assert out[table + 2].split() == ["1", "2", "0.05", "0.03", "0.00", "0.01", "0.01", "jit_step"]
