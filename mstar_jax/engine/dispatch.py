@@ -189,6 +189,8 @@ class Dispatch:
         except Exception as err:  # the step failed on the device after it was dispatched
             self._lost_in_flight(step, err)
             return True
+        for row in step.rows:  # it came back: the failed steps its rows rode out were not in a row
+            row.stream.faults = 0
         now = self._clock()
         rids = tuple([r.stream.request_id for r in step.rows])
         self._records.append(StepRecord(

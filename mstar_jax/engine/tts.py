@@ -216,7 +216,6 @@ class TTSServing(ServedModel):
             if stream.feed == (serial, index * steps + emits - 1):
                 stream.feed = None
             stream.codes_in_flight -= emits
-            stream.faults = 0
             if stream.replay_codes:
                 if not self._append_codes(stream, block[:emits], ops):
                     continue
@@ -268,7 +267,6 @@ class TTSServing(ServedModel):
             if stream.phase.finished:  # cancelled by an earlier row's callback, or before it came back
                 continue
             chunk = AudioChunk(row.start, row_codes, row_mel, row_samples)
-            stream.faults = 0
             if stream.chunks and row.start < stream.frames_decoded:  # replayed: the listener has it
                 if not _same_chunk(chunk, stream.chunks):
                     ops.fail(stream, ReplayMismatchError(

@@ -398,7 +398,6 @@ class GreedyDecoder(ServedModel):
             if stream.feed == (step.serial, index * self.decode_steps + emits - 1):
                 stream.feed = None
             stream.tokens_in_flight -= emits
-            stream.faults = 0
             for token in outputs[index, :emits]:  # in order; a block's row may end at any of them
                 if not self._deliver(stream, int(token), now, ops):
                     break

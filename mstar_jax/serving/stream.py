@@ -81,7 +81,8 @@ class Stream:
       paused: the client is not reading; the engine schedules nothing for it.
       last_step_at: when a step last ran for it (for idle offloading).
       hold_until: the engine retries its admission from then on (after a refusal for lack of room).
-      faults: failed steps it was in whose device state survived (it fails after a few).
+      faults: failed steps in a row it was in whose device state survived (it fails after a few); the
+        engine counts them and clears them when one of its steps comes back.
     """
 
     request: Any

@@ -152,6 +152,18 @@ def test_a_step_that_fails_before_consuming_its_cache_is_retried(programs, pipel
         assert_same_output(stream, served_alone(programs, stream.request))
 
 
+def test_faults_that_are_not_in_a_row_never_fail_a_stream_reading_its_prompt(programs):
+    """A talker step that comes back forgives the failures before it, a prompt's chunk as much as a
+    code's: a long text whose every other step fails is read and spoken as it is alone."""
+    engine, voices = make_engine(programs)
+    stream = engine.submit(request("long", voices[0], 6, text_len=12))  # a prompt of 4 chunks
+    inject_faults(engine, "talker", lambda n: "before" if n % 2 else None)
+    engine.run_until_idle()
+    assert stream.phase is Phase.DONE, stream.error
+    assert engine.counters["faults"] > MAX_STEP_FAULTS  # more in all than a stream rides out in a row
+    assert_same_output(stream, served_alone(programs, stream.request))
+
+
 def test_requests_whose_steps_always_fail_fail_alone_and_the_engine_stays_usable(programs):
     engine, voices = make_engine(programs)
     streams = [engine.submit(req) for req in crowd(voices)[:2]]

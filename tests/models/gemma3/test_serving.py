@@ -17,6 +17,7 @@ import pytest
 
 from mstar_jax.engine import ServingEngine
 from mstar_jax.engine.faults import inject_faults
+from mstar_jax.engine.recovery import MAX_STEP_FAULTS
 from mstar_jax.models.gemma3.model import Gemma3
 from mstar_jax.models.gemma3.serving import GEMMA3, Gemma3Programs, Gemma3Serving, TextRequest
 from mstar_jax.models.gemma3.stream import DECODE, Gemma3Streams
@@ -146,6 +147,20 @@ def test_with_snapshots_a_lost_cache_is_restored_and_replayed_to_the_same_tokens
         assert stream.tokens == want
         assert heard[stream.request_id] == want  # replayed tokens are not delivered again
     assert engine.compilations == 0
+
+
+def test_faults_that_are_not_in_a_row_never_fail_a_stream_reading_its_prompt(model, programs, prompts):
+    """A step that comes back forgives the failures before it, a prompt's chunk as much as a token's."""
+    engine = engine_for(model, programs)
+    long_prompt = prompts[1] * 2  # 38 tokens: 5 chunks of 8, each retried once
+    stream = engine.submit(TextRequest("long", long_prompt, 4))
+    inject_faults(engine, GEMMA3, lambda n: "before" if n % 2 else None)
+    engine.run_until_idle()
+    assert stream.phase is Phase.DONE, stream.error
+    assert engine.counters["faults"] > MAX_STEP_FAULTS  # more in all than a stream rides out in a row
+    streams = Gemma3Streams(CONFIG, model, global_retention=RETENTION, chunk=8)
+    assert stream.tokens == streams.greedy(long_prompt, 4)
+    assert engine.served.streams.local.free_slots == SLOTS
 
 
 def test_without_snapshots_a_lost_cache_fails_its_streams_retryably(model, programs, prompts):
