@@ -165,7 +165,7 @@ class HostProgram:
 
 def host_programs(events: Sequence[dict]) -> tuple[HostProgram, ...]:
     """The XLA:CPU programs of the trace's thunk events (complete events whose `args` name an `hlo_op`,
-    an `hlo_module` and a `run_id`), the most span first."""
+    an `hlo_module` and a `run_id`), the most time in all (span × runs) first."""
     runs: dict[tuple, list[tuple[str, float, float]]] = collections.defaultdict(list)
     for e in events:
         args = e.get("args") or {}
