@@ -19,7 +19,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_number", "is_int"]
+__all__ = ["brief", "check_bool", "check_choice", "check_int", "check_number", "is_int"]
+
+
+def brief(value: Any) -> str:
+    """`repr(value)`, cut to 60 characters: a refusal names the value without echoing a megabyte."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def is_int(value: Any, *, numpy: bool = False) -> bool:
@@ -140,8 +146,8 @@ def check_number(
         or (exclusive and number == minimum)
         or (maximum is not None and number > maximum)
     ):
-        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-        raise ValueError(f"{name}={shown} must be {either}a {'finite ' if finite else ''}number {bound}")
+        finiteness = "finite " if finite else ""
+        raise ValueError(f"{name}={brief(value)} must be {either}a {finiteness}number {bound}")
     return float(number)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from mstar_jax.checks import brief
 from mstar_jax.errors import DeploymentError, DeploymentTypeError
 from mstar_jax.memory import resource_costs
 from mstar_jax.models import MODELS, model_config
@@ -365,5 +366,4 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 
 
 def _brief(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+    return f"{type(value).__name__} {brief(value)}"

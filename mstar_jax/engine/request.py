@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mstar_jax.checks import check_int
+from mstar_jax.checks import brief, check_int
 from mstar_jax.engine.voices import Voice
 from mstar_jax.serving.stream import (
     Phase,
@@ -62,7 +62,7 @@ class TTSRequest:
         text = np.asarray(self.text)
         if text.ndim > 1:
             raise ValueError(
-                f"request {self.request_id!r}: text={_brief(self.text)} must be one sequence of token ids, "
+                f"request {self.request_id!r}: text={brief(self.text)} must be one sequence of token ids, "
                 f"got shape {text.shape}"
             )
         text = text.reshape(-1)
@@ -70,7 +70,7 @@ class TTSRequest:
             raise ValueError(f"request {self.request_id!r}: text is empty; it needs at least one token")
         if not np.issubdtype(text.dtype, np.integer):  # a float token would be truncated silently
             raise ValueError(
-                f"request {self.request_id!r}: text={_brief(self.text)} must be integer token ids, "
+                f"request {self.request_id!r}: text={brief(self.text)} must be integer token ids, "
                 f"got dtype {text.dtype}"
             )
         object.__setattr__(self, "text", tuple(int(t) for t in text))
@@ -81,11 +81,6 @@ class TTSRequest:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise ValueError(f"request {self.request_id!r}: seed={self.seed!r} must be an int in [0, 2**32)")
-
-
-def _brief(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class AudioChunk(NamedTuple):
