@@ -11,10 +11,10 @@ import json
 from collections.abc import Collection
 from typing import Any
 
-from mstar_jax.checks import check_choice, check_int, check_number
+from mstar_jax.checks import brief, check_choice, check_int, check_number
 from mstar_jax.server.errors import BadRequestError, PayloadTooLargeError
 
-__all__ = ["Body", "parse_json", "read_body"]
+__all__ = ["Body", "check_text", "parse_json", "read_body"]
 
 _MISSING = object()
 
@@ -62,6 +62,25 @@ def _refuse(name: str, error: ValueError) -> BadRequestError:
     return BadRequestError(str(error), param=name, code="invalid_value")
 
 
+def check_text(name: str, value: str) -> str:
+    """`value`, refused if it is not Unicode text: JSON's `"\\ud800"` parses to a lone surrogate,
+    which has no UTF-8 bytes and no tokens.
+
+    Raises:
+      BadRequestError: naming `name`, the value and the surrogate's offset.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        at = error.start
+        raise BadRequestError(
+            f"{name}={brief(value)} has a lone surrogate {value[at]!r} at offset {at}; it must be "
+            "valid Unicode (UTF-8 encodable)",
+            param=name, code="invalid_value",
+        ) from None  # fmt: skip
+    return value
+
+
 class Body:
     """A JSON object's fields, read by type; JSON `null` is the same as absent."""
 
@@ -81,10 +100,10 @@ class Body:
         if value is default:
             return value
         if not isinstance(value, str):
-            raise _refuse(name, ValueError(f"{name}={_brief(value)} must be a string"))
+            raise _refuse(name, ValueError(f"{name}={brief(value)} must be a string"))
         if not value and not empty:
             raise _refuse(name, ValueError(f"{name}='' must be a non-empty string"))
-        return value
+        return check_text(name, value)
 
     def choice(self, name: str, choices: Collection[str], *, default: Any = _MISSING) -> str:
         value = self._get(name, default)
@@ -110,7 +129,7 @@ class Body:
     def boolean(self, name: str, *, default: bool) -> bool:
         value = self._get(name, default)
         if not isinstance(value, bool):
-            raise _refuse(name, ValueError(f"{name}={_brief(value)} must be a bool"))
+            raise _refuse(name, ValueError(f"{name}={brief(value)} must be a bool"))
         return value
 
     def strings(self, name: str, *, most: int, longest: int) -> tuple[str, ...]:
@@ -126,13 +145,8 @@ class Body:
             raise _refuse(
                 name,
                 ValueError(
-                    f"{name}={_brief(value)} must be a non-empty string or a list of at most {most}, each "
+                    f"{name}={brief(value)} must be a non-empty string or a list of at most {most}, each "
                     f"of at most {longest} characters"
                 ),
             )
-        return tuple(values)
-
-
-def _brief(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+        return tuple(check_text(name, v) for v in values)

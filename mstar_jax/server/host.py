@@ -99,7 +99,7 @@ class EngineHost:
     ):
         if not isinstance(engine, ServingEngine):
             raise TypeError(f"engine={engine!r} must be a ServingEngine (mstar_jax.engine)")
-        check_int("max_waiting", max_waiting, minimum=0)
+        check_int("max_waiting", max_waiting, minimum=1)
         check_int("stream_buffer", stream_buffer, minimum=1)
         check_int("retry_after_s", retry_after_s, minimum=1)
         check_number("offload_paused_after_s", offload_paused_after_s, minimum=0.0, allow_none=True)

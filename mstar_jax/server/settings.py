@@ -16,8 +16,8 @@ class ServerSettings:
 
     Attributes:
       max_waiting: requests that may wait at once (submitted with no step run yet, or paused for a
-        client that stopped reading); one more is refused with 429 and `Retry-After`, so neither a burst
-        nor readers that never read grow memory without bound.
+        client that stopped reading; at least 1); one more is refused with 429 and `Retry-After`, so
+        neither a burst nor readers that never read grow memory without bound.
       retry_after_s: the `Retry-After` a 429 says, in seconds.
       max_body_bytes: the largest request body read; a larger one is refused with 413.
       stream_buffer: outputs (audio chunks, tokens) buffered for one stream before the engine pauses it
@@ -36,7 +36,8 @@ class ServerSettings:
       history: finished streams and step records the engine keeps for reports (the most recent), so
         memory stays flat however long the server runs.
       segment_bytes: a WebSocket's text is spoken in segments that end at a sentence's end, or once
-        this many bytes are buffered.
+        this many bytes are buffered (at least 4, a UTF-8 character's most, so a segment always holds
+        one).
     """
 
     max_waiting: int = 64
@@ -54,12 +55,12 @@ class ServerSettings:
     history: int = 64
 
     def __post_init__(self):
-        check_int("max_waiting", self.max_waiting, minimum=0)
         for name in (
-            "retry_after_s", "max_body_bytes", "stream_buffer", "max_input_bytes", "max_frames",
-            "max_tokens", "default_max_tokens", "segment_bytes", "history",
+            "max_waiting", "retry_after_s", "max_body_bytes", "stream_buffer", "max_input_bytes",
+            "max_frames", "max_tokens", "default_max_tokens", "history",
         ):  # fmt: skip
             check_int(name, getattr(self, name), minimum=1)
+        check_int("segment_bytes", self.segment_bytes, minimum=4)  # the widest UTF-8 character's bytes
         check_number("shutdown_grace_s", self.shutdown_grace_s, minimum=0.0)
         check_number("offload_paused_after_s", self.offload_paused_after_s, minimum=0.0, allow_none=True)
         check_number("frames_per_byte", self.frames_per_byte, minimum=0.0, exclusive=True)

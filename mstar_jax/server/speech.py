@@ -55,7 +55,7 @@ from mstar_jax.server.responses import (
 from mstar_jax.server.settings import ServerSettings
 from mstar_jax.server.tokenizer import ByteTokenizer
 
-__all__ = ["RESPONSE_FORMATS", "STREAM_FORMATS", "SpeechService", "speech_router"]
+__all__ = ["RESPONSE_FORMATS", "STREAM_FORMATS", "SpeechService", "segment_end", "speech_router"]
 
 RESPONSE_FORMATS = ("wav", "pcm")
 STREAM_FORMATS = ("audio", "sse")
@@ -165,6 +165,23 @@ async def _sse(chunks, tts: TTSRequest):
     yield sse({"type": "speech.audio.done", "usage": {**usage, "total_tokens": sum(usage.values())}})
 
 
+def segment_end(text: str, limit: int, *, final: bool) -> int:
+    """Where the first segment of buffered `text` ends (0: wait for more): after its first sentence's
+    end within `limit` UTF-8 bytes; else, past `limit` bytes, after the last space within them (or
+    at the last character within them); else, when `final` or at `limit` bytes, after all of it.
+    `limit` is at least 4, so a segment holds at least one character."""
+    if not text:
+        return 0
+    encoded = text.encode()
+    room = len(encoded[:limit].decode("utf-8", "ignore"))  # the characters within `limit` bytes
+    end = _SENTENCE_END.search(text, 0, room)
+    if end is not None:
+        return end.end()
+    if len(encoded) > limit:
+        return text.rfind(" ", 0, room) + 1 or room
+    return len(text) if final or len(encoded) == limit else 0
+
+
 class _Session:
     """One WebSocket's text in, audio out (module doc)."""
 
@@ -174,6 +191,7 @@ class _Session:
         self.handles: list[RequestHandle] = []
         self.options = Body({})
         self.buffer = ""
+        self.ended = False
 
     async def run(self) -> None:
         reader = asyncio.ensure_future(self._read())
@@ -210,51 +228,46 @@ class _Session:
 
     async def _read(self) -> str:
         try:
-            while True:
+            for number in itertools.count(1):
                 received = await self.ws.receive()
                 if received["type"] == "websocket.disconnect":
                     raise WebSocketDisconnect(received.get("code", 1000))
-                raw = received.get("text")
-                if raw is None:  # a binary frame: the client speaks JSON text messages only
-                    raise BadRequestError("a message must be a JSON text frame, not binary", param="type")
-                if len(raw.encode()) > self.service.settings.max_body_bytes:
-                    raise BadRequestError(
-                        f"a message is over max_body_bytes={self.service.settings.max_body_bytes}"
-                    )
-                message = parse_json(raw)
-                kind = message.choice("type", ("start", "text", "flush", "end"))
-                if kind == "start":
-                    if self.handles:
-                        raise BadRequestError("type='start' must be the first message", param="type")
-                    self.options = message
-                    self.service.request(message, " ")  # its fields checked now, not at the first segment
-                elif kind == "text":
-                    self.buffer += message.string("text", empty=True)
-                    await self._cut(final=False)
-                else:
-                    await self._cut(final=True)
-                    if kind == "end":
-                        await self.segments.put(None)
-                        return "end"
+                await self._take(number, received.get("text"))
+                if self.ended:
+                    return "end"
         except WebSocketDisconnect:
             return "gone"
+        except BadRequestError:  # the client's message refused before the host saw it: counted here
+            self.service.metrics.refused("invalid")
+            raise
+
+    async def _take(self, number: int, raw: str | None) -> None:
+        """Act on the client's message `number` (1: its first), `raw` its text (None: binary)."""
+        if raw is None:  # a binary frame: the client speaks JSON text messages only
+            raise BadRequestError("a message must be a JSON text frame, not binary", param="type")
+        if len(raw.encode()) > self.service.settings.max_body_bytes:
+            raise BadRequestError(f"a message is over max_body_bytes={self.service.settings.max_body_bytes}")
+        message = parse_json(raw)
+        kind = message.choice("type", ("start", "text", "flush", "end"))
+        if kind == "start":
+            if number > 1:  # the voice of text already sent must not change
+                raise BadRequestError(
+                    f"type='start' is message {number}; it may only be the first", param="type"
+                )
+            self.options = message
+            self.service.request(message, " ")  # its fields checked now, not at the first segment
+        elif kind == "text":
+            self.buffer += message.string("text", empty=True)
+            await self._cut(final=False)
+        else:
+            await self._cut(final=True)
+            if kind == "end":
+                await self.segments.put(None)
+                self.ended = True
 
     async def _cut(self, *, final: bool) -> None:
         """Submit the buffered text's complete segments (all of it when `final`)."""
-        limit = self.service.settings.segment_bytes
-        while self.buffer:
-            size = len(self.buffer.encode())
-            # The characters within `limit` bytes: a segment is cut there at the latest.
-            room = len(self.buffer.encode()[:limit].decode("utf-8", "ignore"))
-            end = _SENTENCE_END.search(self.buffer, 0, room)
-            if end is not None:
-                cut = end.end()
-            elif size > limit:
-                cut = self.buffer.rfind(" ", 0, room) + 1 or room
-            elif final or size == limit:
-                cut = len(self.buffer)
-            else:
-                return
+        while cut := segment_end(self.buffer, self.service.settings.segment_bytes, final=final):
             text, self.buffer = self.buffer[:cut], self.buffer[cut:]
             if text.strip():
                 handle = self.service.submit(self.service.request(self.options, text, field="text"))

@@ -24,10 +24,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
+from mstar_jax.checks import brief
 from mstar_jax.models.gemma3.serving import TextRequest
 from mstar_jax.server.admission import check_resources, submit_counted
 from mstar_jax.server.errors import BadRequestError
-from mstar_jax.server.fields import Body
+from mstar_jax.server.fields import Body, check_text
 from mstar_jax.server.handle import RequestHandle
 from mstar_jax.server.host import EngineHost
 from mstar_jax.server.metrics import ServerMetrics
@@ -119,7 +120,7 @@ def _prompt(service: TextService, body: Body) -> list[int]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         value = value[0]  # a batch of one prompt
     if isinstance(value, str) and value:
-        return [service.tokenizer.bos_id, *service.encode(value, "prompt")]
+        return [service.tokenizer.bos_id, *service.encode(check_text("prompt", value), "prompt")]
     if (
         isinstance(value, list)
         and value
@@ -127,7 +128,7 @@ def _prompt(service: TextService, body: Body) -> list[int]:
     ):
         return list(value)
     raise BadRequestError(
-        f"prompt={str(value)[:60]!r} must be a non-empty string or a non-empty list of token ids (one "
+        f"prompt={brief(value)} must be a non-empty string or a non-empty list of token ids (one "
         "prompt: batches are not served)",
         param="prompt", code="invalid_value",
     )  # fmt: skip
@@ -136,32 +137,44 @@ def _prompt(service: TextService, body: Body) -> list[int]:
 def _messages(service: TextService, body: Body) -> list[int]:
     messages = body.fields.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise BadRequestError(f"messages={str(messages)[:60]!r} must be a non-empty list", param="messages")
+        raise BadRequestError(f"messages={brief(messages)} must be a non-empty list", param="messages")
     turns = []
     for i, message in enumerate(messages):
         name = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise BadRequestError(f"{name} must be an object with role and content", param=name)
+            raise BadRequestError(
+                f"{name}={brief(message)} must be an object with role and content", param=name
+            )
         try:
             role = Body(message).choice("role", _ROLES)
         except BadRequestError as error:
             raise BadRequestError(f"{name}.{error.message}", param=f"{name}.role") from None
-        content = message.get("content")
-        if isinstance(content, list):  # text parts
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):  # fmt: skip
-                raise BadRequestError(f"{name}.content parts must be text parts", param=f"{name}.content")
-            content = "".join(p["text"].strip() for p in content)  # each part trimmed, as Gemma's template
-        if not isinstance(content, str):
-            raise BadRequestError(
-                f"{name}.content={str(content)[:60]!r} must be a string or a list of text parts",
-                param=f"{name}.content",
-            )
-        turns.append((role, content))
+        turns.append((role, _content(name, message.get("content"))))
     try:
-        return service.tokenizer.chat([(r, c) for r, c in turns])
+        return service.tokenizer.chat(turns)
     except ValueError as error:
         raise BadRequestError(f"messages: {error}", param="messages") from None
+
+
+def _content(name: str, content: Any) -> str:
+    """A message's content: a string, or text parts joined, each trimmed (as Gemma's template)."""
+    if isinstance(content, str):
+        return check_text(f"{name}.content", content)
+    if not isinstance(content, list):
+        raise BadRequestError(
+            f"{name}.content={brief(content)} must be a string or a list of text parts",
+            param=f"{name}.content",
+        )
+    texts = []
+    for j, part in enumerate(content):
+        field = f"{name}.content[{j}]"
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise BadRequestError(
+                f"{field}={brief(part)} must be a text part, {{'type': 'text', 'text': a string}}",
+                param=field,
+            )
+        texts.append(check_text(f"{field}.text", part["text"]).strip())
+    return "".join(texts)
 
 
 def text_router(service: TextService) -> APIRouter:

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import httpx
 import uvicorn
 
 TTS_YAML = """\
@@ -102,3 +103,13 @@ def assert_nothing_leaked(host) -> None:
         )
 
     wait_for(clean, "every stream, slot, record and reader to be released", timeout_s=20.0)
+
+
+def outcomes(url: str) -> dict[str, float]:
+    """The server's `mstar_requests_total` by outcome, read from its `/metrics`."""
+    counts = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("mstar_requests_total{"):
+            name, value = line.split()
+            counts[name.split('"')[1]] = float(value)
+    return counts

@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
     ("flags", "says"),
     [
         (["--port", "70000"], "--port=70000 must be an int in [0, 65535]"),
-        (["--max-waiting", "-1"], "--max-waiting: max_waiting=-1 must be an int >= 0"),
+        (["--max-waiting", "0"], "--max-waiting: max_waiting=0 must be an int >= 1"),
+        (["--segment-bytes", "3"], "--segment-bytes: segment_bytes=3 must be an int >= 4"),
         (["--stream-buffer", "0"], "--stream-buffer: stream_buffer=0 must be an int >= 1"),
         (["--shutdown-grace-s", "nan"], "--shutdown-grace-s=nan must be a finite number"),
         (["--frames-per-byte", "0"], "--frames-per-byte: frames_per_byte=0.0 must be a finite number > 0.0"),
@@ -87,7 +88,10 @@ def test_argparse_refuses_a_value_of_the_wrong_type(flags, says, capsys):
 @pytest.mark.parametrize(
     ("settings", "says"),
     [
-        ({"max_waiting": True}, "max_waiting=True must be an int >= 0"),
+        ({"max_waiting": True}, "max_waiting=True must be an int >= 1"),
+        ({"max_waiting": 0}, "max_waiting=0 must be an int >= 1"),
+        ({"segment_bytes": 3}, "segment_bytes=3 must be an int >= 4"),
+        ({"segment_bytes": 4.0}, "segment_bytes=4.0 must be an int >= 4"),
         ({"max_body_bytes": 0}, "max_body_bytes=0 must be an int >= 1"),
         ({"shutdown_grace_s": float("inf")}, "shutdown_grace_s=inf must be a finite number >= 0.0"),
         ({"frames_per_byte": "1"}, "frames_per_byte='1' must be a number > 0.0"),
@@ -107,8 +111,8 @@ def test_the_host_and_the_app_refuse_bad_arguments(tts):
         EngineHost(3)
     with pytest.raises(ValueError, match="stream_buffer=0 must be an int >= 1"):
         EngineHost(engine, stream_buffer=0)
-    with pytest.raises(ValueError, match="max_waiting=-2 must be an int >= 0"):
-        EngineHost(engine, max_waiting=-2)
+    with pytest.raises(ValueError, match="max_waiting=0 must be an int >= 1"):
+        EngineHost(engine, max_waiting=0)
     with pytest.raises(ValueError, match="history=0 must be an int >= 1"):
         EngineHost(engine, history=0)
     with pytest.raises(ValueError, match="offload_paused_after_s=-1 must be None or a finite number"):

@@ -17,7 +17,7 @@ from mstar_jax.engine.request import TTSRequest
 from mstar_jax.server import ServerSettings, create_app
 from mstar_jax.server.audio import pcm16, wav_header
 from mstar_jax.server.tokenizer import ByteTokenizer
-from tests.server.support import assert_nothing_leaked, live
+from tests.server.support import assert_nothing_leaked, live, outcomes
 
 TEXTS = ("Hello there. ", "How are you?", "hé!")
 LONG = "é" * 20 + ". "  # 42 bytes in one message, one sentence: over segment_bytes=32
@@ -181,22 +181,30 @@ GOOD = {"model": "streaming_tts", "voice": "voice-0", "input": "hi"}
         ),
         (b'{"input": "hi", "seed": 1' + b"0" * 5000 + b"}", None, "not valid JSON"),  # past int's digits
         (b"[" * 100_000, None, "not valid JSON"),  # nested past the parser's recursion
+        # Valid JSON, but no text: a lone surrogate has no UTF-8 bytes (once a 500).
+        (
+            {**GOOD, "input": "hi \ud800"},
+            "input",
+            "input='hi \\ud800' has a lone surrogate '\\ud800' at offset 3",
+        ),
+        ({**GOOD, "input": "\udfff"}, "input", "at offset 0; it must be valid Unicode"),
     ],
 )
-def test_a_bad_request_is_a_400_naming_the_field(served, body, param, says):
+def test_a_bad_request_is_a_400_naming_the_field_and_counted_invalid(served, body, param, says):
     url, host, _ = served
-    if isinstance(body, dict):
-        response = httpx.post(f"{url}/v1/audio/speech", json=body)
-    else:
-        response = httpx.post(
-            f"{url}/v1/audio/speech", content=body, headers={"content-type": "application/json"}
-        )
+    before = outcomes(url).get("invalid", 0)
+    response = httpx.post(
+        f"{url}/v1/audio/speech",
+        content=json.dumps(body) if isinstance(body, dict) else body,  # ASCII JSON: surrogates escaped
+        headers={"content-type": "application/json"},
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert says in error["message"]
     assert not host.engine.streams
+    assert outcomes(url).get("invalid", 0) == before + 1
 
 
 def test_the_sdk_raises_bad_request_for_an_unknown_voice(sdk):
@@ -204,13 +212,18 @@ def test_the_sdk_raises_bad_request_for_an_unknown_voice(sdk):
         sdk.audio.speech.create(model="streaming_tts", voice="nova", input="hi")
 
 
-def refused_frame(url: str, frame: str | bytes) -> tuple[dict, int]:
-    """The error message and close code a WebSocket session answers `frame`, its first frame, with."""
+def refused_frame(url: str, *frames: str | bytes) -> tuple[dict, int]:
+    """The error message and close code a WebSocket session answers `frames` with, the last refused."""
 
     async def talk():
         async with websockets.connect(url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
-            await ws.send(frame)
-            error = json.loads(await ws.recv())
+            for frame in frames:
+                await ws.send(frame)
+            while True:  # past an accepted segment's audio and `segment.done`
+                message = await ws.recv()
+                if isinstance(message, str) and json.loads(message)["type"] == "error":
+                    break
+            error = json.loads(message)
             with pytest.raises(websockets.ConnectionClosed):
                 await ws.recv()
             return error, ws.close_code
@@ -232,6 +245,32 @@ def test_a_binary_websocket_frame_is_refused_with_1007(served):
     assert code == 1007
     assert "must be a JSON text frame, not binary" in error["error"]["message"]
     assert_nothing_leaked(host)
+
+
+@pytest.mark.parametrize(
+    ("frames", "param", "says"),
+    [
+        ([{"type": "text", "text": "hi \ud800. "}], "text", "text='hi \\ud800. ' has a lone surrogate"),
+        ([{"type": "start", "seed": "\ud800"}], "seed", "seed='\\ud800' must be an int"),
+        # Once accepted: the voice of text already sent changed.
+        ([{"type": "text", "text": "hi"}, {"type": "start"}], "type", "type='start' is message 2"),
+        ([{"type": "start"}, {"type": "start", "voice": "voice-1"}], "type", "type='start' is message 2"),
+        (
+            [{"type": "text", "text": "hi. "}, {"type": "flush"}, {"type": "start"}],
+            "type",
+            "type='start' is message 3; it may only be the first",
+        ),
+    ],
+)
+def test_a_websocket_message_refused_names_its_field_and_is_counted(served, frames, param, says):
+    url, host, _ = served
+    before = outcomes(url).get("invalid", 0)
+    error, code = refused_frame(url, *(json.dumps(f) for f in frames))
+    assert code == 1007
+    assert error["error"]["param"] == param
+    assert says in error["error"]["message"]
+    assert_nothing_leaked(host)
+    assert outcomes(url).get("invalid", 0) == before + 1
 
 
 def test_audio_equals_across_concurrent_clients(served):

@@ -13,7 +13,7 @@ import pytest
 
 from mstar_jax.server import ServerSettings, create_app
 from mstar_jax.server.text import StopMatcher
-from tests.server.support import assert_nothing_leaked, live
+from tests.server.support import assert_nothing_leaked, live, outcomes
 
 pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
 
@@ -156,15 +156,6 @@ def test_a_stop_string_ends_the_text_before_it():
     assert matcher.feed("yzzz") == ("", True)
 
 
-def _outcomes(url: str) -> dict[str, float]:
-    counts = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("mstar_requests_total{"):
-            name, value = line.split()
-            counts[name.split('"')[1]] = float(value)
-    return counts
-
-
 def test_a_stop_string_over_http_ends_the_completion_and_counts_as_done(gemma):
     url, sdk, host, alone, tokenizer = gemma
     prompt = [2, 40, 7, 8, 9, 11, 12, 13, 14, 15, 16]
@@ -172,12 +163,12 @@ def test_a_stop_string_over_http_ends_the_completion_and_counts_as_done(gemma):
     stop = text[len(text) // 2 : len(text) // 2 + 2]  # two characters from the middle of the reply
     assert stop
     assert text.index(stop) > 0
-    before = _outcomes(url)
+    before = outcomes(url)
     response = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=20, stop=stop)
     assert response.choices[0].text == text[: text.index(stop)]
     assert response.choices[0].finish_reason == "stop"
     assert_nothing_leaked(host)
-    after = _outcomes(url)
+    after = outcomes(url)
     assert after.get("done", 0) == before.get("done", 0) + 1
     assert after.get("cancelled", 0) == before.get("cancelled", 0)
 
@@ -187,6 +178,11 @@ def test_models_and_the_time_to_first_token(gemma):
     assert [m.id for m in sdk.models.list()] == [MODEL]
     assert 'mstar_time_to_first_output_seconds_count{kind="token"}' in httpx.get(f"{url}/metrics").text
     assert httpx.get(f"{url}/v1/audio/voices").status_code == 404  # a text deployment speaks no audio
+
+
+def _said(content) -> dict:
+    """A chat body of one user message of `content`."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}]}
 
 
 @pytest.mark.parametrize(
@@ -226,18 +222,56 @@ def test_models_and_the_time_to_first_token(gemma):
             "chat/completions",
             {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
             "messages[0].content",
-            "must be a string",
+            "messages[0].content=5 must be a string",
+        ),
+        (
+            "chat/completions",
+            {"model": MODEL, "messages": ["hello"]},
+            "messages[0]",
+            "messages[0]='hello' must be an object with role and content",
+        ),
+        (
+            "chat/completions",
+            _said([{"type": "text", "text": "a"}, {"type": "image_url"}]),
+            "messages[0].content[1]",
+            "messages[0].content[1]={'type': 'image_url'} must be a text part",
+        ),
+        (
+            "chat/completions",
+            _said([{"type": "text", "text": 5}]),
+            "messages[0].content[0]",
+            "messages[0].content[0]={'type': 'text', 'text': 5} must be a text part",
+        ),
+        # A lone surrogate is valid JSON ("\ud800") but no text: it has no UTF-8 bytes and no tokens.
+        ("completions", {**HI, "prompt": "hi \ud800"}, "prompt", "lone surrogate '\\ud800' at offset 3"),
+        ("completions", {**HI, "stop": ["a", "b\udfff"]}, "stop", "stop='b\\udfff' has a lone surrogate"),
+        (
+            "chat/completions",
+            _said("\udc80hi"),
+            "messages[0].content",
+            "messages[0].content='\\udc80hi' has a lone surrogate '\\udc80' at offset 0",
+        ),
+        (
+            "chat/completions",
+            _said([{"type": "text", "text": "a"}, {"type": "text", "text": "b\ud800"}]),
+            "messages[0].content[1].text",
+            "lone surrogate '\\ud800' at offset 1",
         ),
     ],
 )
-def test_a_bad_text_request_is_a_400_naming_the_field(gemma, path, body, param, says):
+def test_a_bad_text_request_is_a_400_naming_the_field_and_counted_invalid(gemma, path, body, param, says):
     url, _, host, _, _ = gemma
-    response = httpx.post(f"{url}/v1/{path}", json=body)
+    before = outcomes(url).get("invalid", 0)
+    # Sent as ASCII JSON, the way a client's JSON library escapes a lone surrogate.
+    response = httpx.post(
+        f"{url}/v1/{path}", content=json.dumps(body), headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param
     assert says in error["message"]
     assert not host.engine.streams
+    assert outcomes(url).get("invalid", 0) == before + 1
 
 
 def test_a_sampled_completion_is_the_same_for_the_same_seed(gemma):
