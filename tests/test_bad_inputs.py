@@ -699,7 +699,7 @@ def _manager_state(manager: BoundedKVManager) -> tuple:
         requests,
         readers,
         dict(manager._source_lengths),
-        list(manager._claimed_in_step),
+        list(manager._claims),
     )
     device = [
         np.asarray(x).view(np.uint8) for x in jax.tree.leaves(jax.device_get((manager.cache, manager.bank)))

@@ -6,13 +6,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mstar_jax.compile import count_compilations
-from mstar_jax.engine import batch
 from mstar_jax.engine.lockstep import Lockstep
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep
 from mstar_jax.resources.step import Segment, StepContext, SubmoduleStep
 from mstar_jax.serving.model import Node, ServedModel
 
-__all__ = ["warm_up"]
+__all__ = ["WARM_UP_ID", "warm_up"]
+
+WARM_UP_ID = "\x00warmup"
+"""The request warm-up borrows slots for: no client's (warm-up ends before the engine takes requests),
+and not a padding row's (`PAD`), which the caches never admit as a request."""
 
 
 def warm_up(
@@ -28,7 +31,7 @@ def warm_up(
     gives it back; returns the compilations it caused.
     """
     with count_compilations() as counter, served.warming_up():
-        rid = f"{batch.PAD}warmup"
+        rid = WARM_UP_ID
         for node in nodes.values():
             node.runner.ingest_request(rid)
             position = served.warm_up_position(node)

@@ -104,8 +104,9 @@ class ResourceRunner:
     def admit(self, step: SubmoduleStep) -> FullAdmitOutcome:
         """Admit the step resource by resource; stop at the first refusal.
 
-        Atomic across resources: on a refusal, the resources that already admitted the step get
-        `abort_step` (in reverse order), so no claim outlives the refused admit.
+        Atomic across resources: on a refusal, or an exception a resource raises, the resources that
+        already admitted the step get `abort_step` (in reverse order), so no claim outlives the refused
+        admit.
 
         Returns:
           `FULL_ADMIT_OK`; or the refusing resource's outcome (its reason object unchanged) with
@@ -115,14 +116,21 @@ class ResourceRunner:
         ready = True
         admitted: list[str] = []
         for key in self._keys_for(step):
-            outcome = self.resources[key].admit(step.steps[key], ctx)
+            try:
+                outcome = self.resources[key].admit(step.steps[key], ctx)
+            except BaseException:
+                self._abort(step, admitted)
+                raise
             if not outcome.ok:
-                for done in reversed(admitted):
-                    self.resources[done].abort_step(step.steps[done], ctx)
+                self._abort(step, admitted)
                 return FullAdmitOutcome(outcome, failed_resource=key)
             admitted.append(key)
             ready = ready and outcome.ready
         return FULL_ADMIT_OK if ready else FullAdmitOutcome(AdmitOutcome(True, False, None))
+
+    def _abort(self, step: SubmoduleStep, admitted: list[str]) -> None:
+        for key in reversed(admitted):
+            self.resources[key].abort_step(step.steps[key], step.ctx)
 
     def plan(self, step: SubmoduleStep) -> dict[str, Any]:
         """Plan each declared resource in order into `ctx.plan_results` (cleared first) and return it.

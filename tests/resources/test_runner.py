@@ -45,6 +45,8 @@ class Recorder(Resource):
 
     def admit(self, step, ctx):
         self.journal.append(("admit", self.key))
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
         return self.outcome
 
     def plan(self, step, ctx):
@@ -306,3 +308,12 @@ def test_admit_retrieve_takes_the_originals_positional_order_and_passes_it_throu
     resource.retrieved.clear()
     assert runner.admit_retrieve(request_id="rid", node_name="node", graph_walk="walk", published={}).ok
     assert resource.retrieved == [("rid", "node", "walk", None)]
+
+
+def test_a_resource_that_raises_in_admit_has_the_earlier_admits_aborted_then_the_error_raised():
+    """Only a refusal used to abort: an exception left the earlier resources holding their claims."""
+    error = TypeError("a bad field")
+    runner, _, journal = make({"a": (), "b": ("a",), "c": ("b",)}, c={"outcome": error})
+    with pytest.raises(TypeError, match="a bad field"):
+        runner.admit(step_for(["a", "b", "c"]))
+    assert journal == [("admit", "a"), ("admit", "b"), ("admit", "c"), ("abort", "b"), ("abort", "a")]

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mstar_jax.checks import is_int
-from mstar_jax.resources.kv.bounded.columns import pending
+from mstar_jax.resources.kv.bounded.columns import MAX_POSITION, pending
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVStep, StreamPosition
 from mstar_jax.resources.step import (
     AdmitOutcome,
@@ -84,8 +84,10 @@ def claim_slots(
 
 
 def step_tokens_of(step: BoundedKVStep, seg: Segment) -> int:
-    """The tokens the row brings: its declared `step_tokens`, else `max(span, 1)`."""
-    return step.step_tokens.get(seg.request_id, max(seg.span, 1))
+    """The tokens the row brings: its declared `step_tokens`, else `max(span, 1)` (a span that is not an
+    int is itself, for `check_segment` to refuse)."""
+    span = seg.span
+    return step.step_tokens.get(seg.request_id, max(span, 1) if is_int(span, numpy=True) else span)
 
 
 def check_segment(
@@ -161,6 +163,11 @@ def check_segment(
         return AdmitRuntimeError(f"{rid!r}: step tokens={step_tokens} must be >= 1")
     if not 0 <= seg.span <= step_tokens:
         return AdmitRuntimeError(f"{rid!r}: span={seg.span} must be in [0, step tokens={step_tokens}]")
+    if pos.source_len + pos.written + step_tokens > MAX_POSITION:
+        return AdmitRuntimeError(
+            f"{rid!r}: source_len={pos.source_len} + written={pos.written} + step tokens={step_tokens} "
+            f"must be <= {MAX_POSITION}: the plan's positions are int32"
+        )
     lease = ctx.slot_lease
     if lease is not None and lease.bucket is not None and step_tokens > lease.bucket.num_tokens:
         return AdmitRuntimeError(
@@ -231,19 +238,22 @@ def real_segments(
 def admitted_segments(
     step: BoundedKVStep,
     ctx: StepContext,
+    call: str,
     *,
     requests: Mapping[str, Any],
     padding: Callable[[str, StepContext], bool],
 ) -> list[Segment]:
-    """The step's real segments, each matching its request's pending admission; raises otherwise."""
-    real = real_segments(step, ctx, "commit", requests=requests, padding=padding)
+    """The step's real segments for a `call` after admit (plan or commit), each matching its request's
+    pending admission; raises otherwise (a plan of a step admit never accepted could read entries its
+    request did not write)."""
+    real = real_segments(step, ctx, call, requests=requests, padding=padding)
     for seg in real:
         pos, accepted = step.positions[seg.request_id], pending(seg.request_id, requests[seg.request_id])
         if accepted is None or (tuple(pos), seg.span) != (tuple(accepted[0]), accepted[1]):
             admitted = "no step" if accepted is None else _describe(*accepted)
             raise StepNotAdmittedError(
-                f"bounded KV commit: {seg.request_id!r} declares {_describe(pos, seg.span)}, but "
-                f"admit accepted {admitted} (or it was committed or aborted since); commit only the "
+                f"bounded KV {call}: {seg.request_id!r} declares {_describe(pos, seg.span)}, but "
+                f"admit accepted {admitted} (or it was committed or aborted since); {call} only the "
                 "step admit accepted"
             )
     return real

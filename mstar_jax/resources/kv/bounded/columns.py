@@ -29,13 +29,16 @@ from mstar_jax.resources.kv.bounded.config import (
 from mstar_jax.resources.step import Segment, StepContext
 
 __all__ = [
-    "CommittedRows", "StepColumns", "admissible", "commit", "first_steps", "gather", "pending", "unclaimed",
+    "MAX_POSITION", "CommittedRows", "StepColumns", "admissible", "commit", "first_steps", "gather",
+    "pending", "unclaimed",
 ]  # fmt: skip
 
 _INTS = frozenset({int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64})
 """The value types `is_int(value, numpy=True)` accepts that a step's fields hold in practice (`bool` is
 not among them); any other type sends the step row by row."""
 _ABSENT = object()
+MAX_POSITION = 2**31 - 1
+"""The last stream position a step may reach (a plan's positions are int32)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -200,6 +203,9 @@ def admissible(
     )  # fmt: skip
     if width is not None:
         ok &= step_tokens <= width
+    # Each term first, so that their sum cannot wrap int64; the plan's positions are int32.
+    fits = (source_len <= MAX_POSITION) & (written <= MAX_POSITION) & (step_tokens <= MAX_POSITION)
+    ok &= fits & (source_len + written + step_tokens <= MAX_POSITION)
     return bool(ok.all())
 
 

@@ -182,14 +182,18 @@ class HostCopies:
             return False
         slot = self._slots.take()
         k, v = request.host_copy
-        cache = self._get_cache()
-        if all(layer.is_fully_addressable for layer in cache.k):
-            self._set_cache(_store_slot(cache, jnp.int32(slot), k, v))
-        else:
-            self._set_cache(BoundedKVCache(
-                k=tuple(_write_slot(layer, slot, new) for layer, new in zip(cache.k, k, strict=True)),
-                v=tuple(_write_slot(layer, slot, new) for layer, new in zip(cache.v, v, strict=True)),
-            ))  # fmt: skip
+        try:
+            cache = self._get_cache()
+            if all(layer.is_fully_addressable for layer in cache.k):
+                self._set_cache(_store_slot(cache, jnp.int32(slot), k, v))
+            else:
+                self._set_cache(BoundedKVCache(
+                    k=tuple(_write_slot(layer, slot, new) for layer, new in zip(cache.k, k, strict=True)),
+                    v=tuple(_write_slot(layer, slot, new) for layer, new in zip(cache.v, v, strict=True)),
+                ))  # fmt: skip
+        except BaseException:  # no cache to store into (handed out, or lost): the request stays offloaded
+            self._slots.give(slot)
+            raise
         request.slot, request.host_copy = slot, None
         return True
 

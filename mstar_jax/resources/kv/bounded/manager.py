@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import jax
 import numpy as np
 
-from mstar_jax.checks import check_int
+from mstar_jax.checks import brief, check_bool, check_int
 from mstar_jax.resources.base import Resource
 from mstar_jax.resources.kv.bounded import columns as cols
 from mstar_jax.resources.kv.bounded import planning
@@ -23,7 +23,6 @@ from mstar_jax.resources.kv.bounded.admission import (
     admitted_segments,
     check_rows,
     claim_slots,
-    real_segments,
 )
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, BoundedKVStep, StreamPosition
@@ -34,9 +33,9 @@ from mstar_jax.resources.kv.bounded.sources import Sources
 from mstar_jax.resources.spec import NodeResourceSpec, ResourceReqConfig
 from mstar_jax.resources.step import (
     ADMIT_OK,
+    PAD,
     AdmitOutcome,
     ResourceStep,
-    Segment,
     StepContext,
 )
 
@@ -75,7 +74,10 @@ class BoundedKVManager(Resource):
         model_shards: int = 1,
         local_data_shards: Collection[int] | None = None,
     ):
+        if not isinstance(spec, BoundedKVSpec):
+            raise TypeError(f"spec={brief(spec)} must be a BoundedKVSpec")
         check_int("num_sources", num_sources, minimum=1)
+        check_int("model_shards", model_shards, minimum=1)
         self.spec = spec
         self.config = spec.config
         self._slots = SlotPools(self.config.max_slots, data_shards, local_data_shards)
@@ -89,7 +91,7 @@ class BoundedKVManager(Resource):
         self._requests: dict[str, RequestRecord] = {}
         self._source_lengths: dict[int, int] = {}
         self._readers: Counter[int] = Counter()
-        self._claimed_in_step: list[str] = []
+        self._claims: list[str] = []  # requests a step admitted not yet committed or aborted gave a slot
         # The last admitted step's rows as columns (`columns`): its plan and commit read them, until
         # anything else changes a record.
         self._columns: cols.StepColumns | None = None
@@ -97,8 +99,7 @@ class BoundedKVManager(Resource):
         # dropped wherever a record may change otherwise; and the plan fields of the admitted columns.
         self._committed: cols.CommittedRows | None = None
         self._fields: tuple[cols.StepColumns, dict] | None = None
-        # Its parts, given the state they share with it (the records, slots and counters are the same
-        # objects: a part updates them in place).
+        # Its parts share its records, slots and counters (the same objects, updated in place).
         bank = SourceBank.create(self._storage, num_sources)
         self._sources = Sources(
             config=self.config, stored_heads=self.stored_heads, bank=bank, lengths=self._source_lengths,
@@ -111,9 +112,7 @@ class BoundedKVManager(Resource):
 
     @classmethod
     def build(cls, spec: NodeResourceSpec, dependencies=None, **kwargs) -> BoundedKVManager:
-        if not isinstance(spec, BoundedKVSpec):
-            raise TypeError(f"BoundedKVManager builds a BoundedKVSpec, got {type(spec).__name__}")
-        return cls(spec, **kwargs)
+        return cls(spec, **kwargs)  # which refuses a spec that is not a BoundedKVSpec
 
     # Device state.
     def abstract_cache(self) -> BoundedKVCache:
@@ -197,7 +196,7 @@ class BoundedKVManager(Resource):
     def recover(self, snapshot: BoundedKVSnapshot | None = None, restore: Collection[str] = ()) -> list[str]:
         """Rebuild the device cache after a fault lost it; return the requests whose state was lost
         (`HostCopies.recover`)."""
-        self._claimed_in_step, self._columns, self._committed = [], None, None
+        self._claims, self._columns, self._committed = [], None, None
         return self._host.recover(snapshot, restore)
 
     # Introspection.
@@ -250,6 +249,8 @@ class BoundedKVManager(Resource):
     def ingest_request(self, request_id: str, req_config: ResourceReqConfig | None = None) -> None:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id={request_id!r} must be a str")
+        if request_id.startswith(PAD):  # a padding row's: its steps would plan empty and write nothing
+            raise ValueError(f"request_id={request_id!r} must not start with {PAD!r}, padding rows' prefix")
         if req_config is not None:
             if not isinstance(req_config, ResourceReqConfig):
                 raise TypeError(f"req_config={req_config!r} must be a ResourceReqConfig or None")
@@ -267,6 +268,7 @@ class BoundedKVManager(Resource):
             self._readers[request.source] -= 1
 
     def reset_request(self, request_id: str, free: bool = False) -> None:
+        check_bool("free", free)
         self._columns = self._committed = None
         if free:
             self.remove_request(request_id)
@@ -317,11 +319,8 @@ class BoundedKVManager(Resource):
         else:  # each row's admission is its row of the columns (`StepColumns.admitted`)
             for record in columns.records:
                 record.admitted = columns
-        self._claimed_in_step, self._columns = need_slot, columns
+        self._claims, self._columns = [*self._claims, *need_slot], columns
         return ADMIT_OK
-
-    def _real_segments(self, step: BoundedKVStep, ctx: StepContext, call: str) -> list[Segment]:
-        return real_segments(step, ctx, call, requests=self._requests, padding=self._is_padding)
 
     def plan_rows(self, step: ResourceStep, ctx: StepContext | None = None) -> tuple[int, dict[str, int]]:
         """The plan table's row count and each real request's row.
@@ -359,7 +358,7 @@ class BoundedKVManager(Resource):
         columns = self._columns_of(step)
         bucket = None if ctx.slot_lease is None else ctx.slot_lease.bucket
         if columns is None:
-            real = self._real_segments(step, ctx, "plan")
+            real = admitted_segments(step, ctx, "plan", requests=self._requests, padding=self._is_padding)
             rows, row_of = self._table_rows(step, ctx, [seg.request_id for seg in real])
             return planning.plan(
                 step, real, rows, row_of, bucket, requests=self._requests, slots=self._slots,
@@ -399,7 +398,7 @@ class BoundedKVManager(Resource):
         if columns is not None:  # the step admit accepted: every row's admission is its own
             self._commit_columns(columns)
             return
-        segments = admitted_segments(step, ctx, requests=self._requests, padding=self._is_padding)
+        segments = admitted_segments(step, ctx, "commit", requests=self._requests, padding=self._is_padding)
         for seg in segments:
             request = self._requests[seg.request_id]
             position, span = cols.pending(seg.request_id, request)
@@ -407,33 +406,39 @@ class BoundedKVManager(Resource):
                 self.placed[self._slots.shard_of(request.slot)] += 1
             request.written = position.written + span
             request.admitted = None
-        self._claimed_in_step, self._columns, self._committed = [], None, None
+        self._settle(seg.request_id for seg in segments)
+        self._columns, self._committed = None, None
 
     def _commit_columns(self, columns: cols.StepColumns) -> None:
         """Commit a step admitted as columns; its rows become the persistent batch."""
         for shard in cols.first_steps(columns, self._slots):  # count where first steps run
             self.placed[shard] += 1
         self._committed = cols.commit(columns, self._fields_of(columns))
-        self._claimed_in_step, self._columns, self._fields = [], None, None
+        self._settle(seg.request_id for seg in columns.segments)
+        self._columns, self._fields = None, None
 
     def abort_step(self, step: ResourceStep, ctx: StepContext | None = None) -> None:
-        """Forget the step's admission; return the slots it claimed for requests that have written nothing."""
+        """Forget the step's admission; return the slots it (not another step) claimed for requests
+        that have written nothing."""
         self._columns = self._committed = None
-        for seg in step.segments or ():
-            request = self._requests.get(seg.request_id)
-            if request is not None:
-                request.admitted = None
-        for rid in self._claimed_in_step:
+        rids = {seg.request_id for seg in step.segments or ()}
+        for rid in rids & self._requests.keys():
+            self._requests[rid].admitted = None
+        for rid in [rid for rid in self._claims if rid in rids]:  # in claim order: slots' order
             request = self._requests.get(rid)
             if request is not None and request.slot is not None and request.written == 0:
-                self._slots.give(request.slot)
-                if request.source_len:
-                    self._readers[request.source] -= 1
+                self.remove_request(rid)  # its slot and its source's reader back
                 self._requests[rid] = RequestRecord()
-        self._claimed_in_step = []
+        self._settle(rids)
+
+    def _settle(self, request_ids: Iterable[str]) -> None:
+        """Forget the claims of `request_ids` (their steps committed or aborted), not another step's."""
+        if self._claims:
+            settled = set(request_ids)
+            self._claims = [rid for rid in self._claims if rid not in settled]
 
     def cleanup(self) -> None:
-        self._columns = self._committed = None
+        self._claims, self._columns, self._committed = [], None, None
         self._requests.clear()
         self._readers.clear()
         self._slots.reset()

@@ -35,9 +35,7 @@ class SlotPools:
             )
         self.shards, self.per_shard = shards, slots // shards
         self.local_shards = tuple(range(shards)) if local is None else tuple(sorted(set(local)))
-        if not self.local_shards or not all(
-            isinstance(s, int) and 0 <= s < shards for s in self.local_shards
-        ):
+        if not self.local_shards or not all(is_int(s) and 0 <= s < shards for s in self.local_shards):
             raise ValueError(
                 f"local_data_shards={local!r} must be a non-empty collection of shard indices in "
                 f"[0, {shards}) (None: every shard)"

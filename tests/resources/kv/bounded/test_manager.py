@@ -351,10 +351,12 @@ def test_plan_rows_follow_the_layout_and_pad_to_the_bucket(manager):
     assert (plan.table[1:, tbl.SLOT] == 3).all()
     assert not plan.table[1:, tbl.SLOT + 1 :].any()
     assert not plan.table.flags.writeable
-    # Planning is a pure function of the step: twice, and after the commit, the same table.
+    # Planning is a pure function of the step: twice, the same table; once committed, the step is no
+    # longer the one admit accepted, and a plan of it is refused (it could read entries not yet written).
     np.testing.assert_array_equal(manager.plan(step, ctx).table, plan.table)
     manager.commit(step, ctx)
-    np.testing.assert_array_equal(manager.plan(step, ctx).table, plan.table)
+    with pytest.raises(StepNotAdmittedError, match=r"bounded KV plan: 'a' .* admit accepted no step"):
+        manager.plan(step, ctx)
 
 
 def test_plan_without_a_lease_has_one_row_per_segment(manager):
