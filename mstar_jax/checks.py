@@ -19,7 +19,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["brief", "check_bool", "check_choice", "check_int", "check_number", "is_int"]
+__all__ = ["INT32_MAX", "brief", "check_bool", "check_choice", "check_int", "check_number", "is_int"]
+
+
+INT32_MAX = 2**31 - 1
+"""The largest count or length a setting may give where a program holds it as int32 (positions, token
+counts, loop trip counts): past it a program overflows instead of refusing."""
 
 
 def brief(value: Any) -> str:

@@ -15,7 +15,7 @@ never a traceback.
                        [--global-window W | --dense] [--max-slots N] ...
                                 stream text from the real Gemma 3 270M on the bounded caches (the
                                 `gemma` extra)
-    mstar-jax serve [--config CONFIG] [--host H] [--port P] [--max-waiting N] ...
+    mstar-jax serve [--config CONFIG] [--host H] [--port P] [--device-memory SIZE] [--max-waiting N] ...
                                 serve the deployment's engine over HTTP and WebSocket, OpenAI-compatible
                                 (the `serve` extra)
 """
@@ -27,7 +27,6 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from mstar_jax.deployment import DEFAULT_CONFIG, Deployment, DeploymentError, load_deployment
 from mstar_jax.memory import (
@@ -116,6 +115,7 @@ def _budget(deployment: Deployment, args: argparse.Namespace) -> MemoryBudget:
 
 def _check(args: argparse.Namespace) -> int:
     deployment = load_deployment(DEFAULT_CONFIG if args.config is None else args.config)
+    _check_cache_dir(deployment, create=False)
     deployment.check_devices()
     budget = _budget(deployment, args)
     print(format_check(deployment))
@@ -173,31 +173,25 @@ def _join(args: argparse.Namespace) -> None:
         distributed.initialize(settings)
 
 
-def _check_output(output: str) -> None:
-    """Refuse an `--output` the report could not be written to, before the run rather than after it.
+def _check_output(output: str, *, create: bool = False) -> None:
+    """Refuse an `--output` the report could not be written to, before the run rather than after it;
+    `create` makes it (once nothing else can refuse the run, so that a refused run writes nothing).
 
     Raises:
       CommandLineError: for an empty path, an existing non-directory, or a directory that cannot be
         written or created.
     """
-    path = Path(output)
-    allowed = "it must be a directory (existing or not yet) that can be written"
-    if not output:  # Path("") is the working directory: an unset variable, not a choice
-        raise CommandLineError(f"--output={output!r} is empty; {allowed}")
-    if path.exists() and not path.is_dir():
-        raise CommandLineError(f"--output={output!r} is an existing file, not a directory; {allowed}")
-    existing = path
-    while not existing.exists():  # the directory `mkdir(parents=True)` would create the rest under
-        existing = existing.parent
-    if not existing.is_dir():
-        raise CommandLineError(f"--output={output!r} is under {str(existing)!r}, a file; {allowed}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise CommandLineError(f"--output={output!r}: {str(existing)!r} is not writable; {allowed}")
+    from mstar_jax.compile.store import check_directory  # imports jax's serialization: only for run
+
+    try:
+        check_directory(output, "--output", create=create)
+    except ValueError as error:
+        raise CommandLineError(str(error)) from None
 
 
-def _check_cache_dir(deployment: Deployment) -> None:
+def _check_cache_dir(deployment: Deployment, *, create: bool) -> None:
     """Refuse a `compile.persistent_cache_dir` that is not a directory, nor its executable store's folder
-    (`engine.build.EXECUTABLES`), before anything compiles into them.
+    (`engine.build.EXECUTABLES`), before anything compiles into them; `create` makes them now (a run).
 
     Raises:
       DeploymentError: naming the file, the setting and the path.
@@ -209,9 +203,9 @@ def _check_cache_dir(deployment: Deployment) -> None:
     from mstar_jax.engine.build import EXECUTABLES
 
     try:
-        check_directory(directory, "compile.persistent_cache_dir")
+        check_directory(directory, "compile.persistent_cache_dir", create=create)
         store = os.path.join(directory, EXECUTABLES)
-        check_directory(store, "the executable store under compile.persistent_cache_dir")
+        check_directory(store, "the executable store under compile.persistent_cache_dir", create=create)
     except ValueError as error:
         raise DeploymentError(f"{deployment.source}: {error}") from None
 
@@ -220,9 +214,13 @@ def _run(args: argparse.Namespace) -> int:
     _check_output(args.output)
     _join(args)
     deployment = load_deployment(DEFAULT_CONFIG if args.config is None else args.config)
-    _check_cache_dir(deployment)
+    _check_cache_dir(deployment, create=False)
     deployment.check_devices()
     _budget(deployment, args).require_fit()  # before anything is built or compiled
+    # Made once nothing else refuses the run (a refused run writes nothing): what only trying foresees,
+    # such as a read-only file system, is refused now rather than after the run.
+    _check_output(args.output, create=True)
+    _check_cache_dir(deployment, create=True)
 
     from mstar_jax.engine.run import run_deployment  # imports the engine only when serving
 
@@ -236,12 +234,22 @@ def _generate(args: argparse.Namespace) -> int:
     return run(args, CommandLineError)
 
 
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    serve_command.add_arguments(parser)
+    _add_device_memory_argument(parser)
+
+
 def _serve(args: argparse.Namespace) -> int:
     serve_command.settings_from_args(args, CommandLineError)  # a bad flag, before anything is built
     _join(args)
     deployment = load_deployment(DEFAULT_CONFIG if args.config is None else args.config)
-    _check_cache_dir(deployment)
+    _check_cache_dir(deployment, create=False)
     deployment.check_devices()
+    if args.voices is not None:  # the voices served are the source bank's entries: budget them
+        workload = dataclasses.replace(deployment.workload, voices=args.voices)
+        deployment = dataclasses.replace(deployment, workload=workload)
+    _budget(deployment, args).require_fit()  # before the port is bound or anything is compiled
+    _check_cache_dir(deployment, create=True)
     return serve_command.run(args, deployment, CommandLineError)
 
 
@@ -263,7 +271,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
     "serve": Subcommand(
         help="serve the deployment's engine over HTTP and WebSocket to OpenAI-compatible clients",
-        add_arguments=serve_command.add_arguments,
+        add_arguments=_add_serve_arguments,
         run=_serve,
     ),
 }

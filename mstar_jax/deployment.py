@@ -74,6 +74,14 @@ class Deployment:
 
     def __post_init__(self):
         object.__setattr__(self, "specs", tuple(self.specs))
+        for node in sorted({node for spec in self.specs for node in spec.nodes}):
+            # A stream of the node holds one slot of each of its caches: one count serves them all.
+            slots = {s.resource_key: s.config.max_slots for s in self.specs if node in s.nodes}
+            if len(set(slots.values())) > 1:
+                raise ValueError(
+                    f"resources: {slots} must give the caches of node {node!r} the same max_slots (a "
+                    "stream holds a slot of each)"
+                )
         max_batch = self.engine.max_batch
         if self.compile.batch_sizes is None and self.compile.min_batch > max_batch:
             raise ValueError(

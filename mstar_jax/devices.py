@@ -12,6 +12,7 @@ import os
 import re
 from pathlib import Path
 
+from mstar_jax.checks import brief
 from mstar_jax.errors import DeploymentError
 
 __all__ = ["DeviceMemory", "DeviceMemoryError", "device_memory", "format_bytes", "host_memory", "parse_size"]
@@ -85,11 +86,12 @@ def parse_size(text: str) -> int:
     Raises:
       ValueError: naming the text and the units allowed, for anything else or a size below 1 byte.
     """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    # 40 digits: far past any device (10**40 bytes), short of Python's int-parsing limit
+    match = re.fullmatch(r"\s*(\d{1,40}(?:\.\d{0,40})?)\s*([A-Za-z]*)\s*", text)
     if match is None or match[2].lower() not in _UNITS:
         raise ValueError(
-            f"size={text!r} must be a number with an optional unit (B, KiB, MiB, GiB, TiB, PiB, or "
-            "kB, MB, GB, TB, PB), e.g. 16GiB"
+            f"size={brief(text)} must be a number of at most 40 digits with an optional unit (B, KiB, MiB, "
+            "GiB, TiB, PiB, or kB, MB, GB, TB, PB), e.g. 16GiB"
         )
     nbytes = int(fractions.Fraction(match[1]) * _UNITS[match[2].lower()])
     if nbytes < 1:

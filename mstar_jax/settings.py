@@ -9,12 +9,19 @@ import dataclasses
 import itertools
 from typing import Any
 
-from mstar_jax.checks import check_bool, check_int, check_number
+from mstar_jax.checks import INT32_MAX, check_bool, check_int, check_number
 
-__all__ = ["MAX_DECODE_STEPS", "CompileSettings", "EngineSettings", "MeshSettings", "WorkloadSettings"]
+__all__ = [
+    "MAX_DECODE_STEPS", "MAX_STREAMS", "MAX_WAIT_S", "CompileSettings", "EngineSettings", "MeshSettings",
+    "WorkloadSettings",
+]  # fmt: skip
 
 MAX_DECODE_STEPS = 256
 """The most decode steps one program may run (a block's plan holds a table per step)."""
+MAX_STREAMS = 10_000_000
+"""The most streams a synthetic workload draws (its arrivals and lengths are arrays in host memory)."""
+MAX_WAIT_S = 3600.0
+"""The longest a setting may make the engine or the workload sleep at once (a backoff, an arrival gap)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,7 +95,8 @@ class EngineSettings:
     Attributes:
       max_batch: most requests in one step; at most every resource's `max_slots` (a request in a
         batch holds a slot in each) and at most the largest batch bucket.
-      hold_backoff_s: seconds a request refused for lack of a slot waits before admission is retried.
+      hold_backoff_s: seconds a request refused for lack of a slot waits before admission is retried
+        (at most `MAX_WAIT_S`).
       offload_idle_after_s: seconds a request may sit idle before its slots move to host memory;
         None never offloads.
       snapshot_every: steps between host snapshots of the caches, which let a device fault cost a
@@ -110,7 +118,7 @@ class EngineSettings:
 
     def __post_init__(self):
         check_int("max_batch", self.max_batch, minimum=1)
-        check_number("hold_backoff_s", self.hold_backoff_s, minimum=0.0)
+        check_number("hold_backoff_s", self.hold_backoff_s, minimum=0.0, maximum=MAX_WAIT_S)
         if self.offload_idle_after_s is not None:
             check_number("offload_idle_after_s", self.offload_idle_after_s, minimum=0.0)
         if self.snapshot_every is not None:
@@ -124,8 +132,9 @@ class WorkloadSettings:
     """The synthetic workload `mstar-jax run` drives the engine with.
 
     Attributes:
-      streams: requests in the run.
-      arrival_rate_hz: mean arrivals per second of a Poisson process; None starts every stream at once.
+      streams: requests in the run (at most `MAX_STREAMS`).
+      arrival_rate_hz: mean arrivals per second of a Poisson process (at least one per `MAX_WAIT_S`);
+        None starts every stream at once.
       voices: distinct voice prompts (shared source prefixes) the streams draw from.
       min_text_tokens: fewest text tokens a stream's prompt has.
       max_text_tokens: most text tokens a stream's prompt has.
@@ -148,12 +157,13 @@ class WorkloadSettings:
     seed: int = 0
 
     def __post_init__(self):
-        counts = ("streams", "voices", "min_text_tokens", "max_text_tokens", "min_frames", "max_frames")
+        check_int("streams", self.streams, minimum=1, maximum=MAX_STREAMS)
+        counts = ("voices", "min_text_tokens", "max_text_tokens", "min_frames", "max_frames")
         for name in (*counts, "min_new_tokens", "max_new_tokens"):
-            check_int(name, getattr(self, name), minimum=1)
+            check_int(name, getattr(self, name), minimum=1, maximum=INT32_MAX)
         check_int("seed", self.seed, minimum=0)
-        if self.arrival_rate_hz is not None:
-            check_number("arrival_rate_hz", self.arrival_rate_hz, minimum=0.0, exclusive=True)
+        if self.arrival_rate_hz is not None:  # its mean gap is slept: at most MAX_WAIT_S
+            check_number("arrival_rate_hz", self.arrival_rate_hz, minimum=1 / MAX_WAIT_S)
         bounds = ("min_text_tokens", "max_text_tokens"), ("min_frames", "max_frames")
         for low, high in (*bounds, ("min_new_tokens", "max_new_tokens")):
             if getattr(self, low) > getattr(self, high):

@@ -143,12 +143,14 @@ def _code_hash(code: Any) -> str:
     return hashlib.sha256(code.co_code + repr(consts).encode()).hexdigest()[:16]
 
 
-def check_directory(path: Any, name: str = "directory") -> pathlib.Path:
+def check_directory(path: Any, name: str = "directory", *, create: bool = False) -> pathlib.Path:
     """`path` as a `Path`, checked to be a directory that exists or can be created, and written.
 
     Args:
       path: the directory.
       name: what the messages call it (an argument, a flag such as `--executable-store`, a setting).
+      create: make it (and its parents) now, so that what only trying foresees (a read-only or virtual
+        file system, where root's access checks pass) refuses it here.
 
     Raises:
       ValueError: naming `name` and the path, for one that is not a non-empty path, an existing file (or
@@ -167,6 +169,11 @@ def check_directory(path: Any, name: str = "directory") -> pathlib.Path:
         raise ValueError(f"{name}={str(path)!r} is under {str(existing)!r}, a file; {allowed}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"{name}={str(path)!r}: {str(existing)!r} is not writable; {allowed}")
+    if create:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"{name}={str(path)!r} cannot be created: {error.strerror}; {allowed}") from None
     return path
 
 
@@ -194,14 +201,7 @@ class ExecutableStore:
     """
 
     def __init__(self, directory: str | os.PathLike[str]):
-        self.directory = check_directory(directory)
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as error:  # what the checks cannot foresee: a race, a read-only file system
-            raise ValueError(
-                f"directory={str(directory)!r} cannot be created: {error.strerror}; it must be a directory "
-                "(existing or not yet) that can be written"
-            ) from error
+        self.directory = check_directory(directory, create=True)
         self.loaded = self.saved = self.rejected = self.unkeyed = 0
         self._lock = threading.Lock()  # capture loads and saves on worker threads
 
@@ -270,7 +270,9 @@ class ExecutableStore:
         return compiled
 
     def save(self, key: str, compiled: jax.stages.Compiled) -> bool:
-        """Write `compiled` under `key` (atomically); False where the backend cannot serialize it."""
+        """Write `compiled` under `key` (atomically); False where the backend cannot serialize it, or the
+        entry cannot be written (a directory in its place, a full disk): the program is then compiled
+        again next time, as for any entry that cannot be used."""
         try:
             devices = [device.id for device in compiled.runtime_executable().local_devices()]
             payload = pickle.dumps((*serialize_executable.serialize(compiled), devices))
@@ -278,8 +280,12 @@ class ExecutableStore:
             return False
         path = self._path(key)
         partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
-        partial.write_bytes(payload)
-        os.replace(partial, path)
+        try:
+            partial.write_bytes(payload)
+            os.replace(partial, path)
+        except OSError:
+            partial.unlink(missing_ok=True)
+            return False
         self._count("saved")
         return True
 

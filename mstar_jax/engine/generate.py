@@ -169,7 +169,8 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
     from mstar_jax.engine.text import text_engine
     from mstar_jax.memory import format_bytes
     from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, load_gguf, open_gguf, read_config
-    from mstar_jax.models.gemma3.model import Gemma3
+    from mstar_jax.models.gemma3.gguf import tensor_shapes
+    from mstar_jax.models.gemma3.model import Gemma3, check_tensors
     from mstar_jax.models.gemma3.serving import TextRequest
     from mstar_jax.models.gemma3.stream import Gemma3Streams
     from mstar_jax.resources.kv.bounded.config import SinkWindow
@@ -184,6 +185,10 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
             texts.append(path.read_text(encoding="utf-8"))
         except OSError as err:
             raise error(f"--prompt-file {str(path)!r} cannot be read: {err.strerror}") from None
+        except UnicodeDecodeError as err:
+            raise error(
+                f"--prompt-file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start})"
+            ) from None
     texts = texts or ["The old lighthouse keeper climbed the stairs and"]
     if args.executable_store is not None:
         try:
@@ -208,9 +213,10 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
     slots = args.max_slots or len(texts)
     _check_memory(args, config, retention, slots, str(args.gguf or "Gemma 3"), error)  # before allocating
     try:
+        check_tensors(config, tensor_shapes(reader))  # before any is read
         _, tensors = load_gguf(reader)
         tokenizer = Gemma3Tokenizer.from_gguf(reader)
-    except ValueError as err:  # a tensor that does not match its table, a tokenizer that is not one
+    except ValueError as err:  # a tensor missing, or not the config's or its table's; not a tokenizer
         raise error(f"{gguf_name}: {err}") from None
     prompts = [tokenizer.encode(text)[: args.max_prompt_tokens] for text in texts]
     model = Gemma3.from_tensors(config, tensors, dtype=jnp.dtype(args.dtype))

@@ -164,6 +164,20 @@ def test_an_entry_that_does_not_load_is_compiled_and_replaced(tmp_path):
     assert store.loaded == len(BUCKETS)
 
 
+def test_an_entry_that_cannot_be_written_is_skipped_and_leaves_no_partial_file(tmp_path):
+    """A directory where an entry belongs: that program runs compiled, is not stored, and nothing raises."""
+    _capture(ExecutableStore(tmp_path))
+    blocked = ExecutableStore(tmp_path).entries()[0]
+    blocked.unlink()
+    blocked.mkdir()
+    store = ExecutableStore(tmp_path)
+    step, compiled = _capture(store)
+    assert (compiled, store.rejected, store.loaded, store.saved) == (1, 1, len(BUCKETS) - 1, 0)
+    assert not list(tmp_path.glob("*.partial"))
+    for bucket in BUCKETS:
+        np.testing.assert_allclose(_run(step, bucket)[1], _oracle(bucket)[1], rtol=1e-6)
+
+
 def test_a_program_from_jaxs_persistent_cache_is_not_stored(tmp_path):
     """XLA:CPU serializes an executable it loaded from JAX's persistent cache without its kernels: stored,
     it loaded and then failed at run time ("NOT_FOUND: Function ... not found")."""

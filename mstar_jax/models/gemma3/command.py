@@ -14,20 +14,29 @@ from collections.abc import Callable
 __all__ = ["add_arguments"]
 
 
+_MOST = 2**31 - 1  # the programs' token counts and positions are int32
+
+
 def _int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} must be an int >= {minimum}")
+        if not minimum <= value <= _MOST:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} must be an int in [{minimum}, {_MOST}]")
         return value
 
     return parse
 
 
 _positive, _non_negative = _int_at_least(1), _int_at_least(0)
+
+
+def _path(text: str) -> pathlib.Path:
+    if not text:  # pathlib reads "" as the working directory: an unset variable, not a choice
+        raise argparse.ArgumentTypeError("'' must be a non-empty path")
+    return pathlib.Path(text)
 
 
 def _size(text: str) -> int:
@@ -42,7 +51,7 @@ def _size(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="*", help="prompts, one stream each (default: one short prompt)")
     parser.add_argument(
-        "--prompt-file", action="append", default=[], type=pathlib.Path, metavar="PATH",
+        "--prompt-file", action="append", default=[], type=_path, metavar="PATH",
         help="a text file read as one more prompt (repeatable)",
     )  # fmt: skip
     parser.add_argument(
@@ -59,9 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=_positive, default=128, metavar="T", help="prefill tokens a step")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--implementation", choices=("auto", "xla", "pallas"), default="auto")
-    parser.add_argument("--gguf", type=pathlib.Path, metavar="PATH", help="(default: the gemma extra's)")
+    parser.add_argument("--gguf", type=_path, metavar="PATH", help="(default: the gemma extra's)")
     parser.add_argument(
-        "--executable-store", type=pathlib.Path, metavar="DIR",
+        "--executable-store", type=_path, metavar="DIR",
         help="load the compiled programs from DIR and store those compiled (a second start skips capture)",
     )  # fmt: skip
     parser.add_argument(

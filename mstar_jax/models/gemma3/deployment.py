@@ -12,7 +12,7 @@ import dataclasses
 import pathlib
 from typing import TYPE_CHECKING, Any
 
-from mstar_jax.checks import check_choice, check_int
+from mstar_jax.checks import INT32_MAX, check_choice, check_int
 
 if TYPE_CHECKING:
     from mstar_jax.models.gemma3.gguf import Gemma3Config
@@ -48,7 +48,7 @@ class Gemma3DeploymentConfig:
 
     def __post_init__(self):
         for name, minimum in (("global_sink", 0), ("global_window", 1), ("chunk", 1), ("max_slots", 1)):
-            check_int(name, getattr(self, name), minimum=minimum)
+            check_int(name, getattr(self, name), minimum=minimum, maximum=INT32_MAX)
         check_choice("dtype", self.dtype, DTYPES)
         if self.gguf is not None:
             if not isinstance(self.gguf, str) or not self.gguf:
@@ -75,14 +75,20 @@ class Gemma3DeploymentConfig:
         return SinkWindow(self.global_sink, self.global_window)
 
     def geometry(self) -> Gemma3Config:
-        """The model's geometry, from the file's metadata (no tensor is read).
+        """The model's geometry, from the file's metadata, checked against its tensor table (no tensor is
+        read).
 
         Raises:
           GGUFError: (a ValueError) for a file that is not a readable Gemma 3 GGUF file.
+          ValueError: for a tensor missing, or of another shape than the geometry's.
         """
-        from mstar_jax.models.gemma3.gguf import open_gguf, read_config
+        from mstar_jax.models.gemma3.gguf import open_gguf, read_config, tensor_shapes
+        from mstar_jax.models.gemma3.model import check_tensors
 
-        return read_config(open_gguf(self.path))
+        reader = open_gguf(self.path)
+        config = read_config(reader)
+        check_tensors(config, tensor_shapes(reader))
+        return config
 
     @property
     def jnp_dtype(self) -> Any:

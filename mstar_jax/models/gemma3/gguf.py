@@ -27,6 +27,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from mstar_jax.checks import brief
+
 __all__ = [
     "DTYPES",
     "GEMMA3_270M",
@@ -36,6 +38,7 @@ __all__ = [
     "load_gguf",
     "open_gguf",
     "read_config",
+    "tensor_shapes",
 ]
 
 DTYPES: tuple[np.dtype, ...] = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
@@ -269,29 +272,53 @@ def read_config(path: str | os.PathLike[str] | Any) -> Gemma3Config:
     architecture = _field(reader, "general.architecture")
     if architecture != "gemma3":
         raise ValueError(f"general.architecture={architecture!r} must be 'gemma3'")
-    key_length = int(_field(reader, "gemma3.attention.key_length"))
-    value_length = int(_field(reader, "gemma3.attention.value_length"))
+    key_length = _number(reader, "gemma3.attention.key_length", int)
+    value_length = _number(reader, "gemma3.attention.value_length", int)
     if key_length != value_length:
         raise ValueError(
             f"gemma3.attention.key_length={key_length} must equal value_length={value_length} "
             "(Gemma3Config has one head_dim)"
         )
+    num_layers = _number(reader, "gemma3.block_count", int)
+    blocks = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
+    if num_layers != len(blocks) or blocks != {str(i) for i in range(len(blocks))}:
+        raise GGUFError(
+            f"GGUF file {reader.data.filename!r}: gemma3.block_count={num_layers}, but its tensors are of "
+            f"{len(blocks)} blocks ({', '.join(sorted(blocks, key=lambda b: (len(b), b))[:8]) or 'none'})"
+        )
     return Gemma3Config(
         vocab_size=len(_field(reader, "tokenizer.ggml.tokens")),
-        num_layers=int(_field(reader, "gemma3.block_count")),
-        d_model=int(_field(reader, "gemma3.embedding_length")),
-        ffn_dim=int(_field(reader, "gemma3.feed_forward_length")),
-        num_heads=int(_field(reader, "gemma3.attention.head_count")),
-        num_kv_heads=int(_field(reader, "gemma3.attention.head_count_kv")),
+        num_layers=num_layers,
+        d_model=_number(reader, "gemma3.embedding_length", int),
+        ffn_dim=_number(reader, "gemma3.feed_forward_length", int),
+        num_heads=_number(reader, "gemma3.attention.head_count", int),
+        num_kv_heads=_number(reader, "gemma3.attention.head_count_kv", int),
         head_dim=key_length,
-        rms_eps=float(_field(reader, "gemma3.attention.layer_norm_rms_epsilon")),
-        rope_global_base=float(_field(reader, "gemma3.rope.freq_base")),
-        sliding_window=int(_field(reader, "gemma3.attention.sliding_window")),
-        context_length=int(_field(reader, "gemma3.context_length")),
-        bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),
-        eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        rms_eps=_number(reader, "gemma3.attention.layer_norm_rms_epsilon", float),
+        rope_global_base=_number(reader, "gemma3.rope.freq_base", float),
+        sliding_window=_number(reader, "gemma3.attention.sliding_window", int),
+        context_length=_number(reader, "gemma3.context_length", int),
+        bos_id=_number(reader, "tokenizer.ggml.bos_token_id", int),
+        eos_id=_number(reader, "tokenizer.ggml.eos_token_id", int),
         add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token")),
     )
+
+
+def _number(reader: Any, key: str, kind: type) -> Any:
+    """A metadata key's scalar as `kind` (int or float), refused naming the key unless it is one."""
+    value = _field(reader, key)
+    numeric = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+    if not numeric or (kind is int and not float(value).is_integer()):
+        raise GGUFError(
+            f"GGUF file {reader.data.filename!r}: metadata key {key!r} is {brief(value)} "
+            f"({type(value).__name__}); it must be {'an int' if kind is int else 'a number'}"
+        )
+    return kind(value)
+
+
+def tensor_shapes(path: str | os.PathLike[str] | Any) -> dict[str, tuple[int, ...]]:
+    """Each tensor's name and shape (PyTorch layout) from a GGUF file's table; no tensor is read."""
+    return {t.name: tuple(int(n) for n in reversed(t.shape)) for t in open_gguf(path).tensors}
 
 
 def _dequantize(gguf: Any, tensor: Any, dtype: np.dtype, filename: str) -> np.ndarray:

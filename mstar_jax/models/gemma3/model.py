@@ -31,7 +31,8 @@ V vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,7 @@ from mstar_jax.models.gemma3.gguf import Gemma3Config
 from mstar_jax.models.norm import RMSNorm
 from mstar_jax.models.rope import apply_rope
 
-__all__ = ["AttendFn", "Gemma3", "Gemma3Block", "Linear"]
+__all__ = ["AttendFn", "Gemma3", "Gemma3Block", "Linear", "check_tensors"]
 
 ModuleList = getattr(nnx, "List", list)
 """A list of submodules: `nnx.List` where Flax has it (>= 0.12 requires it), a plain list before."""
@@ -73,6 +74,39 @@ _GGUF_NAMES = {
         )
     },
 }  # fmt: skip
+
+
+def _file_tensors(path: Any, leaf: Any) -> tuple[tuple[str, ...], bool, tuple[int, ...]]:
+    """A parameter's GGUF tensors (stacked on their first axis), whether they are its transpose, and
+    the shape they make together, in the file's layout."""
+    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+    names, transpose = _GGUF_NAMES[tuple(k for k in keys if isinstance(k, str))]
+    if keys[0] == "blocks":
+        names = tuple(f"blk.{keys[1]}.{name}" for name in names)
+    return names, transpose, tuple(leaf.shape[::-1] if transpose else leaf.shape)
+
+
+def check_tensors(config: Gemma3Config, shapes: Mapping[str, Sequence[int]]) -> None:
+    """Refuse a file's tensors (name -> shape, PyTorch layout: `gguf.tensor_shapes`) that are not the
+    model's of `config`, before any is read.
+
+    Raises:
+      ValueError: naming a tensor the config needs that is missing, or one of another shape.
+    """
+    _, abstract = nnx.split(nnx.eval_shape(lambda: Gemma3(config, rngs=nnx.Rngs(0))))
+
+    def check(path, leaf):
+        names, _, want = _file_tensors(path, leaf)
+        missing = [name for name in names if name not in shapes]
+        if missing:
+            raise ValueError(f"tensor {missing[0]!r} is missing; a model of this config needs it")
+        got = [tuple(shapes[name]) for name in names]
+        if any(shape[1:] != want[1:] for shape in got) or sum(shape[0] for shape in got) != want[0]:
+            if len(names) == 1:
+                raise ValueError(f"tensor {names[0]!r} has shape {got[0]}; the config needs {want}")
+            raise ValueError(f"tensors {names} have shapes {got}; the config needs {want} between them")
+
+    jax.tree_util.tree_map_with_path(check, abstract)
 
 
 class Linear(nnx.Module):
@@ -161,28 +195,17 @@ class Gemma3(nnx.Module):
         """The model with the GGUF's weights (`load_gguf`'s tensors: names as in the file, PyTorch layout).
 
         Raises:
-          KeyError: naming a tensor the file lacks.
-          ValueError: naming a tensor whose shape is not the config's.
+          ValueError: naming a tensor the file lacks, or one whose shape is not the config's
+            (`check_tensors`).
         """
+        check_tensors(config, {name: np.shape(tensor) for name, tensor in tensors.items()})
         graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0))))
 
         def load(path, leaf):
-            keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-            names, transpose = _GGUF_NAMES[tuple(k for k in keys if isinstance(k, str))]
-            if keys[0] == "blocks":
-                names = tuple(f"blk.{keys[1]}.{name}" for name in names)
+            names, transpose, _ = _file_tensors(path, leaf)
             parts = [np.asarray(tensors[name]) for name in names]
-            shapes = [part.shape for part in parts]
-            want = leaf.shape[::-1] if transpose else leaf.shape  # the file's layout
-            if any(shape[1:] != want[1:] for shape in shapes) or sum(s[0] for s in shapes) != want[0]:
-                if len(parts) == 1:
-                    raise ValueError(f"tensor {names[0]!r} has shape {shapes[0]}; the config needs {want}")
-                raise ValueError(
-                    f"tensors {names} have shapes {shapes}; the config needs {want} between them"
-                )
             array = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            array = array.T if transpose else array
-            return jnp.asarray(array, dtype)
+            return jnp.asarray(array.T if transpose else array, dtype)
 
         return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(load, abstract))
 

@@ -20,7 +20,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from mstar_jax.models.gemma3.gguf import _field, open_gguf, require
+from mstar_jax.models.gemma3.gguf import GGUFError, _field, _number, open_gguf, require
 
 __all__ = ["Gemma3Tokenizer"]
 
@@ -69,7 +69,7 @@ class Gemma3Tokenizer:
                 f"({len(types)}) must have one entry per token"
             )
         special = {
-            name: int(_field(reader, f"tokenizer.ggml.{name}_token_id"))
+            name: _number(reader, f"tokenizer.ggml.{name}_token_id", int)
             for name in ("unknown", "bos", "eos", "padding")
         }
         for name, token_id in special.items():
@@ -98,7 +98,12 @@ class Gemma3Tokenizer:
         normalizer.remove_extra_whitespaces = False
         normalizer.escape_whitespaces = True
         processor = sentencepiece.SentencePieceProcessor()
-        processor.LoadFromSerializedProto(model.SerializeToString())
+        try:
+            processor.LoadFromSerializedProto(model.SerializeToString())
+        except RuntimeError as error:  # SentencePiece's own check: a byte piece missing, a piece twice
+            raise GGUFError(
+                f"GGUF file {reader.data.filename!r}: its vocabulary is not a SentencePiece model ({error})"
+            ) from None
         return cls(processor, bos_id=special["bos"], eos_id=special["eos"])
 
     @property

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from mstar_jax.checks import check_choice, check_int
+from mstar_jax.checks import INT32_MAX, check_choice, check_int
 from mstar_jax.models.streaming_tts.resource_keys import FLOW_KV, TALKER_KV
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, SinkWindow
 from mstar_jax.resources.spec import NodeResourceSpec, register_static_pytree
@@ -109,9 +109,9 @@ class StreamingTTSConfig:
         for field in dataclasses.fields(self):
             if field.name in ("dtype", "talker_sink_extra", "seed"):
                 continue
-            check_int(field.name, getattr(self, field.name), minimum=1)
-        check_int("talker_sink_extra", self.talker_sink_extra, minimum=0)
-        check_int("seed", self.seed, minimum=0)
+            check_int(field.name, getattr(self, field.name), minimum=1, maximum=INT32_MAX)
+        check_int("talker_sink_extra", self.talker_sink_extra, minimum=0, maximum=INT32_MAX)
+        check_int("seed", self.seed, minimum=0, maximum=2**63 - 1)  # a JAX random key's seed
         if self.talker_heads % self.talker_kv_heads:
             raise ValueError(
                 f"talker_heads={self.talker_heads} must be a multiple of talker_kv_heads="

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import yaml
 
@@ -22,26 +23,28 @@ from tests.models.gemma3.test_model import CONFIG, random_tensors
 gguf = pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
 
 
-def write_gguf(path, config=CONFIG, seed: int = 0, pieces=None) -> None:
-    """`random_tensors(config)` as a float32 GGUF file with the config's metadata; its vocabulary
-    `pieces` (default: `t0`, `t1`, ...)."""
+def write_gguf(path, config=CONFIG, seed: int = 0, pieces=None, *, tensors=None, metadata=None) -> None:
+    """`random_tensors(config)` (or `tensors`) as a float32 GGUF file with the config's metadata (each
+    `gemma3.` key of `metadata` in its place: an int, a str or a list); its vocabulary `pieces` (default:
+    `t0`, `t1`, ...)."""
     writer = gguf.GGUFWriter(path, "gemma3")
     uints = {
         "block_count": config.num_layers, "embedding_length": config.d_model,
         "feed_forward_length": config.ffn_dim, "attention.head_count": config.num_heads,
         "attention.head_count_kv": config.num_kv_heads, "attention.key_length": config.head_dim,
         "attention.value_length": config.head_dim, "attention.sliding_window": config.sliding_window,
-        "context_length": config.context_length,
+        "context_length": config.context_length, **(metadata or {}),
     }  # fmt: skip
     for key, value in uints.items():
-        writer.add_uint32(f"gemma3.{key}", value)
+        add = {str: writer.add_string, list: writer.add_array}.get(type(value), writer.add_uint32)
+        add(f"gemma3.{key}", value)
     writer.add_float32("gemma3.attention.layer_norm_rms_epsilon", config.rms_eps)
     writer.add_float32("gemma3.rope.freq_base", config.rope_global_base)
     writer.add_token_list(pieces or [f"t{i}" for i in range(config.vocab_size)])
     writer.add_bos_token_id(config.bos_id)
     writer.add_eos_token_id(config.eos_id)
     writer.add_add_bos_token(config.add_bos)
-    for name, tensor in random_tensors(config, seed).items():
+    for name, tensor in (random_tensors(config, seed) if tensors is None else tensors).items():
         writer.add_tensor(name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -152,9 +155,9 @@ def test_mstar_jax_run_serves_the_workload_with_greedys_tokens(model_file, tmp_p
         ({"gguf": "/nonexistent/tiny.gguf"}, r"gguf='/nonexistent/tiny\.gguf': no such file"),
         ({"gguf": "DIR"}, r"gguf='.*' is a directory; it must be a \.gguf file"),
         ({"gguf": 3}, r"gguf=3 must be the path of a \.gguf file, or null"),
-        ({"global_window": 0}, r"global_window=0 must be an int >= 1"),
-        ({"chunk": float("nan")}, r"chunk=nan must be an int >= 1"),
-        ({"max_slots": True}, r"max_slots=True must be an int >= 1"),
+        ({"global_window": 0}, r"global_window=0 must be an int in \[1, 2147483647\]"),
+        ({"chunk": float("nan")}, r"chunk=nan must be an int in \[1, 2147483647\]"),
+        ({"max_slots": True}, r"max_slots=True must be an int in \[1, 2147483647\]"),
         ({"dtype": "float16"}, r"dtype='float16' must be one of \['float32', 'bfloat16'\]"),
         ({"windows": 3}, r"model 'gemma3' has no setting\(s\) \['windows'\]"),
     ],
@@ -164,6 +167,67 @@ def test_bad_model_config_is_refused_naming_the_file_and_field(model_file, confi
         config = {"gguf": str(model_file.parent)}
     with pytest.raises(DeploymentError, match=r"gemma\.yaml: model\.config: " + match):
         parse_deployment(mapping(model_file, **config), "gemma.yaml")
+
+
+def _tensors(drop=(), **shapes) -> dict:
+    """The tiny model's tensors without those in `drop`, with zeros of `shapes[name]` (dots as `__`)."""
+    tensors = {name: t for name, t in random_tensors(CONFIG, 0).items() if name not in drop}
+    return {**tensors, **{n.replace("__", "."): np.zeros(shape, np.float32) for n, shape in shapes.items()}}
+
+
+@pytest.mark.parametrize(
+    ("tensors", "metadata", "match"),
+    [
+        (_tensors(drop=["blk.1.attn_q.weight"]), None, r"tensor 'blk\.1\.attn_q\.weight' is missing"),
+        (
+            _tensors(output_norm__weight=(CONFIG.d_model + 1,)),
+            None,
+            rf"tensor 'output_norm\.weight' has shape \({CONFIG.d_model + 1},\); the config needs "
+            rf"\({CONFIG.d_model},\)",
+        ),
+        (
+            _tensors(blk__0__attn_k__weight=(3, 5)),
+            None,
+            r"tensors \('blk\.0\.attn_q\.weight', 'blk\.0\.attn_k\.weight', 'blk\.0\.attn_v\.weight'\) have "
+            r"shapes \[.*\(3, 5\).*\]; the config needs .* between them",
+        ),
+        # Metadata the tensors contradict: more blocks (2**31 once hung `check` counting them), or none.
+        (
+            None,
+            {"block_count": 2**31},
+            rf"gemma3\.block_count=2147483648, but its tensors are of {CONFIG.num_layers} ",
+        ),
+        (None, {"block_count": 0}, r"gemma3\.block_count=0, but its tensors are of"),
+        (
+            None,
+            {"block_count": "six"},
+            r"metadata key 'gemma3\.block_count' is 'six' \(str\); it must be an int",
+        ),
+        (
+            None,
+            {"context_length": [8, 8]},
+            r"metadata key 'gemma3\.context_length' is \[8, 8\] \(list\); it must",
+        ),
+    ],
+    ids=["missing", "norm-shape", "qkv-shape", "blocks-2**31", "blocks-0", "blocks-str", "context-list"],
+)
+def test_check_refuses_a_file_whose_tensors_are_not_its_models(tmp_path, tensors, metadata, match):
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, tensors=tensors, metadata=metadata)
+    with pytest.raises(DeploymentError, match=r"gemma\.yaml: model\.config: .*" + match):
+        parse_deployment(mapping(path), "gemma.yaml")
+
+
+def test_caches_of_one_node_tuned_to_other_slot_counts_are_refused_at_parse(model_file):
+    """A Gemma stream holds a slot of both caches: this was refused only when the engine was built."""
+    config = mapping(model_file)
+    config["resources"] = {"gemma3_local_kv": {"max_slots": 2}, "gemma3_global_kv": {"max_slots": 4}}
+    with pytest.raises(
+        DeploymentError,
+        match=r"gemma\.yaml: resources: \{'gemma3_local_kv': 2, 'gemma3_global_kv': 4\} must give the caches "
+        r"of node 'gemma3' the same max_slots",
+    ):
+        parse_deployment(config, "gemma.yaml")
 
 
 def test_a_file_that_is_not_gguf_is_refused_naming_it(tmp_path, model_file):
