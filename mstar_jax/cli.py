@@ -249,8 +249,9 @@ def _serve(args: argparse.Namespace) -> int:
         workload = dataclasses.replace(deployment.workload, voices=args.voices)
         deployment = dataclasses.replace(deployment, workload=workload)
     _budget(deployment, args).require_fit()  # before the port is bound or anything is compiled
-    _check_cache_dir(deployment, create=True)
-    return serve_command.run(args, deployment, CommandLineError)
+    return serve_command.run(
+        args, deployment, CommandLineError, prepare=lambda: _check_cache_dir(deployment, create=True)
+    )
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {

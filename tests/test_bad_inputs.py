@@ -396,8 +396,8 @@ CLI_CASES = [
     ),
     _case(
         "run-output-cannot-be-created", ["run", "--output", "/proc/mstar-jax-out/run"], False,
-        RUN + r"--output='/proc/mstar-jax-out/run' (cannot be created: .*|: '/proc' is not writable); "
-        + _A_DIRECTORY,
+        RUN + r"--output='/proc/mstar-jax-out/run' (cannot be created or written: .*|: '/proc' is not "
+        r"writable); " + _A_DIRECTORY,
     ),
     _case(
         "serve-voices-do-not-fit",

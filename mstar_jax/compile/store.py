@@ -32,6 +32,7 @@ import os
 import pathlib
 import pickle
 import re
+import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -172,8 +173,11 @@ def check_directory(path: Any, name: str = "directory", *, create: bool = False)
     if create:
         try:
             path.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=path).close()  # an existing directory on a read-only mount
         except OSError as error:
-            raise ValueError(f"{name}={str(path)!r} cannot be created: {error.strerror}; {allowed}") from None
+            raise ValueError(
+                f"{name}={str(path)!r} cannot be created or written: {error.strerror}; {allowed}"
+            ) from None
     return path
 
 

@@ -83,12 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace, error: Callable[[str], Exception]) -> Any:
     """The `ServerSettings` of the flags; `error(message)` (naming the flag) for a value refused."""
-    from mstar_jax.checks import check_int
+    from mstar_jax.checks import INT32_MAX, check_int
     from mstar_jax.server.settings import ServerSettings
 
     try:
         check_int("--port", args.port, minimum=0, maximum=65535)
-        check_int("--voices", args.voices, minimum=1, allow_none=True)
+        check_int("--voices", args.voices, minimum=1, maximum=INT32_MAX, allow_none=True)
     except ValueError as err:
         raise error(str(err)) from None
     if not isinstance(args.host, str) or not args.host:
@@ -107,15 +107,28 @@ def settings_from_args(args: argparse.Namespace, error: Callable[[str], Exceptio
         raise error(f"--{name.replace('_', '-')}: {message}" if name else message) from None
 
 
-def run(args: argparse.Namespace, deployment: Any, error: Callable[[str], Exception]) -> int:
-    """Build the engine of `deployment`, serve it on `--host:--port` until a signal; return 0."""
+def run(
+    args: argparse.Namespace,
+    deployment: Any,
+    error: Callable[[str], Exception],
+    prepare: Callable[[], None] = lambda: None,
+) -> int:
+    """Build the engine of `deployment`, serve it on `--host:--port` until a signal; return 0.
+    `prepare()` runs once nothing else refuses, before the engine is built (it may write)."""
     settings = settings_from_args(args, error)
     import uvicorn
 
     from mstar_jax.server.app import create_app
 
+    vocab = getattr(deployment.model_config, "text_vocab_size", None)
+    if vocab is not None and vocab < 256:
+        raise error(
+            f"{deployment.source}: model.config.text_vocab_size={vocab} must be >= 256: the server "
+            "speaks UTF-8 bytes, one text token each"
+        )
     sock = _bind(args.host, args.port, error)  # before the engine is built: a port in use fails fast
     try:
+        prepare()
         progress = not args.no_progress
         name = args.model_name or deployment.model
         if deployment.model == "gemma3":
@@ -134,12 +147,6 @@ def run(args: argparse.Namespace, deployment: Any, error: Callable[[str], Except
             from mstar_jax.engine.workload import register_voices
             from mstar_jax.memory import num_sources
 
-            vocab = deployment.model_config.text_vocab_size
-            if vocab < 256:  # before anything is built
-                raise error(
-                    f"{deployment.source}: model.config.text_vocab_size={vocab} must be >= 256: the server "
-                    "speaks UTF-8 bytes, one text token each"
-                )
             count = args.voices or deployment.workload.voices
             engine = Engine.from_deployment(
                 deployment, progress=progress, num_voices=max(count, num_sources(deployment)),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
         (["--stream-buffer", "0"], "--stream-buffer: stream_buffer=0 must be an int >= 1"),
         (["--shutdown-grace-s", "nan"], "--shutdown-grace-s=nan must be a finite number"),
         (["--frames-per-byte", "0"], "--frames-per-byte: frames_per_byte=0.0 must be a finite number > 0.0"),
-        (["--voices", "0"], "--voices=0 must be None or an int >= 1"),
+        (["--voices", "0"], "--voices=0 must be None or an int in [1, 2147483647]"),
+        (["--voices", str(2**31)], "--voices=2147483648 must be None or an int in [1, 2147483647]"),
         (["--history", "0"], "--history: history=0 must be an int >= 1"),
         (["--offload-paused-after-s", "-1"], "offload_paused_after_s=-1.0 must be None or a finite number"),
         (["--host", ""], "--host='' must be a non-empty address"),
@@ -59,15 +61,19 @@ def test_a_text_vocabulary_under_256_bytes_exits_2(tts_config, tmp_path, capsys)
     assert "model.config.text_vocab_size=16 must be >= 256: the server speaks UTF-8 bytes" in err
 
 
-def test_a_port_in_use_exits_2_before_the_engine_is_built(tts_config, capsys):
+def test_a_port_in_use_exits_2_before_the_engine_is_built_and_writes_nothing(tts_config, tmp_path, capsys):
+    config, cache = tmp_path / "tts.yaml", tmp_path / "new-cache"
+    yaml_text = re.sub(r"persistent_cache_dir: .*", f"persistent_cache_dir: {cache}", tts_config.read_text())
+    config.write_text(yaml_text)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert main(["serve", "--config", str(tts_config), "--port", str(port)]) == 2
+        assert main(["serve", "--config", str(config), "--port", str(port)]) == 2
     err = capsys.readouterr().err.strip()
     assert f"--host='127.0.0.1' --port={port}: cannot bind it" in err
     assert len(err.splitlines()) == 1
+    assert not cache.exists()  # made only once nothing else refuses
 
 
 @pytest.mark.parametrize(

@@ -163,7 +163,7 @@ def check_segment(
         return AdmitRuntimeError(f"{rid!r}: step tokens={step_tokens} must be >= 1")
     if not 0 <= seg.span <= step_tokens:
         return AdmitRuntimeError(f"{rid!r}: span={seg.span} must be in [0, step tokens={step_tokens}]")
-    if pos.source_len + pos.written + step_tokens > MAX_POSITION:
+    if int(pos.source_len) + int(pos.written) + int(step_tokens) > MAX_POSITION:  # NumPy ints wrap
         return AdmitRuntimeError(
             f"{rid!r}: source_len={pos.source_len} + written={pos.written} + step tokens={step_tokens} "
             f"must be <= {MAX_POSITION}: the plan's positions are int32"

@@ -38,7 +38,7 @@ _INTS = frozenset({int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint
 not among them); any other type sends the step row by row."""
 _ABSENT = object()
 MAX_POSITION = 2**31 - 1
-"""The last stream position a step may reach (a plan's positions are int32)."""
+"""The most a step's end (source_len + written + step tokens) may be: a plan's positions are int32."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

@@ -92,8 +92,7 @@ class BoundedKVManager(Resource):
         self._source_lengths: dict[int, int] = {}
         self._readers: Counter[int] = Counter()
         self._claims: list[str] = []  # requests a step admitted not yet committed or aborted gave a slot
-        # The last admitted step's rows as columns (`columns`): its plan and commit read them, until
-        # anything else changes a record.
+        # The last admitted step's rows as columns: its plan and commit read them, until a record changes.
         self._columns: cols.StepColumns | None = None
         # The persistent batch (`columns.CommittedRows`): the last columns step's rows after its commit,
         # dropped wherever a record may change otherwise; and the plan fields of the admitted columns.
@@ -259,6 +258,7 @@ class BoundedKVManager(Resource):
 
     def remove_request(self, request_id: str) -> None:
         self._columns = self._committed = None
+        self._settle((request_id,))
         request = self._requests.pop(request_id, None)
         if request is None:
             return
@@ -432,7 +432,7 @@ class BoundedKVManager(Resource):
         self._settle(rids)
 
     def _settle(self, request_ids: Iterable[str]) -> None:
-        """Forget the claims of `request_ids` (their steps committed or aborted), not another step's."""
+        """Forget the claims of `request_ids` (their steps ended, or they did), not another step's."""
         if self._claims:
             settled = set(request_ids)
             self._claims = [rid for rid in self._claims if rid not in settled]

@@ -117,6 +117,21 @@ def test_a_step_past_int32_positions_is_refused_at_admission_and_claims_nothing(
     assert manager.admit(last).ok
 
 
+def test_numpy_int32_positions_near_int32_are_refused_not_wrapped(manager):
+    """Row by row, NumPy int32 terms once summed past int32 to a negative end, which passed."""
+    ingest(manager, "a")
+    first = BoundedKVStep((Segment("a", "main", 2**31 - 8),), {"a": Pos(3, 0, 0)})
+    assert manager.admit(first).ok
+    manager.commit(first)
+    before = state(manager)
+    position = Pos(np.int32(3), np.int32(2**31 - 8), np.int32(0))
+    outcome = manager.admit(BoundedKVStep((Segment("a", "main", np.int32(5)),), {"a": position}))
+    assert type(outcome.reason) is AdmitRuntimeError
+    assert "must be <= 2147483647" in outcome.reason.message
+    assert state(manager) == before
+    assert manager.admit(BoundedKVStep((Segment("a", "main", np.int32(4)),), {"a": position})).ok
+
+
 def test_a_request_id_with_the_padding_prefix_is_refused(manager):
     before = state(manager)
     with pytest.raises(ValueError, match=r"request_id='\\x00pad-7' must not start with '\\x00pad'"):
