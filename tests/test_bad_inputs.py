@@ -406,6 +406,14 @@ CLI_CASES = [
         r"\(100000000 sources\) .* more than the device memory 1\.0 GiB \(--device-memory\).*",
     ),
     _case(
+        "serve-memory-nan", ["serve", "--port", "0", "--device-memory", "nan"], True,
+        SERVE + r"argument --device-memory: size='nan' must be a number of at most 40 digits .*",
+    ),
+    _case(
+        "serve-memory-zero", ["serve", "--port", "0", "--device-memory", "0"], True,
+        SERVE + r"argument --device-memory: size='0' must be at least 1 byte",
+    ),
+    _case(
         "generate-empty-gguf", ["generate", "--gguf", ""], True,
         GENERATE + r"argument --gguf: '' must be a non-empty path",
     ),
