@@ -9,6 +9,7 @@ the `gemma` extra.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 from typing import TYPE_CHECKING, Any
 
@@ -82,13 +83,9 @@ class Gemma3DeploymentConfig:
           GGUFError: (a ValueError) for a file that is not a readable Gemma 3 GGUF file.
           ValueError: for a tensor missing, or of another shape than the geometry's.
         """
-        from mstar_jax.models.gemma3.gguf import open_gguf, read_config, tensor_shapes
-        from mstar_jax.models.gemma3.model import check_tensors
-
-        reader = open_gguf(self.path)
-        config = read_config(reader)
-        check_tensors(config, tensor_shapes(reader))
-        return config
+        path = self.path.resolve()
+        stat = path.stat()
+        return _geometry(path, (stat.st_ino, stat.st_size, stat.st_mtime_ns))
 
     @property
     def jnp_dtype(self) -> Any:
@@ -112,9 +109,20 @@ class Gemma3DeploymentConfig:
     def abstract_params(self) -> Any:
         """The model's parameters as `ShapeDtypeStruct`s (`nnx.eval_shape`: nothing is allocated), for the
         memory budget."""
-        from flax import nnx
+        from mstar_jax.models.gemma3.model import abstract_model
 
-        from mstar_jax.models.gemma3.model import Gemma3
+        return abstract_model(self.geometry(), self.jnp_dtype)[1]
 
-        geometry, dtype = self.geometry(), self.jnp_dtype
-        return nnx.split(nnx.eval_shape(lambda: Gemma3(geometry, dtype=dtype, rngs=nnx.Rngs(0))))[1]
+
+@functools.lru_cache(maxsize=8)
+def _geometry(path: pathlib.Path, version: tuple[int, int, int]) -> Gemma3Config:
+    """A file's checked geometry, once per version of the file (its inode, size and modification time):
+    a deployment asks for it for its caches' specs and its memory budget, and each read parses the
+    metadata and the tensor table."""
+    from mstar_jax.models.gemma3.gguf import open_gguf, read_config, tensor_shapes
+    from mstar_jax.models.gemma3.model import check_tensors
+
+    reader = open_gguf(path)
+    config = read_config(reader)
+    check_tensors(config, tensor_shapes(reader))
+    return config

@@ -183,7 +183,15 @@ def default_gguf_path() -> pathlib.Path:
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)
-    return pathlib.Path(models.assemble())  # checks the file's sha256
+    stat = target.stat()
+    return _assembled(models, (stat.st_ino, stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=2)
+def _assembled(models: Any, version: tuple[int, int, int]) -> pathlib.Path:
+    """The packaged file's path, its sha256 checked once per version (inode, size, modification time)
+    of the file: the check reads all 230 MB."""
+    return pathlib.Path(models.assemble())
 
 
 def _import_gguf():

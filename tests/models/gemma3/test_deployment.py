@@ -8,6 +8,7 @@ compile after warm-up. Bad `model.config` values are refused naming the file and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -235,3 +236,32 @@ def test_a_file_that_is_not_gguf_is_refused_naming_it(tmp_path, model_file):
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(DeploymentError, match=r"gemma\.yaml: .*bad\.gguf"):
         parse_deployment(mapping(model_file, gguf=str(bad)), "gemma.yaml")
+
+
+def test_a_file_rewritten_after_its_check_is_checked_again(tmp_path):
+    """The checked geometry is cached per version of the file, never past a change to it."""
+    path = tmp_path / "model.gguf"
+    write_gguf(path)
+    parse_deployment(mapping(path), "gemma.yaml")
+    tensors = random_tensors(CONFIG)
+    del tensors["blk.0.ffn_down.weight"]
+    write_gguf(path, tensors=tensors)
+    with pytest.raises(DeploymentError, match=r"tensor 'blk\.0\.ffn_down\.weight' is missing"):
+        parse_deployment(mapping(path), "gemma.yaml")
+
+
+def test_one_deployment_builds_its_abstract_model_once(tmp_path, monkeypatch):
+    """The specs, the memory budget and the file's check share one `nnx.eval_shape` of the model (about a
+    second each for the 270M geometry); a geometry no other test uses makes the count this test's own."""
+    from flax import nnx
+
+    calls = []
+    eval_shape = nnx.eval_shape
+    monkeypatch.setattr(nnx, "eval_shape", lambda *a, **k: calls.append(1) or eval_shape(*a, **k))
+    config = dataclasses.replace(CONFIG, ffn_dim=CONFIG.ffn_dim + 8)
+    path = tmp_path / "model.gguf"
+    write_gguf(path, config=config)
+    deployment = parse_deployment(mapping(path), "gemma.yaml")
+    budget = memory_budget(deployment, DeviceMemory(nbytes=2**30, source="test"))
+    assert budget.parts[0].nbytes == sum(t.nbytes for t in random_tensors(config).values())
+    assert len(calls) == 1
