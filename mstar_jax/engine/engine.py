@@ -363,7 +363,12 @@ class ServingEngine:
     def run_until_idle(self, *, max_steps: int | None = None) -> int:
         """Step until every stream finished (paused ones excepted), or `max_steps` steps ran; return the
         steps run. In lockstep every round counts, whether or not this process had rows in it: every
-        process turns the loop as often, so all stop after the same round."""
+        process turns the loop as often, so all stop after the same round.
+
+        Raises:
+          ValueError: for a `max_steps` that is not None or an int >= 0 (before any step).
+        """
+        check_int("max_steps", max_steps, minimum=0, allow_none=True)
         steps = 0
         while max_steps is None or steps < max_steps:
             if not self.busy_anywhere(any(not s.paused for s in self.streams.values())):

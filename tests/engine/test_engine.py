@@ -96,6 +96,16 @@ def test_run_until_idle_stops_after_max_steps_and_goes_on_where_it_stopped(progr
     assert stream.codes == alone.codes
 
 
+@pytest.mark.parametrize("max_steps", ["2", -1, 0.5, True, float("nan")])
+def test_run_until_idle_refuses_a_bad_max_steps_before_any_step(programs, max_steps):
+    engine, (v0, _) = make_engine(programs)
+    stream = engine.submit(request("r0", v0, 12))
+    with pytest.raises(ValueError, match=r"max_steps=.* must be None or an int >= 0"):
+        engine.run_until_idle(max_steps=max_steps)
+    assert engine.steps_run == 0
+    assert stream.phase == Phase.WAITING
+
+
 def test_full_caches_offload_a_paused_stream_then_hold_it_until_a_slot_is_released(programs):
     engine, (v0, v1) = make_engine(programs)
     paused = engine.submit(request("paused", v0, 20))
