@@ -4,14 +4,18 @@ tracing, lowering and compiling it again.
 JAX's persistent compilation cache saves only the XLA compile: a start still traces and lowers every
 bucket to find the cache key. An `ExecutableStore` keys a program by what it is built from, known
 before tracing: the software and hardware (jax and jaxlib versions, backend, platform version, device
-kinds), the code (a digest of this library's and the step's module's sources), the step's name, the
-caller's `fingerprint` of whatever the step closes over, the static keyword arguments, the donated
-arguments, and the bucket's abstract arguments (tree, shapes, dtypes, shardings). Any difference is
-another key, so the program is compiled and stored anew; an entry that cannot be read, loads with
-other arguments, or fails to deserialize is compiled too. Nothing here ever raises for a bad entry.
+kinds), the JAX settings that change a trace (x64, matmul precision, random bits) and the compilers'
+flags (`XLA_FLAGS`, `LIBTPU_INIT_ARGS`), the code (a digest of this library's sources and of the
+step's package's, or its module's outside a package), the step's name, the caller's `fingerprint` of
+whatever the step closes over (and of helpers it imports from other packages), the static keyword
+arguments, the donated arguments, and the bucket's abstract arguments (tree, shapes, dtypes,
+shardings). Any difference is another key, so the program is compiled and stored anew; an entry that
+cannot be read, loads with other arguments, or fails to deserialize is compiled too.
+Nothing here ever raises for a bad entry.
 
 Keys must be the same in every process, so values are described (`describe`) rather than `repr`'d:
-functions (a retention policy inside a config) by module, name, bytecode and closure, not by address.
+functions (a retention policy inside a config) by module, name, bytecode, names, defaults, closure
+and defining file, not by address; arrays by a digest of their elements, not a `repr` that elides them.
 A program something can only be described by its address (a callable object, say) gets no key: it is
 compiled every start and never stored (`unkeyed`).
 
@@ -32,6 +36,7 @@ import os
 import pathlib
 import pickle
 import re
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +44,7 @@ from typing import Any
 
 import jax
 import jaxlib
+import numpy as np
 from jax.experimental import serialize_executable
 
 __all__ = ["ExecutableStore", "check_directory", "describe", "environment"]
@@ -47,8 +53,22 @@ _SUFFIX = ".executable"
 _PACKAGES = ("mstar_jax", "kernels_pallas")
 
 
+# Settings that change what a traced program computes or how it is partitioned, though its arguments
+# and code are the same. Settings that only check a trace (promotion rules, debug checks) are left out:
+# a program traced without them is the program a trace with them would give, or an error.
+_JAX_FLAGS = (
+    "jax_enable_x64",
+    "jax_default_matmul_precision",
+    "jax_default_prng_impl",
+    "jax_threefry_partitionable",
+    "jax_use_shardy_partitioner",
+)
+_COMPILER_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+
+
 def environment() -> dict[str, Any]:
-    """What a compiled program depends on outside the program: software, backend and devices."""
+    """What a compiled program depends on outside the program: software, backend and devices, the JAX
+    settings that change what is traced (`_JAX_FLAGS`), and the compilers' own flags."""
     devices = jax.devices()
     return {
         "jax": jax.__version__,
@@ -58,6 +78,8 @@ def environment() -> dict[str, Any]:
         "device_kinds": sorted({d.device_kind for d in devices}),
         "devices": len(devices),
         "processes": jax.process_count(),
+        "jax_flags": {name: str(jax.config.values.get(name)) for name in _JAX_FLAGS},
+        "compiler_flags": {name: os.environ.get(name) for name in _COMPILER_VARIABLES},
     }
 
 
@@ -85,8 +107,21 @@ def _unwrap(fn: Callable[..., Any]) -> Callable[..., Any]:
     return inspect.unwrap(fn)
 
 
+@functools.cache
+def _step_files(module: str, own: str) -> tuple[str, ...]:
+    """The sources of the top-level package `module` belongs to (its helpers are part of the program),
+    or `own` alone for a module outside a package with an `__init__.py`."""
+    package = sys.modules.get(module.split(".")[0])
+    init = getattr(package, "__file__", None)
+    if "." not in module or not init or pathlib.Path(init).name != "__init__.py":
+        return (own,)
+    return tuple(sorted({own, *(str(p) for p in pathlib.Path(init).parent.rglob("*.py"))}))
+
+
 def _code_digest(fn: Callable[..., Any]) -> str | None:
-    """The library's sources and the step's own module: an edit to either is another program.
+    """The library's sources and the step's package (or its own module): an edit to any is another
+    program. Helpers the step imports from outside its package are not read: name them (or their
+    version) in the capture's `fingerprint`.
 
     A step defined where no file holds it (a notebook cell, `python -c`) is keyed by its own source;
     None for one whose source cannot be read at all (it cannot be keyed, so it always compiles).
@@ -100,7 +135,7 @@ def _code_digest(fn: Callable[..., Any]) -> str | None:
     if own in _library_files():
         return library
     if os.path.isfile(own):
-        return library + _source_digest((own,))
+        return library + _source_digest(_step_files(getattr(step, "__module__", None) or "", own))
     try:
         return library + hashlib.sha256(inspect.getsource(step).encode()).hexdigest()
     except (OSError, TypeError):
@@ -109,8 +144,9 @@ def _code_digest(fn: Callable[..., Any]) -> str | None:
 
 def describe(value: Any) -> str:
     """`value` as text that is the same in every process: `repr`, but functions (a retention policy in a
-    config, say) by module, name, code and closure rather than by address, bound methods by their
-    function alone, and meshes by their devices too. A value whose description still holds an address
+    config, say) by module, name, code, defaults, closure and the file that defines them rather than by
+    address, bound methods by their function alone, meshes by their devices too, arrays by their bytes'
+    digest, and sets in sorted order. A value whose description still holds an address
     (`<object at 0x...>`) cannot be keyed (`_ADDRESS`)."""
     if isinstance(value, functools.partial):
         bound = [describe(a) for a in value.args]
@@ -120,15 +156,23 @@ def describe(value: Any) -> str:
         return f"method {describe(value.__func__)}"
     if inspect.isfunction(value):
         cells = ", ".join(describe(cell.cell_contents) for cell in value.__closure__ or ())
-        return f"{value.__module__}.{value.__qualname__}[{_code_hash(value.__code__)}]({cells})"
+        defaults = describe((value.__defaults__, value.__kwdefaults__))
+        return (
+            f"{value.__module__}.{value.__qualname__}[{_code_hash(value.__code__)}{_file_digest(value)}]"
+            f"({cells}; defaults={defaults})"
+        )
     if isinstance(value, jax.sharding.Mesh):  # its repr names its axes but not its devices
         ids = [d.id for d in value.devices.flat]
         return f"Mesh({dict(value.shape)}, axis_types={value.axis_types}, devices={ids})"
+    if isinstance(value, np.ndarray | jax.Array):
+        return _describe_array(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = ", ".join(f"{f.name}={describe(getattr(value, f.name))}" for f in dataclasses.fields(value))
         return f"{type(value).__module__}.{type(value).__qualname__}({fields})"
     if isinstance(value, tuple | list):
         return f"{type(value).__name__}({', '.join(map(describe, value))})"
+    if isinstance(value, set | frozenset):  # iteration order follows hashes, which differ per process
+        return f"{type(value).__name__}({', '.join(sorted(map(describe, value)))})"
     if isinstance(value, dict):
         items = sorted((describe(k), describe(v)) for k, v in value.items())
         return f"dict({', '.join(f'{k}: {v}' for k, v in items)})"
@@ -138,10 +182,36 @@ def describe(value: Any) -> str:
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
+def _describe_array(array: np.ndarray | jax.Array) -> str:
+    """Shape, dtype and a digest of every element: a `repr` elides the middle of a large array."""
+    if isinstance(array, jax.Array) and not array.is_fully_addressable:
+        # Its bytes are spread over processes: only its address describes it here, so it has no key.
+        return f"<array {array.shape} {array.dtype} at 0x{id(array):x}>"
+    host = np.ascontiguousarray(np.asarray(array))
+    return f"array({host.shape}, {host.dtype}, sha256={hashlib.sha256(host.tobytes()).hexdigest()[:16]})"
+
+
+def _file_digest(fn: Callable[..., Any]) -> str:
+    """The digest of the file defining `fn` outside this library (its globals and helpers live there);
+    empty for the library's own (digested whole) and for functions with no file (a notebook's)."""
+    try:
+        path = inspect.getsourcefile(fn)
+    except TypeError:
+        return ""
+    if not path or not os.path.isfile(path) or path in _library_files():
+        return ""
+    return f", file={_source_digest((path,))[:16]}"
+
+
 def _code_hash(code: Any) -> str:
-    """A function's bytecode and constants, nested functions' code included (whose repr is an address)."""
+    """A function's bytecode with the names, constants and signature it reads, nested functions' code
+    included (whose repr is an address): two lambdas differing in one global they call differ here."""
     consts = [_code_hash(c) if inspect.iscode(c) else repr(c) for c in code.co_consts]
-    return hashlib.sha256(code.co_code + repr(consts).encode()).hexdigest()[:16]
+    shape = (
+        code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars, code.co_argcount,
+        code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags,
+    )  # fmt: skip
+    return hashlib.sha256(code.co_code + repr((consts, shape)).encode()).hexdigest()[:16]
 
 
 def check_directory(path: Any, name: str = "directory", *, create: bool = False) -> pathlib.Path:

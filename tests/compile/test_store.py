@@ -251,3 +251,123 @@ def test_a_stored_program_loads_onto_the_devices_it_was_compiled_for():
         assert case["stores"] == [[1, 0, 0], [0, 1, 0]], name  # compiled and saved, then loaded
         assert case["equal"], name
         np.testing.assert_allclose(case["out"], want, rtol=1e-6, err_msg=name)
+
+
+# The same name (`<lambda>`), bytecode and constants: only the name each reads differs.
+_SQUASHES = {"sin": lambda x: jnp.sin(x), "cos": lambda x: jnp.cos(x)}
+
+
+def test_two_functions_that_differ_only_in_a_name_they_read_are_two_programs(tmp_path):
+    """A store once keyed a function by its bytecode and constants alone: a second capture with
+    `cos` loaded the program compiled with `sin` and computed sines."""
+    _capture(ExecutableStore(tmp_path), squash=_SQUASHES["sin"])
+    store = ExecutableStore(tmp_path)
+    step, compiled = _capture(store, squash=_SQUASHES["cos"])
+    assert (compiled, store.loaded) == (len(BUCKETS), 0)
+    bucket = BUCKETS.key(2, 5)
+    x = np.arange(bucket.bs * bucket.num_tokens, dtype=np.float64).reshape(bucket.bs, -1) / 7
+    state = 1.0 + np.cos(x * 0.5).sum()
+    np.testing.assert_allclose(_run(step, bucket)[1], x * state, rtol=1e-6)
+
+
+def _power(x, power=1):
+    return x**power
+
+
+def _keyword_power(x, *, power=1):
+    return x**power
+
+
+def _key(tmp_path, **static):
+    bucket = BUCKETS.key(1, 3)
+    return ExecutableStore(tmp_path).key(
+        _step, bucket, _abstract(bucket), static_kwargs={"scale": 0.5, **static}, donate_argnums=(0,)
+    )
+
+
+def _with_defaults(fn, defaults=None, kwdefaults=None):
+    copy = type(fn)(fn.__code__, fn.__globals__, fn.__name__, defaults, fn.__closure__)
+    copy.__kwdefaults__ = kwdefaults
+    return copy
+
+
+def _arrays_differing_in_an_elided_element(xp):
+    one = np.zeros(4096, np.float32)
+    other = one.copy()
+    other[2048] = 1.0  # `repr` shows "..." in its place
+    return xp.asarray(one), xp.asarray(other)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        pytest.param(lambda: (_with_defaults(_power, (1,)), _with_defaults(_power, (3,))), id="a default"),
+        pytest.param(
+            lambda: (
+                _with_defaults(_keyword_power, kwdefaults={"power": 1}),
+                _with_defaults(_keyword_power, kwdefaults={"power": 3}),
+            ),
+            id="a keyword-only default",
+        ),
+        pytest.param(lambda: _arrays_differing_in_an_elided_element(np), id="a NumPy array"),
+        pytest.param(lambda: _arrays_differing_in_an_elided_element(jnp), id="a JAX array"),
+    ],
+)
+def test_values_a_repr_would_confuse_get_different_keys(tmp_path, values):
+    one, other = values()
+    assert _key(tmp_path, squash=one) != _key(tmp_path, squash=other)
+    assert _key(tmp_path, squash=one) == _key(tmp_path, squash=values()[0])
+
+
+def test_a_set_is_described_in_the_same_order_in_every_process():
+    assert describe({"b", "c", "a"}) == "set('a', 'b', 'c')"
+    assert describe(frozenset({3, 1, 2})) == "frozenset(1, 2, 3)"
+
+
+@pytest.mark.parametrize(
+    "setting",
+    ["jax_default_matmul_precision", "jax_threefry_partitionable", "XLA_FLAGS", "LIBTPU_INIT_ARGS"],
+)
+def test_a_jax_setting_or_compiler_flag_is_part_of_the_key(tmp_path, monkeypatch, setting):
+    before = _key(tmp_path)
+    if setting.startswith("jax_"):
+        old = jax.config.values[setting]
+        new = "highest" if setting == "jax_default_matmul_precision" else not old
+        jax.config.update(setting, new)
+        try:
+            after = _key(tmp_path)
+        finally:
+            jax.config.update(setting, old)
+    else:
+        with monkeypatch.context() as patch:
+            patch.setenv(setting, "--xla_some_flag=1")
+            after = _key(tmp_path)
+    assert before != after
+    assert _key(tmp_path) == before
+
+
+def test_an_edit_to_a_helper_in_the_steps_package_is_another_program(tmp_path, monkeypatch):
+    """A step's helpers in its own package are part of the program; the step's module alone was once."""
+    package = tmp_path / "helper_package_for_store"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "helpers.py").write_text("def squash(x):\n    return x * 2\n")
+    (package / "steps.py").write_text(
+        "from .helpers import squash\n\ndef step(state, x):\n    return state, squash(x)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from helper_package_for_store import steps
+
+    def key():
+        store_module._source_digest.cache_clear()
+        store_module._step_files.cache_clear()
+        bucket = BUCKETS.key(1, 3)
+        return ExecutableStore(tmp_path / "store").key(
+            steps.step, bucket, _abstract(bucket), static_kwargs={}, donate_argnums=()
+        )
+
+    before = key()
+    (package / "helpers.py").write_text("def squash(x):\n    return x * 3\n")
+    assert key() != before
+    (package / "helpers.py").write_text("def squash(x):\n    return x * 2\n")
+    assert key() == before
