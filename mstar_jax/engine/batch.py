@@ -80,7 +80,14 @@ def talker_bucket(
 ) -> BucketKey:
     """The talker bucket of the most rows and prefill rows any data shard brings (`decode`: whether any
     are decode rows), at each walk's largest token count: what the processes of a multi-process mesh
-    run, whatever each brings (`Lockstep.agreed_bucket`)."""
+    run, whatever each brings (`Lockstep.agreed_bucket`).
+
+    Beside decode rows a combined step holds at most its largest room of prefill rows: a process whose
+    rows are all prefill (it brings no decode row, so none were capped) runs that many, the rest wait.
+    """
+    if decode:
+        room = buckets[TALKER_MIXED].prefill_rows[-1] if TALKER_MIXED in buckets else 0
+        prefill_per_shard = min(prefill_per_shard, room)
     if decode and prefill_per_shard:
         tokens = buckets.max_tokens(TALKER_MIXED)
         return buckets.bucket_for(TALKER_MIXED, rows_per_shard, tokens, prefill_rows=prefill_per_shard)

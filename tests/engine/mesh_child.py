@@ -54,13 +54,16 @@ def serve(
     faults: tuple[str, Callable[[int], str | None]] | None = None,
     offload_at: int | None = None,
     cache_dir: str | None = None,
+    late_after: int | None = None,
+    max_batch: int = 2,
 ) -> tuple[Engine, dict[str, tuple[list[int], np.ndarray]]]:
     """The workload's requests `i` with `i % count == index` for `share = (index, count)`, served on a
     `data x model` mesh decoding `decode_steps` frames a dispatch (`pipelined` or not), snapshotting every
     `snapshot_every` steps, with `faults = (node, schedule)` injected (`inject_faults`), and after
     `offload_at` steps its first request still holding a talker slot offloaded (reloaded when it is
     next admitted), its programs kept in and loaded from `cache_dir` (`compile.persistent_cache_dir`)
-    where given; each request's codes and audio."""
+    where given, and the last process's requests submitted only after `late_after` steps (where given;
+    the others' at once), at most `max_batch` rows a step; each request's codes and audio."""
     deployment = parse_deployment({
         "model": {"name": "streaming_tts", "config": config},
         "compile": {
@@ -68,7 +71,7 @@ def serve(
             "persistent_cache_min_compile_secs": 0.0,
         },
         "engine": {
-            "max_batch": 2, "decode_steps": decode_steps, "pipelined": pipelined,
+            "max_batch": max_batch, "decode_steps": decode_steps, "pipelined": pipelined,
             "snapshot_every": snapshot_every,
         },
         "mesh": {"data": data, "model": model},
@@ -78,16 +81,19 @@ def serve(
         inject_faults(engine, *faults)
     voices = [engine.add_voice(i, frames=3 + i, seed=10 + i) for i in range(2)]
     rng = np.random.default_rng(0)
-    streams = []
+    requests = []
     for i in range(REQUESTS):
         text = rng.integers(0, 16, 3 + i).tolist()
         frames = int(rng.integers(5, 15))
         if i % share[1] == share[0]:
-            streams.append(engine.submit(TTSRequest(f"r{i}", text, voices[i % 2], frames, seed=i)))
-    steps = 0  # `run_until_idle`'s loop, every process stepping as often (`busy_anywhere`)
-    while engine.busy_anywhere(bool(engine.streams)):
-        if offload_at is None:  # a few rounds at a time: in lockstep, every process stops after as many
-            steps += engine.run_until_idle(max_steps=3)
+            requests.append(TTSRequest(f"r{i}", text, voices[i % 2], frames, seed=i))
+    submit_after = late_after if late_after is not None and share[0] == share[1] - 1 else 0
+    streams, steps = [], 0  # `run_until_idle`'s loop, every process stepping as often (`busy_anywhere`)
+    while engine.busy_anywhere(bool(engine.streams) or len(streams) < len(requests)):
+        if steps == submit_after:
+            streams = [engine.submit(request) for request in requests]
+        if offload_at is None and late_after is None:  # a few rounds at a time: in lockstep, every
+            steps += engine.run_until_idle(max_steps=3)  # process stops after as many
             continue
         engine.step()
         steps += 1

@@ -94,6 +94,11 @@ def test_processes_agree_on_the_combined_walk_only_where_both_kinds_meet():
     assert batch.talker_bucket(buckets, 2, 1, decode=True).graph_walk == TALKER_MIXED
     assert batch.talker_bucket(buckets, 2, 0, decode=True) == BucketKey(TALKER_DECODE, 2, 1)
     assert batch.talker_bucket(buckets, 1, 1, decode=False) == BucketKey(TALKER_PREFILL, 1, 4)
+    # A process of prefill rows alone brings more than a combined step's room (1) beside another's
+    # decode rows: the step runs as many as its room holds.
+    beside = batch.talker_bucket(buckets, 2, 2, decode=True)
+    assert (beside.graph_walk, beside.bs, beside.cg_key_info.prefill_rows) == (TALKER_MIXED, 2, 1)
+    assert batch.talker_bucket(buckets, 2, 2, decode=False) == BucketKey(TALKER_PREFILL, 2, 4)
 
 
 def test_row_indices_on_one_device_are_each_rows_place_in_its_padded_group():

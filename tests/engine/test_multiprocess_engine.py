@@ -134,6 +134,18 @@ def test_each_process_offloads_and_reloads_its_own_streams_exactly(served, alone
         assert moved["reloads"] >= 1
 
 
+def test_a_process_whose_new_rows_are_all_prefill_joins_the_others_decoding(served, alone):
+    """Process 1 submits its three requests only once process 0 decodes: its first rows are all prefill
+    rows, two on one shard, beyond the combined step's room (1): it runs as many as the room holds and
+    the rest wait (every process once failed with "exceed the room of the largest bucket")."""
+    for result in served:
+        late = result["late"]
+        assert_heard_alone(late, result, alone)
+        assert late["errors"] == []
+        assert late["compilations"] == 0
+    assert served[1]["late"]["walks"].get("talker_mixed", 0) > 0  # its prefill rows beside process 0's decode
+
+
 def test_mstar_jax_run_serves_one_workload_from_two_processes(tmp_path):
     """The commands of "Serving on a TPU pod" in docs/guides/devices.md, on one CPU host:
     `configs/mesh_cpu8.yaml` over two processes of 4 devices, pipelined, each writing its share's report."""
