@@ -180,6 +180,7 @@ class ServingEngine:
 
     def drain(self) -> bool:
         """Read back every step in flight and deliver its outputs (a pipelined engine); True if any was."""
+        self._check_driver("drain")
         return self._dispatch.drain()
 
     def warm_up(self) -> int:
@@ -188,6 +189,7 @@ class ServingEngine:
 
         Runs on an idle engine (it borrows a slot of each cache). Returns the compilations it caused.
         """
+        self._check_driver("warm_up")
         if self.streams:
             raise RuntimeError("warm_up() runs on an idle engine; call it before submitting requests")
         snapshot = None if self.snapshot_every is None else self.snapshot
@@ -264,9 +266,11 @@ class ServingEngine:
 
     def pause(self, request_id: str) -> None:
         """Stop scheduling a stream (its client is not reading); its slots may be offloaded."""
+        self._check_driver("pause")
         self._live(request_id).paused = True
 
     def resume(self, request_id: str) -> None:
+        self._check_driver("resume")
         self._live(request_id).paused = False
 
     def offload(self, request_id: str) -> int:
@@ -275,6 +279,7 @@ class ServingEngine:
         Raises:
           UnknownRequestError: `request_id` is not live.
         """
+        self._check_driver("offload")
         self._live(request_id)
         freed = sum(node.runner.offload(request_id) for node in self.nodes.values())
         self.counters["offloads"] += freed > 0
@@ -284,8 +289,9 @@ class ServingEngine:
         return any(node.runner.is_offloaded(request_id) for node in self.nodes.values())
 
     def _check_driver(self, call: str) -> None:
-        # Two threads stepping one engine would each donate buffers the other still holds: refuse the
-        # second loudly, before any state changes, instead of losing a request's cache to the race.
+        # Two threads stepping one engine would each donate buffers the other still holds, and a call
+        # that changes streams or caches from another thread races the driver's step: refuse it loudly,
+        # before any state changes, instead of losing a request's cache to the race.
         if self.driver is not None and self.driver != threading.get_ident():
             raise RuntimeError(
                 f"ServingEngine.{call}() was called from thread {threading.current_thread().name!r} while "
@@ -309,6 +315,7 @@ class ServingEngine:
     def snapshot(self) -> recovery.EngineSnapshot:
         """Copy every cache and every live stream's progress to host memory (what a fault restores); in a
         multi-process deployment every process calls it at the same step, each copying its own shards."""
+        self._check_driver("snapshot")
         self.drain()
         managers = {key: node.runner[key] for node in self.nodes.values() for key in node.keys}
         marks = {s.request_id: (s, self.served.mark(s)) for s in self.streams.values()}

@@ -410,6 +410,7 @@ class Engine(ServingEngine):
           ValueError: when a live request names voice `index`, admitted or still queued (it would
             otherwise start speaking with the replacement).
         """
+        self._check_driver("add_voice")
         waiting = sorted(rid for rid, s in self.streams.items() if s.request.voice.index == index)
         if waiting:
             raise ValueError(

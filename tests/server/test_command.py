@@ -147,11 +147,19 @@ def test_a_running_host_is_the_only_thread_that_drives_its_engine(tts):
     try:
         wait_for(lambda: engine.driver is not None, "the host thread to take the engine", 30)
         request = TTSRequest("not-through-the-host", (104, 105), voices["voice-0"], 4, 0)
-        for call, args in (("submit", (request,)), ("step", ()), ("cancel", ("anyone",))):
+        voice = engine.voices.voices[0]
+        calls = [
+            ("submit", (request,), {}), ("step", (), {}), ("cancel", ("anyone",), {}),
+            ("pause", ("anyone",), {}), ("resume", ("anyone",), {}), ("offload", ("anyone",), {}),
+            ("snapshot", (), {}), ("drain", (), {}), ("warm_up", (), {}),
+            ("add_voice", (0,), {"frames": 2, "seed": 99}),
+        ]  # fmt: skip
+        for call, args, kwargs in calls:
             with pytest.raises(RuntimeError, match=rf"ServingEngine\.{call}\(\) was called from thread "
                                r"'MainThread' while an EngineHost drives this engine"):  # fmt: skip
-                getattr(engine, call)(*args)
+                getattr(engine, call)(*args, **kwargs)
         assert "not-through-the-host" not in engine.streams
+        assert engine.voices.voices[0] is voice
     finally:
         host.close()
     assert engine.driver is None
