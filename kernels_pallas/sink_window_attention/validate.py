@@ -99,6 +99,14 @@ def validate_inputs(
         raise TypeError(f"max_retained={max_retained!r} must be a Python int (a static bound, K)")
     if max_retained < 0:
         raise ValueError(f"{max_retained=} must be >= 0")
+    if isinstance(table, np.ndarray) and table.size:  # a host table is checked for free (a device one: sync)
+        retained = tbl.retained_count(table)
+        row = int(np.argmax(retained))
+        if retained[row] > max_retained:
+            raise ValueError(
+                f"table row {row} retains {int(retained[row])} keys but max_retained={max_retained}; every "
+                "row must retain at most max_retained keys (the implementations read no more of a row)"
+            )
     if query_window is not None:
         if isinstance(query_window, bool) or not isinstance(query_window, (int, np.integer)):
             raise TypeError(f"query_window={query_window!r} must be None or a Python int")

@@ -225,3 +225,20 @@ def test_bad_settings_raise_naming_the_setting(settings, error, match):
     case = CASES[np.dtype(np.float32)]["decode"]
     with pytest.raises(error, match=match):
         sink_window_attention(*_arrays(case), **({"max_retained": case.max_retained} | settings))
+
+
+def test_a_host_table_retaining_more_than_max_retained_is_refused_by_row():
+    """The implementations read at most `max_retained` keys a row: a plan retaining more would lose keys
+    silently, so a host (NumPy) table is checked against it."""
+    from kernels_pallas.sink_window_attention.table import retained_count
+
+    case = CASES[np.dtype(np.float32)]["decode"]
+    arrays = _arrays(case)
+    retained = retained_count(np.asarray(arrays[TABLE]))
+    most, row = int(retained.max()), int(np.argmax(retained))
+    assert most > 0
+    with pytest.raises(ValueError, match=rf"table row {row} retains {most} keys but max_retained={most - 1}"):
+        sink_window_attention(*arrays, max_retained=most - 1)
+    np.testing.assert_allclose(  # the bound itself is allowed, and computes what the case's bound does
+        np.asarray(sink_window_attention(*arrays, max_retained=most)), _run(case), rtol=1e-6, atol=1e-7
+    )
