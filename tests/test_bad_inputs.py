@@ -1247,6 +1247,10 @@ ENGINE_CASES = [
         r"request 'neg': text tokens \[-1\] are outside \[0, text_vocab_size=16\)",
     ),
     _case(
+        "submit-frames-past-int32", lambda p, e: e.submit(TTSRequest("big", [1, 2], V0, 2**31)), ValueError,
+        r"request 'big': frames=2147483648 must be an int in \[1, 2147483647\]",
+    ),
+    _case(
         "submit-voice-wrong-frames", lambda p, e: e.submit(request("w", Voice(1, 4), 4)), ValueError,
         r"request 'w': voice=Voice\(index=1, frames=4\) is not registered; registered \(index, frames\): "
         r"\[\(0, 4\), \(1, 6\)\]",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from mstar_jax.checks import check_int
 from mstar_jax.compile import ExecutableStore, cap_batch_sizes, configure_persistent_cache
 from mstar_jax.distributed import manager_shards
 from mstar_jax.engine.programs import TTSPrograms, tts_buckets
@@ -42,8 +43,13 @@ def build_from_deployment(
     history: int | None,
 ) -> Any:
     """`Engine.from_deployment` (its arguments are documented there); `cls` is the engine class."""
+    # Refused before the caches are made and every bucket compiles (tens of seconds), not after.
+    check_int("num_voices", num_voices, minimum=1, allow_none=True)
+    check_int("max_workers", max_workers, minimum=1, allow_none=True)
+    check_int("max_prefill_rows_in_combined", max_prefill_rows_in_combined, minimum=0, allow_none=True)
+    check_int("history", history, minimum=1, allow_none=True)
     config = deployment.model_config
-    sources = num_voices or num_sources(deployment)
+    sources = num_sources(deployment) if num_voices is None else num_voices
     mesh = deployment_mesh(deployment)
     shards = {} if mesh is None else manager_shards(mesh)  # a process's own data shards: lockstep.py
     local = shards.get("local_data_shards")

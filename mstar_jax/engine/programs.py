@@ -95,9 +95,11 @@ def tts_buckets(
         the combined walk needs K = 1.
 
     Raises:
-      ValueError: when no token count holds a flow chunk, or for a combined walk with K > 1.
+      ValueError: when no token count holds a flow chunk, for a combined walk with K > 1, or for
+        `decode_steps` or `max_prefill_rows_in_combined` not an int in range.
     """
     check_int("decode_steps", decode_steps, minimum=1)
+    check_int("max_prefill_rows_in_combined", max_prefill_rows_in_combined, minimum=0, allow_none=True)
     if combined and decode_steps > 1:
         raise ValueError(
             f"decode_steps={decode_steps} runs a decode block of its own program; the combined walk needs "

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mstar_jax.checks import brief, check_int
+from mstar_jax.checks import INT32_MAX, brief, check_int
 from mstar_jax.engine.voices import Voice
 from mstar_jax.serving.stream import (
     Phase,
@@ -74,7 +74,7 @@ class TTSRequest:
                 f"got dtype {text.dtype}"
             )
         object.__setattr__(self, "text", tuple(int(t) for t in text))
-        check_int(f"request {self.request_id!r}: frames", self.frames, minimum=1)
+        check_int(f"request {self.request_id!r}: frames", self.frames, minimum=1, maximum=INT32_MAX)
         if not isinstance(self.voice, Voice):
             raise TypeError(
                 f"request {self.request_id!r}: voice={self.voice!r} must be a Voice (VoiceBank.add)"

@@ -382,6 +382,10 @@ class Engine(ServingEngine):
           num_voices: source-bank entries per cache (default: the workload's voices, at least 8).
           max_prefill_rows_in_combined: prefill rows a combined step makes room for.
           history: finished streams and step records kept (see `ServingEngine`).
+
+        Raises:
+          ValueError: `num_voices`, `max_workers`, `max_prefill_rows_in_combined` or `history` not an
+            int in range, before anything is built or compiled; a deployment these devices cannot serve.
         """
         return build_from_deployment(
             cls, deployment, progress=progress, implementation=implementation, interpret=interpret,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
 from mstar_jax.compile import CombinedRows
 from mstar_jax.engine import batch
@@ -99,6 +100,8 @@ def test_processes_agree_on_the_combined_walk_only_where_both_kinds_meet():
     beside = batch.talker_bucket(buckets, 2, 2, decode=True)
     assert (beside.graph_walk, beside.bs, beside.cg_key_info.prefill_rows) == (TALKER_MIXED, 2, 1)
     assert batch.talker_bucket(buckets, 2, 2, decode=False) == BucketKey(TALKER_PREFILL, 2, 4)
+    with pytest.raises(ValueError, match=r"^max_prefill_rows_in_combined=-1 must be None or an int >= 0"):
+        tts_buckets(batch_sizes=(1, 2), token_counts=(1, 4), flow_chunk=4, max_prefill_rows_in_combined=-1)
 
 
 def test_row_indices_on_one_device_are_each_rows_place_in_its_padded_group():

@@ -106,6 +106,29 @@ def test_run_until_idle_refuses_a_bad_max_steps_before_any_step(programs, max_st
     assert stream.phase == Phase.WAITING
 
 
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("history", 0), ("history", "7"), ("num_voices", 0), ("num_voices", -1), ("num_voices", 2.0),
+        ("max_workers", 0), ("max_prefill_rows_in_combined", -1),
+        ("max_prefill_rows_in_combined", float("nan")),
+    ],
+)  # fmt: skip
+def test_from_deployment_refuses_a_bad_setting_before_building_anything(monkeypatch, setting, value):
+    """Once, `history=0` was refused after every bucket compiled, `num_voices=0` meant "the default"
+    and `num_voices=-1` was refused as `num_sources`."""
+    from mstar_jax.deployment import parse_deployment
+    from mstar_jax.engine import build
+
+    def no_manager(*args, **kwargs):
+        raise AssertionError("a cache was built before the settings were checked")
+
+    monkeypatch.setattr(build, "BoundedKVManager", no_manager)
+    deployment = parse_deployment({"model": {"name": "streaming_tts"}})
+    with pytest.raises(ValueError, match=rf"^{setting}={value!r} must be None or an int >= "):
+        Engine.from_deployment(deployment, progress=False, **{setting: value})
+
+
 def test_full_caches_offload_a_paused_stream_then_hold_it_until_a_slot_is_released(programs):
     engine, (v0, v1) = make_engine(programs)
     paused = engine.submit(request("paused", v0, 20))

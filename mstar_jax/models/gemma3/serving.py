@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from mstar_jax import distributed
-from mstar_jax.checks import check_int, check_number
+from mstar_jax.checks import INT32_MAX, check_int, check_number
 from mstar_jax.compile import Buckets
 from mstar_jax.models.gemma3.stream import DECODE, GLOBAL_KV, LOCAL_KV, PREFILL, Gemma3Streams, step_extras
 from mstar_jax.serving.decoder import (
@@ -84,7 +84,7 @@ class TextRequest:
                 f"{MAX_STOP_TOKENS} are allowed"
             )
         where = f"request {self.request_id!r}: "
-        check_int(where + "max_new_tokens", self.max_new_tokens, minimum=1)
+        check_int(where + "max_new_tokens", self.max_new_tokens, minimum=1, maximum=INT32_MAX)
         check_number(where + "temperature", self.temperature, minimum=0.0, maximum=MAX_TEMPERATURE)
         check_int(where + "seed", self.seed, minimum=0, maximum=2**32 - 1)
         object.__setattr__(self, "temperature", float(self.temperature))
