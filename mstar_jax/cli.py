@@ -23,8 +23,10 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import pathlib
 import sys
 from collections.abc import Callable, Sequence
 
@@ -189,6 +191,15 @@ def _check_output(output: str, *, create: bool = False) -> None:
         raise CommandLineError(str(error)) from None
 
 
+def _missing_folders(path: str) -> list[pathlib.Path]:
+    """The folders `path` and its parents that do not exist yet, deepest first (what creating it makes)."""
+    missing, folder = [], pathlib.Path(path).absolute()
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
 def _check_cache_dir(deployment: Deployment, *, create: bool) -> None:
     """Refuse a `compile.persistent_cache_dir` that is not a directory, nor its executable store's folder
     (`engine.build.EXECUTABLES`), before anything compiles into them; `create` makes them now (a run).
@@ -219,8 +230,15 @@ def _run(args: argparse.Namespace) -> int:
     _budget(deployment, args).require_fit()  # before anything is built or compiled
     # Made once nothing else refuses the run (a refused run writes nothing): what only trying foresees,
     # such as a read-only file system, is refused now rather than after the run.
+    missing = _missing_folders(args.output)
     _check_output(args.output, create=True)
-    _check_cache_dir(deployment, create=True)
+    try:
+        _check_cache_dir(deployment, create=True)
+    except DeploymentError:
+        for folder in missing:  # the output folders just made, still empty: a refused run writes nothing
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
 
     from mstar_jax.engine.run import run_deployment  # imports the engine only when serving
 

@@ -296,6 +296,7 @@ _FILES = {
     "cache-a-file.yaml": "model: {name: streaming_tts}\ncompile: {persistent_cache_dir: scalar.yaml}\n",
     "cache-in-file.yaml": "model: {name: streaming_tts}\ncompile: {persistent_cache_dir: scalar.yaml/c}\n",
     "not-utf-8.txt": b"\xff\xfe a prompt",
+    "cache-in-proc.yaml": "model: {name: streaming_tts}\ncompile: {persistent_cache_dir: /proc/mstar-c}\n",
 }
 _NO_FIT = (
     r".*streaming_tts\.yaml: the deployment needs model weights \(.*\) [\d.]+ MiB \+ .* = [\d.]+ MiB, "
@@ -398,6 +399,12 @@ CLI_CASES = [
         "run-output-cannot-be-created", ["run", "--output", "/proc/mstar-jax-out/run"], False,
         RUN + r"--output='/proc/mstar-jax-out/run' (cannot be created or written: .*|: '/proc' is not "
         r"writable); " + _A_DIRECTORY,
+    ),
+    _case(  # as root, refused only once the output folders are made: they are removed again
+        "run-cache-dir-cannot-be-created", ["run", "--config", "cache-in-proc.yaml", "--output", "out/run"],
+        False,
+        RUN + r"cache-in-proc\.yaml: compile\.persistent_cache_dir='/proc/mstar-c' (cannot be created or "
+        r"written: .*|: '/proc' is not writable); " + _A_DIRECTORY,
     ),
     _case(
         "serve-voices-do-not-fit",
