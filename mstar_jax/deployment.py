@@ -245,11 +245,25 @@ def parse_deployment(mapping: Mapping[str, Any], source: str = "<string>") -> De
     if "kv_cache" in mapping:
         raise DeploymentError(f"{source}: kv_cache: {_legacy_kv_cache_hint(mapping['kv_cache'], specs)}")
     specs = _apply_resources(source, specs, mapping)
+    _refuse_unread_workload(source, name, config, mapping.get("workload"))
     settings = {section: _parse_settings(source, section, mapping.get(section)) for section in _SETTINGS}
     try:
         return Deployment(model=name, model_config=config, specs=specs, source=source, **settings)
     except ValueError as err:
         raise DeploymentError(f"{source}: {err}") from None
+
+
+def _refuse_unread_workload(source: str, name: str, config: Any, block: Any) -> None:
+    """Refuse a workload setting the model's run never reads (a speech model's `max_frames` in a text
+    model's deployment, say): given, it would be silently ignored."""
+    unread = type(config).UNREAD_WORKLOAD
+    given = sorted((key for key in block if key in unread), key=str) if isinstance(block, Mapping) else []
+    if given:
+        read = [f.name for f in dataclasses.fields(WorkloadSettings) if f.name not in unread]
+        raise DeploymentError(
+            f"{source}: workload: {given[0]}={block[given[0]]!r} is not read by model {name!r}; its "
+            f"workload reads {read}"
+        )
 
 
 def _parse_model(source: str, block: Any) -> tuple[str, Any]:

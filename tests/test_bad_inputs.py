@@ -203,6 +203,18 @@ PARSE_CASES = [
         r"deploy\.yaml: model\.config: seed=9223372036854775808 must be an int in \[0, 9223372036854775807\]",
     ),
     _case(
+        "workload-a-text-models-setting", {"workload.max_new_tokens": 8}, DeploymentError,
+        r"deploy\.yaml: workload: max_new_tokens=8 is not read by model 'streaming_tts'; its workload reads "
+        r"\['streams', 'arrival_rate_hz', 'voices', .*'max_frames', 'seed'\]",
+    ),
+    _case(
+        "workload-a-speech-models-setting",
+        {"model": {"name": "gemma3"}, "resources": None, "workload": {"streams": 2, "max_frames": 9}},
+        DeploymentError,
+        r"deploy\.yaml: workload: max_frames=9 is not read by model 'gemma3'; its workload reads "
+        r"\['streams', 'arrival_rate_hz', 'min_text_tokens', .*'max_new_tokens', 'seed'\]",
+    ),
+    _case(
         "arrival_rate_hz=true", {"workload.arrival_rate_hz": True}, DeploymentError,
         r"deploy\.yaml: workload: arrival_rate_hz=True must be a number >= 0\.000277.*",
     ),

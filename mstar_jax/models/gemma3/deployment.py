@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from mstar_jax.checks import INT32_MAX, check_choice, check_int
 
@@ -46,6 +46,9 @@ class Gemma3DeploymentConfig:
     chunk: int = 128
     max_slots: int = 4
     dtype: str = "float32"
+
+    UNREAD_WORKLOAD: ClassVar[tuple[str, ...]] = ("voices", "min_frames", "max_frames")
+    """A speech model's workload settings: a deployment of this model refuses them."""
 
     def __post_init__(self):
         for name, minimum in (("global_sink", 0), ("global_window", 1), ("chunk", 1), ("max_slots", 1)):

@@ -104,6 +104,8 @@ class StreamingTTSConfig:
     """Conditional and unconditional rows (classifier-free guidance run as a batch of two)."""
     FLOW_REVERSE_STEP_ORDER: ClassVar[bool] = True
     """Chunks join the flow's stream last-first, so a window cutting a chunk keeps its front."""
+    UNREAD_WORKLOAD: ClassVar[tuple[str, ...]] = ("min_new_tokens", "max_new_tokens")
+    """A text model's workload settings: a deployment of this model refuses them."""
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
