@@ -19,8 +19,9 @@ and defining file, not by address; arrays by a digest of their elements, not a `
 A program something can only be described by its address (a callable object, say) gets no key: it is
 compiled every start and never stored (`unkeyed`).
 
-Entries are pickles of serialized executables with the ids of the devices each was compiled for, in
-its device order, which it is loaded onto again. Loading one runs code, so the directory must be as
+Entries are pickles of serialized executables with their key (an entry copied onto another key's
+file is refused) and the ids of the devices each was compiled for, in its device order, which it is
+loaded onto again. Loading one runs code, so the directory must be as
 trusted as the code itself.
 """
 
@@ -85,9 +86,12 @@ def environment() -> dict[str, Any]:
 
 @functools.cache
 def _source_digest(files: tuple[str, ...]) -> str:
+    """The files' names (relative to the folder holding them all: the same code in another checkout or
+    on another host has the same digest) and bytes."""
     digest = hashlib.sha256()
+    base = os.path.commonpath([os.path.dirname(name) for name in files])
     for name in files:
-        digest.update(name.encode())
+        digest.update(os.path.relpath(name, base).encode())
         digest.update(pathlib.Path(name).read_bytes())
     return digest.hexdigest()
 
@@ -113,15 +117,16 @@ def _step_files(module: str, own: str) -> tuple[str, ...]:
     or `own` alone for a module outside a package with an `__init__.py`."""
     package = sys.modules.get(module.split(".")[0])
     init = getattr(package, "__file__", None)
-    if "." not in module or not init or pathlib.Path(init).name != "__init__.py":
+    if not init or pathlib.Path(init).name != "__init__.py":
         return (own,)
     return tuple(sorted({own, *(str(p) for p in pathlib.Path(init).parent.rglob("*.py"))}))
 
 
 def _code_digest(fn: Callable[..., Any]) -> str | None:
     """The library's sources and the step's package (or its own module): an edit to any is another
-    program. Helpers the step imports from outside its package are not read: name them (or their
-    version) in the capture's `fingerprint`.
+    program. Helpers the step imports from outside its package are not read, nor values a module
+    computes when imported (from the environment, a file): name them (or their version) in the
+    capture's `fingerprint`.
 
     A step defined where no file holds it (a notebook cell, `python -c`) is keyed by its own source;
     None for one whose source cannot be read at all (it cannot be keyed, so it always compiles).
@@ -188,6 +193,8 @@ def _describe_array(array: np.ndarray | jax.Array) -> str:
         # Its bytes are spread over processes: only its address describes it here, so it has no key.
         return f"<array {array.shape} {array.dtype} at 0x{id(array):x}>"
     host = np.ascontiguousarray(np.asarray(array))
+    if host.dtype.hasobject:  # its bytes are pointers: another process's differ
+        return f"<array {host.shape} of objects at 0x{id(array):x}>"
     return f"array({host.shape}, {host.dtype}, sha256={hashlib.sha256(host.tobytes()).hexdigest()[:16]})"
 
 
@@ -206,12 +213,24 @@ def _file_digest(fn: Callable[..., Any]) -> str:
 def _code_hash(code: Any) -> str:
     """A function's bytecode with the names, constants and signature it reads, nested functions' code
     included (whose repr is an address): two lambdas differing in one global they call differ here."""
-    consts = [_code_hash(c) if inspect.iscode(c) else repr(c) for c in code.co_consts]
+    consts = [_constant(c) for c in code.co_consts]
     shape = (
         code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars, code.co_argcount,
         code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags,
     )  # fmt: skip
     return hashlib.sha256(code.co_code + repr((consts, shape)).encode()).hexdigest()[:16]
+
+
+def _constant(value: Any) -> str:
+    """A code object's constant as `_code_hash` reads it: nested code by its hash, and the frozensets
+    `x in {...}` compiles to in sorted order (their repr follows string hashes, which differ per process)."""
+    if inspect.iscode(value):
+        return _code_hash(value)
+    if isinstance(value, frozenset):
+        return f"frozenset({sorted(map(_constant, value))})"
+    if isinstance(value, tuple):
+        return f"({', '.join(map(_constant, value))},)"
+    return repr(value)
 
 
 def check_directory(path: Any, name: str = "directory", *, create: bool = False) -> pathlib.Path:
@@ -324,7 +343,9 @@ class ExecutableStore:
         if not path.exists():
             return None
         try:
-            payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+            stored_key, payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+            if stored_key != key:  # an entry copied or renamed onto this key: another program
+                raise ValueError("stored under another key")
             local = {device.id: device for device in jax.local_devices()}
             # On the devices it was compiled for, in their order: by default a program is loaded onto
             # every local device, which fails a one-device program on a host of several and aborts
@@ -349,7 +370,7 @@ class ExecutableStore:
         again next time, as for any entry that cannot be used."""
         try:
             devices = [device.id for device in compiled.runtime_executable().local_devices()]
-            payload = pickle.dumps((*serialize_executable.serialize(compiled), devices))
+            payload = pickle.dumps((key, *serialize_executable.serialize(compiled), devices))
         except Exception:  # e.g. programs with constants, or a backend without serialization
             return False
         path = self._path(key)

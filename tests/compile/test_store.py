@@ -5,7 +5,9 @@ compiling, bucket by bucket; a fresh process loads them too."""
 from __future__ import annotations
 
 import functools
+import importlib
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -162,6 +164,26 @@ def test_an_entry_that_does_not_load_is_compiled_and_replaced(tmp_path):
     store = ExecutableStore(tmp_path)
     assert _capture(store)[1] == 0
     assert store.loaded == len(BUCKETS)
+
+
+def test_an_entry_copied_onto_another_programs_key_is_refused(tmp_path):
+    """Programs of the same arguments for two scales: one's entry copied over the other's file loads
+    nothing (it would compute with the wrong scale), so that program is compiled and stored again."""
+    half, quarter = ExecutableStore(tmp_path / "half"), ExecutableStore(tmp_path / "quarter")
+    _capture(half)
+    _capture(quarter, scale=0.25)
+    for source, target in zip(half.entries(), quarter.entries(), strict=True):
+        target.write_bytes(source.read_bytes())
+    store = ExecutableStore(tmp_path / "quarter")
+    step, compiled = _capture(store, scale=0.25)
+    assert (compiled, store.rejected, store.loaded, store.saved) == (
+        len(BUCKETS),
+        len(BUCKETS),
+        0,
+        len(BUCKETS),
+    )
+    for bucket in BUCKETS:
+        np.testing.assert_allclose(_run(step, bucket)[1], _oracle(bucket, 0.25)[1], rtol=1e-6)
 
 
 def test_an_entry_that_cannot_be_written_is_skipped_and_leaves_no_partial_file(tmp_path):
@@ -346,17 +368,20 @@ def test_a_jax_setting_or_compiler_flag_is_part_of_the_key(tmp_path, monkeypatch
     assert _key(tmp_path) == before
 
 
-def test_an_edit_to_a_helper_in_the_steps_package_is_another_program(tmp_path, monkeypatch):
-    """A step's helpers in its own package are part of the program; the step's module alone was once."""
-    package = tmp_path / "helper_package_for_store"
+@pytest.mark.parametrize("module", ["steps", "__init__"])
+def test_an_edit_to_a_helper_in_the_steps_package_is_another_program(tmp_path, monkeypatch, module):
+    """A step's helpers in its own package are part of the program, for a step in a module of the
+    package or in its `__init__.py`; the step's module alone was once."""
+    name = f"helper_package_for_store_{module.strip('_')}"
+    package = tmp_path / name
     package.mkdir()
-    (package / "__init__.py").write_text("")
+    step_source = "from .helpers import squash\n\ndef step(state, x):\n    return state, squash(x)\n"
+    (package / "__init__.py").write_text(step_source if module == "__init__" else "")
     (package / "helpers.py").write_text("def squash(x):\n    return x * 2\n")
-    (package / "steps.py").write_text(
-        "from .helpers import squash\n\ndef step(state, x):\n    return state, squash(x)\n"
-    )
+    if module == "steps":
+        (package / "steps.py").write_text(step_source)
     monkeypatch.syspath_prepend(str(tmp_path))
-    from helper_package_for_store import steps
+    steps = importlib.import_module(f"{name}.steps" if module == "steps" else name)
 
     def key():
         store_module._source_digest.cache_clear()
@@ -371,3 +396,49 @@ def test_an_edit_to_a_helper_in_the_steps_package_is_another_program(tmp_path, m
     assert key() != before
     (package / "helpers.py").write_text("def squash(x):\n    return x * 2\n")
     assert key() == before
+
+
+def test_a_function_read_from_a_file_outside_the_library_is_keyed_by_that_file(tmp_path, monkeypatch):
+    """A retention policy reading a module constant: an edit to the constant is another program."""
+    (tmp_path / "policy_for_store.py").write_text("SCALE = 2\n\ndef policy(x):\n    return x * SCALE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from policy_for_store import policy
+
+    before = describe(policy)
+    (tmp_path / "policy_for_store.py").write_text("SCALE = 3\n\ndef policy(x):\n    return x * SCALE\n")
+    store_module._source_digest.cache_clear()
+    assert describe(policy) != before
+
+
+def test_the_same_sources_in_another_folder_have_the_same_digest(tmp_path):
+    """Another checkout, container mount or host: the same code, the same keys."""
+    for folder in ("one", "two/deeper"):
+        (tmp_path / folder / "pkg").mkdir(parents=True)
+        (tmp_path / folder / "pkg" / "a.py").write_text("A = 1\n")
+        (tmp_path / folder / "pkg" / "b.py").write_text("B = 2\n")
+    files = lambda folder, *names: tuple(str(tmp_path / folder / "pkg" / n) for n in names)  # noqa: E731
+    digest = store_module._source_digest
+    assert digest(files("one", "a.py", "b.py")) == digest(files("two/deeper", "a.py", "b.py"))
+    (tmp_path / "two/deeper/pkg/c.py").write_text("A = 1\n")  # a's bytes under another name
+    assert digest(files("one", "a.py", "b.py")) != digest(files("two/deeper", "c.py", "b.py"))
+
+
+def test_a_set_in_a_functions_code_is_described_the_same_under_every_hash_seed():
+    """`x in {...}` compiles to a frozenset constant, whose repr follows the process's string hashes."""
+    code = (
+        "from mstar_jax.compile.store import describe\n"
+        "print(describe(lambda word: word in {'alpha', 'beta', 'gamma', 'delta', 'epsilon', 'zeta'}))\n"
+    )
+    described = set()
+    for seed in ("1", "2", "3"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "JAX_PLATFORMS": "cpu"}
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=env
+        )
+        described.add(done.stdout.strip().splitlines()[-1])
+    assert len(described) == 1, described
+
+
+def test_an_array_of_objects_gives_no_key(tmp_path):
+    """Its bytes are pointers, another process's differ: no key would ever match."""
+    assert _key(tmp_path, squash=np.array(["a", 1], dtype=object)) is None
