@@ -222,6 +222,8 @@ def _check_cache_dir(deployment: Deployment, *, create: bool) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from mstar_jax.engine import build  # imports jax: only for run
+
     _check_output(args.output)
     _join(args)
     deployment = load_deployment(DEFAULT_CONFIG if args.config is None else args.config)
@@ -230,12 +232,14 @@ def _run(args: argparse.Namespace) -> int:
     _budget(deployment, args).require_fit()  # before anything is built or compiled
     # Made once nothing else refuses the run (a refused run writes nothing): what only trying foresees,
     # such as a read-only file system, is refused now rather than after the run.
-    missing = _missing_folders(args.output)
-    _check_output(args.output, create=True)
+    cache = deployment.compile.persistent_cache_dir
+    made = [args.output] + ([] if cache is None else [os.path.join(cache, build.EXECUTABLES)])
+    missing = sorted({m for path in made for m in _missing_folders(path)}, key=lambda m: -len(m.parts))
     try:
+        _check_output(args.output, create=True)
         _check_cache_dir(deployment, create=True)
-    except DeploymentError:
-        for folder in missing:  # the output folders just made, still empty: a refused run writes nothing
+    except (CommandLineError, DeploymentError):
+        for folder in missing:  # the folders just made, still empty: a refused run writes nothing
             with contextlib.suppress(OSError):
                 folder.rmdir()
         raise

@@ -308,6 +308,9 @@ _FILES = {
     "cache-a-file.yaml": "model: {name: streaming_tts}\ncompile: {persistent_cache_dir: scalar.yaml}\n",
     "cache-in-file.yaml": "model: {name: streaming_tts}\ncompile: {persistent_cache_dir: scalar.yaml/c}\n",
     "not-utf-8.txt": b"\xff\xfe a prompt",
+    "cache-too-long.yaml": "model: {name: streaming_tts}\ncompile: {persistent_cache_dir: new/"
+    + "c" * 300
+    + "}\n",
     "cache-in-proc.yaml": "model: {name: streaming_tts}\ncompile: {persistent_cache_dir: /proc/mstar-c}\n",
 }
 _NO_FIT = (
@@ -417,6 +420,15 @@ CLI_CASES = [
         False,
         RUN + r"cache-in-proc\.yaml: compile\.persistent_cache_dir='/proc/mstar-c' (cannot be created or "
         r"written: .*|: '/proc' is not writable); " + _A_DIRECTORY,
+    ),
+    _case(  # refused only once its parent is made: the parent is removed again
+        "run-cache-dir-name-too-long", ["run", "--config", "cache-too-long.yaml", "--output", "out"], False,
+        RUN + r"cache-too-long\.yaml: compile\.persistent_cache_dir='new/c{300}' cannot be created or "
+        r"written: File name too long; " + _A_DIRECTORY,
+    ),
+    _case(
+        "run-output-name-too-long", ["run", "--output", "new/" + "o" * 300], False,
+        RUN + r"--output='new/o{300}' cannot be created or written: File name too long; " + _A_DIRECTORY,
     ),
     _case(
         "serve-voices-do-not-fit",
