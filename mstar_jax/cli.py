@@ -267,6 +267,11 @@ def _serve(args: argparse.Namespace) -> int:
     deployment = load_deployment(DEFAULT_CONFIG if args.config is None else args.config)
     _check_cache_dir(deployment, create=False)
     deployment.check_devices()
+    if args.voices is not None and "voices" in type(deployment.model_config).UNREAD_WORKLOAD:
+        raise CommandLineError(
+            f"--voices={args.voices} is not read by model {deployment.model!r}, which has no voices; "
+            "leave it out"
+        )
     if args.voices is not None:  # the voices served are the source bank's entries: budget them
         workload = dataclasses.replace(deployment.workload, voices=args.voices)
         deployment = dataclasses.replace(deployment, workload=workload)

@@ -311,6 +311,7 @@ _FILES = {
     "cache-too-long.yaml": "model: {name: streaming_tts}\ncompile: {persistent_cache_dir: new/"
     + "c" * 300
     + "}\n",
+    "gemma.yaml": "model: {name: gemma3}\n",
     "cache-in-proc.yaml": "model: {name: streaming_tts}\ncompile: {persistent_cache_dir: /proc/mstar-c}\n",
 }
 _NO_FIT = (
@@ -429,6 +430,10 @@ CLI_CASES = [
     _case(
         "run-output-name-too-long", ["run", "--output", "new/" + "o" * 300], False,
         RUN + r"--output='new/o{300}' cannot be created or written: File name too long; " + _A_DIRECTORY,
+    ),
+    _case(
+        "serve-voices-of-a-text-model", ["serve", "--port", "0", "--config", "gemma.yaml", "--voices", "3"],
+        False, SERVE + r"--voices=3 is not read by model 'gemma3', which has no voices; leave it out",
     ),
     _case(
         "serve-voices-do-not-fit",

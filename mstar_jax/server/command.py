@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
     parser.add_argument(
         "--voices", type=int, default=None, metavar="N",
-        help="voices registered at start, voice-0 .. voice-N-1 (default: the deployment's workload.voices)",
+        help="voices registered at start, voice-0 .. voice-N-1 (default: the deployment's workload.voices); "
+        "a speech model only",
     )  # fmt: skip
     parser.add_argument(
         "--model-name",
