@@ -478,12 +478,18 @@ CLI_CASES = [
 
 
 def _forbid_serving(monkeypatch) -> None:
+    """`run` and `serve` fail at once where they would build an engine (a missed refusal must not start
+    a server that runs until the test's timeout)."""
+    from mstar_jax.engine import Engine
     from mstar_jax.engine import run as run_module
+    from mstar_jax.engine import text as text_module
 
-    def run_deployment(*args, **kwargs):
-        raise AssertionError("run_deployment was called: the refusal came after building")
+    def built(*args, **kwargs):
+        raise AssertionError("an engine was built: the refusal came after building")
 
-    monkeypatch.setattr(run_module, "run_deployment", run_deployment)
+    monkeypatch.setattr(run_module, "run_deployment", built)
+    monkeypatch.setattr(text_module, "build_text_engine", built)
+    monkeypatch.setattr(Engine, "from_deployment", built)
 
 
 @pytest.mark.parametrize(("argv", "usage", "pattern"), CLI_CASES)
