@@ -29,7 +29,10 @@ counts, loop trip counts): past it a program overflows instead of refusing."""
 
 def brief(value: Any) -> str:
     """`repr(value)`, cut to 60 characters: a refusal names the value without echoing a megabyte."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str(): too long to name anyway
+        return f"<an int of {value.bit_length()} bits>"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -80,14 +83,14 @@ def check_int(
     allowed = f"{'None or ' if allow_none else ''}an int{_int_range(minimum, maximum, below)}"
     if not is_int(value, numpy=numpy):
         if type_error:
-            raise TypeError(f"{name}={value!r} must be {allowed}, got {type(value).__name__}")
-        raise ValueError(f"{name}={value!r} must be {allowed}")
+            raise TypeError(f"{name}={brief(value)} must be {allowed}, got {type(value).__name__}")
+        raise ValueError(f"{name}={brief(value)} must be {allowed}")
     if (
         (minimum is not None and value < minimum)
         or (maximum is not None and value > maximum)
         or (below is not None and value >= below)
     ):
-        raise ValueError(f"{name}={value!r} must be {allowed}")
+        raise ValueError(f"{name}={brief(value)} must be {allowed}")
     return int(value)
 
 
@@ -137,10 +140,11 @@ def check_number(
     if isinstance(value, bool) or not isinstance(value, int | float):
         hint = ""
         if isinstance(value, str) and _parses_as_float(value):
+            shown = brief(value)
             hint = (
-                f" (YAML reads {value!r} as a string: write it with a dot and a signed exponent, e.g. 1.0e-3)"
+                f" (YAML reads {shown} as a string: write it with a dot and a signed exponent, e.g. 1.0e-3)"
             )
-        raise ValueError(f"{name}={value!r} must be {either}a number {bound}{hint}")
+        raise ValueError(f"{name}={brief(value)} must be {either}a number {bound}{hint}")
     number = value
     if isinstance(value, int) and abs(value) > _FLOAT_MAX:  # float(value) would overflow
         number = math.inf if value > 0 else -math.inf
@@ -163,7 +167,7 @@ def check_bool(name: str, value: Any) -> bool:
       ValueError: `name=value must be a bool`.
     """
     if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} must be a bool")
+        raise ValueError(f"{name}={brief(value)} must be a bool")
     return value
 
 
@@ -175,5 +179,5 @@ def check_choice(name: str, value: Any, choices: Collection[Any]) -> Any:
       ValueError: `name=value must be one of [choices]`, the choices listed in their given order.
     """
     if not any(type(value) is type(choice) and value == choice for choice in choices):
-        raise ValueError(f"{name}={value!r} must be one of {list(choices)}")
+        raise ValueError(f"{name}={brief(value)} must be one of {list(choices)}")
     return value

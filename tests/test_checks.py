@@ -141,3 +141,22 @@ def test_an_int_beyond_every_float_is_out_of_range_not_an_overflow():
         check_number("x", 10**400, minimum=0, maximum=4)
     with pytest.raises(ValueError, match=r"must be a finite number >= 0$"):
         check_number("x", -(10**400), minimum=0)
+
+
+def test_a_refusal_names_a_long_value_without_echoing_it():
+    long_text, huge = "v" * 10**6, 10**5000  # past Python's digits for str(): repr itself raises
+    for check in (
+        lambda: check_choice("voice", long_text, ("a",)),
+        lambda: check_int("n", long_text),
+        lambda: check_int("n", huge, maximum=4),
+        lambda: check_bool("b", long_text),
+        lambda: check_number("x", long_text, minimum=0),
+        lambda: check_number("x", "1" * 10**6, minimum=0),
+    ):
+        with pytest.raises(ValueError, match=r"^\w+=.+ must be ") as refused:
+            check()
+        message = str(refused.value)
+        assert len(message) < 300, message[:400]
+    assert str(refused.value).startswith("x='11111111")
+    with pytest.raises(ValueError, match=r"^n=<an int of 16610 bits> must be an int in \[0, 4\]$"):
+        check_int("n", huge, minimum=0, maximum=4)

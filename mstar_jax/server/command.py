@@ -188,8 +188,8 @@ def _bind(host: str, port: int, error: Callable[[str], Exception]) -> socket.soc
 def _server(config: Any, host: Any, grace_s: float) -> Any:
     """uvicorn's server, which starts the host's grace period as soon as a signal comes (not once every
     connection has closed, which waits on the very streams the grace period bounds), lets the requests
-    in flight end before it closes any connection (uvicorn closes a WebSocket at once, with 1012), and
-    exits 0."""
+    in flight end and their deliveries finish (`EngineHost.delivering`) before it closes any connection
+    (uvicorn closes a WebSocket at once, with 1012), and exits 0."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -204,7 +204,7 @@ def _server(config: Any, host: Any, grace_s: float) -> Any:
             for server in self.servers:  # no new connections; those open finish their requests
                 server.close()
             deadline = time.monotonic() + grace_s + 1.0  # the host answers every request by grace_s
-            while host.live and time.monotonic() < deadline and not self.force_exit:
+            while (host.live or host.delivering) and time.monotonic() < deadline and not self.force_exit:
                 await asyncio.sleep(0.05)
             await super().shutdown(sockets)
 

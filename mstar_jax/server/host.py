@@ -115,6 +115,7 @@ class EngineHost:
         self.accepting = True
         self._deadline: float | None = None
         self._live: dict[str, RequestHandle] = {}  # host thread only
+        self._delivering = 0  # event loop only: `begin_delivery` minus `end_delivery`
         # Outputs and ends not yet handed to their loops: one wake-up of each loop per host loop, not
         # one per output, so the two threads contend for the interpreter less (host thread only).
         self._outbox: list[tuple[RequestHandle, tuple[bool, Any]]] = []
@@ -201,6 +202,20 @@ class EngineHost:
     def live(self) -> int:
         """Requests the host holds (submitted and not ended): 0 once every client is answered."""
         return len(self._live)
+
+    @property
+    def delivering(self) -> int:
+        """Deliveries under way that a shutdown waits for, as `live` requests (`begin_delivery`)."""
+        return self._delivering
+
+    def begin_delivery(self) -> None:
+        """Count one delivery under way until `end_delivery` (event loop only): outputs that may still be
+        on their way to a client after the engine has finished their request, such as a WebSocket's
+        segment whose audio its slow client has not read yet (an HTTP response, uvicorn waits for)."""
+        self._delivering += 1
+
+    def end_delivery(self, count: int = 1) -> None:
+        self._delivering -= count
 
     def _post(self, command: Any) -> None:
         self._commands.put(command)

@@ -17,7 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from mstar_jax.server.errors import BadRequestError, wire_error
+from mstar_jax.server.errors import BadRequestError, PayloadTooLargeError, wire_error
 from mstar_jax.server.fields import Body, parse_json, read_body
 from mstar_jax.server.handle import RequestHandle
 
@@ -110,7 +110,8 @@ async def open_stream(
     except ClientGoneError:
         return Response(status_code=499)
     except Exception as error:
-        if isinstance(error, BadRequestError) and handle is None:  # the host counts its own
+        refused = isinstance(error, BadRequestError | PayloadTooLargeError)
+        if refused and handle is None:  # the host counts its own
             service.metrics.refused("invalid")
         return error_response(error)
     return kept, handle, first if started else None

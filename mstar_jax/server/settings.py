@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mstar_jax.checks import check_int, check_number
+from mstar_jax.checks import INT32_MAX, check_int, check_number
 
 __all__ = ["ServerSettings"]
 
@@ -30,8 +30,9 @@ class ServerSettings:
         cancelled, each with a typed, retryable error.
       max_input_bytes: the longest speech input, in UTF-8 bytes (each is one text token).
       frames_per_byte: codec frames spoken per input byte (12.5 frames are a second of audio).
-      max_frames: the most frames one request speaks (its frames are capped here).
-      max_tokens: the largest `max_tokens` a text request may ask for.
+      max_frames: the most frames one request speaks (its frames are capped here; at most 2**31 - 1,
+        as a program counts them in int32).
+      max_tokens: the largest `max_tokens` a text request may ask for (at most 2**31 - 1).
       default_max_tokens: `max_tokens` when a text request gives none.
       history: finished streams and step records the engine keeps for reports (the most recent), so
         memory stays flat however long the server runs.
@@ -56,10 +57,11 @@ class ServerSettings:
 
     def __post_init__(self):
         for name in (
-            "max_waiting", "retry_after_s", "max_body_bytes", "stream_buffer", "max_input_bytes",
-            "max_frames", "max_tokens", "default_max_tokens", "history",
+            "max_waiting", "retry_after_s", "max_body_bytes", "stream_buffer", "max_input_bytes", "history",
         ):  # fmt: skip
             check_int(name, getattr(self, name), minimum=1)
+        for name in ("max_frames", "max_tokens", "default_max_tokens"):  # a request's count: int32 on device
+            check_int(name, getattr(self, name), minimum=1, maximum=INT32_MAX)
         check_int("segment_bytes", self.segment_bytes, minimum=4)  # the widest UTF-8 character's bytes
         check_number("shutdown_grace_s", self.shutdown_grace_s, minimum=0.0)
         check_number("offload_paused_after_s", self.offload_paused_after_s, minimum=0.0, allow_none=True)

@@ -192,6 +192,8 @@ class _Session:
         self.options = Body({})
         self.buffer = ""
         self.ended = False
+        self._ahead: asyncio.Future | None = None  # a message read while the writer's queue was full
+        self._undelivered = 0  # items queued for the writer and not yet sent whole (`host.delivering`)
 
     async def run(self) -> None:
         reader = asyncio.ensure_future(self._read())
@@ -199,8 +201,9 @@ class _Session:
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
             ended = reader in done and reader.exception() is None and reader.result() == "end"
-            if ended and writer not in done:  # every segment submitted: speak them ("gone": stop now)
-                await asyncio.wait({writer})
+            if ended and writer not in done:  # every segment submitted: speak them unless the client leaves
+                reader = asyncio.ensure_future(self._read(after_end=True))
+                await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
             failed = next((t for t in (reader, writer) if t.done() and t.exception() is not None), None)
             if failed is not None:  # the other stops first: it must not send once the socket closes
                 for task in (reader, writer):
@@ -208,8 +211,11 @@ class _Session:
                 await asyncio.gather(reader, writer, return_exceptions=True)
                 await self._fail(failed.exception())
         finally:
-            for task in (reader, writer):
-                task.cancel()
+            for task in (reader, writer, self._ahead):
+                if task is not None:
+                    task.cancel()
+            self.service.host.end_delivery(self._undelivered)
+            self._undelivered = 0
             for handle in self.handles:
                 handle.cancel()
 
@@ -226,12 +232,14 @@ class _Session:
         except Exception:
             pass
 
-    async def _read(self) -> str:
+    async def _read(self, *, after_end: bool = False) -> str:
+        """Take the client's messages until its `end` ("end") or until it leaves ("gone"). `after_end`:
+        the client may only leave now; a message it sends is refused."""
         try:
             for number in itertools.count(1):
-                received = await self.ws.receive()
-                if received["type"] == "websocket.disconnect":
-                    raise WebSocketDisconnect(received.get("code", 1000))
+                received = await self._receive()
+                if after_end:
+                    raise BadRequestError("a message after type='end'; the client may only close now")
                 await self._take(number, received.get("text"))
                 if self.ended:
                     return "end"
@@ -240,6 +248,35 @@ class _Session:
         except BadRequestError:  # the client's message refused before the host saw it: counted here
             self.service.metrics.refused("invalid")
             raise
+
+    async def _receive(self) -> dict[str, Any]:
+        """The client's next message (the one read ahead, if any); raises `WebSocketDisconnect` when it
+        has left."""
+        received = await (self._ahead or self.ws.receive())
+        self._ahead = None
+        if received["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(received.get("code", 1000))
+        return received
+
+    async def _queue(self, item: RequestHandle | None) -> None:
+        """Hand `item` to the writer. While its queue is full, read the client's next message ahead, so
+        that a client that leaves is seen at once (its segments cancelled), not only once the writer
+        next sends; one message ahead is as far as a full queue lets the client get. A shutdown waits
+        for the item to be sent (`EngineHost.delivering`): a segment's audio, or the session's end."""
+        self.service.host.begin_delivery()
+        self._undelivered += 1
+        put = asyncio.ensure_future(self.segments.put(item))
+        try:
+            while not put.done():
+                if self._ahead is None:
+                    self._ahead = asyncio.ensure_future(self.ws.receive())
+                await asyncio.wait({put, self._ahead}, return_when=asyncio.FIRST_COMPLETED)
+                if self._ahead.done() and self._ahead.result()["type"] == "websocket.disconnect":
+                    raise WebSocketDisconnect(self._ahead.result().get("code", 1000))
+                if self._ahead.done():
+                    await put
+        finally:
+            put.cancel()
 
     async def _take(self, number: int, raw: str | None) -> None:
         """Act on the client's message `number` (1: its first), `raw` its text (None: binary)."""
@@ -262,7 +299,7 @@ class _Session:
         else:
             await self._cut(final=True)
             if kind == "end":
-                await self.segments.put(None)
+                await self._queue(None)
                 self.ended = True
 
     async def _cut(self, *, final: bool) -> None:
@@ -273,7 +310,7 @@ class _Session:
                 handle = self.service.submit(self.service.request(self.options, text, field="text"))
                 self.handles = [h for h in self.handles if not h.ended]  # a long session keeps none
                 self.handles.append(handle)
-                await self.segments.put(handle)
+                await self._queue(handle)
 
     async def _write(self) -> None:
         index = 0
@@ -281,6 +318,12 @@ class _Session:
             async for chunk in handle:
                 await self.ws.send_bytes(pcm16(chunk.samples))
             await self.ws.send_text(json.dumps({"type": "segment.done", "index": index}))
+            self._delivered()
             index += 1
         await self.ws.send_text(json.dumps({"type": "done"}))
         await self.ws.close(code=1000)
+        self._delivered()
+
+    def _delivered(self) -> None:
+        self._undelivered -= 1
+        self.service.host.end_delivery()

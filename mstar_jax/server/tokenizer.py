@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from mstar_jax.checks import check_int, check_number
+from mstar_jax.checks import INT32_MAX, check_int, check_number
 
 __all__ = ["ByteTokenizer", "IncrementalDecoder", "TextTokenizer"]
 
@@ -39,7 +39,7 @@ class ByteTokenizer:
     def __init__(self, text_vocab_size: int, *, frames_per_byte: float, max_frames: int):
         check_int("text_vocab_size", text_vocab_size, minimum=BYTES)
         self.frames_per_byte = check_number("frames_per_byte", frames_per_byte, minimum=0.0, exclusive=True)
-        self.max_frames = check_int("max_frames", max_frames, minimum=1)
+        self.max_frames = check_int("max_frames", max_frames, minimum=1, maximum=INT32_MAX)
 
     def encode(self, text: str) -> tuple[int, ...]:
         """The token ids of `text`: its UTF-8 bytes."""
@@ -47,7 +47,8 @@ class ByteTokenizer:
 
     def frames_for(self, tokens: int, speed: float = 1.0) -> int:
         """Frames a text of `tokens` bytes is spoken in, at `speed` (1.0: normal)."""
-        return max(1, min(self.max_frames, math.ceil(tokens * self.frames_per_byte / speed)))
+        frames = tokens * self.frames_per_byte / speed  # may overflow to inf: capped before `ceil`
+        return max(1, math.ceil(frames) if frames < self.max_frames else self.max_frames)
 
 
 class TextTokenizer:

@@ -11,6 +11,12 @@ from collections.abc import Callable, Iterator
 import httpx
 import uvicorn
 
+from mstar_jax.engine.request import TTSRequest
+from mstar_jax.server import ServerSettings
+from mstar_jax.server.audio import pcm16
+from mstar_jax.server.command import _server
+from mstar_jax.server.tokenizer import ByteTokenizer
+
 TTS_YAML = """\
 model:
   name: streaming_tts
@@ -60,13 +66,19 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def live(app) -> Iterator[str]:
-    """Serve `app` with uvicorn on a free localhost port in a thread; yield its base URL."""
+def live(app, *, grace_s: float | None = None, send_buffer: int | None = None) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free localhost port in a thread; yield its base URL. With `grace_s`,
+    the server is `mstar-jax serve`'s, whose `handle_exit(signal.SIGTERM, None)` (`app.state.server`)
+    shuts down as a signal would; with `send_buffer`, each connection's kernel send buffer is that many
+    bytes (its sends stop sooner for a client that does not read)."""
     sock = socket.socket()
+    if send_buffer is not None:  # accepted connections inherit it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", lifespan="on", ws="websockets-sansio")
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(config) if grace_s is None else _server(config, app.state.host, grace_s)
+    app.state.server = server
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     wait_for(lambda: server.started, "the server to start")
@@ -77,6 +89,15 @@ def live(app) -> Iterator[str]:
         thread.join(TIMEOUT_S)
         sock.close()
         assert not thread.is_alive(), "the server did not stop"
+
+
+def alone(engine, voice, text: str, settings: ServerSettings, seed: int = 0) -> bytes:
+    """The PCM of `text` served alone by the engine in process (no server), as a server with `settings`
+    would speak it."""
+    tokens = ByteTokenizer(256, frames_per_byte=settings.frames_per_byte, max_frames=settings.max_frames)
+    ids = tokens.encode(text)
+    request = TTSRequest(f"alone-{text}-{seed}", ids, voice, tokens.frames_for(len(ids)), seed)
+    return b"".join(pcm16(chunk.samples) for chunk in engine.stream(request))
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = TIMEOUT_S) -> None:

@@ -5,6 +5,7 @@ failed with a typed, retryable error, and exits 0."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -21,6 +22,7 @@ from mstar_jax.cli import main
 from mstar_jax.engine.request import TTSRequest
 from mstar_jax.server import EngineHost, ServerSettings, create_app
 from mstar_jax.server.audio import pcm16
+from mstar_jax.server.tokenizer import ByteTokenizer
 from tests.server.support import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,11 +106,29 @@ def test_argparse_refuses_a_value_of_the_wrong_type(flags, says, capsys):
         ({"default_max_tokens": 10, "max_tokens": 5}, "default_max_tokens=10 must be <= max_tokens=5"),
         ({"segment_bytes": 65, "max_input_bytes": 64}, "segment_bytes=65 must be <= max_input_bytes=64"),
         ({"offload_paused_after_s": float("nan")}, "offload_paused_after_s=nan must be None or a finite"),
+        # A request's count past int32 would be refused by the engine, as a 500 (the program's int32).
+        ({"max_frames": 2**31}, "max_frames=2147483648 must be an int in [1, 2147483647]"),
+        ({"max_tokens": 2**31}, "max_tokens=2147483648 must be an int in [1, 2147483647]"),
+        ({"default_max_tokens": 2**31}, "default_max_tokens=2147483648 must be an int in [1, 2147483647]"),
+        ({"max_waiting": "x" * 10**6}, "max_waiting='xxxxxxxxxxxx"),  # named, not echoed whole
     ],
 )
 def test_server_settings_refuse_bad_values(settings, says):
-    with pytest.raises(ValueError, match=says.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(ValueError, match=says.replace("[", r"\[").replace("(", r"\(")) as refused:
         ServerSettings(**settings)
+    assert len(str(refused.value)) < 200
+
+
+def test_frames_for_a_text_are_its_bytes_times_frames_per_byte_over_speed_within_max_frames():
+    tokens = ByteTokenizer(256, frames_per_byte=8.0, max_frames=1500)
+    brute = {(n, speed): max(1, min(1500, math.ceil(n * 8.0 / speed))) for n in (0, 1, 13, 187, 188, 4096)
+             for speed in (0.25, 1.0, 3.0)}  # fmt: skip
+    assert {key: tokens.frames_for(*key) for key in brute} == brute
+    # However large the rate, a text speaks at most max_frames (once an OverflowError and a 500).
+    huge = ByteTokenizer(256, frames_per_byte=1e308, max_frames=1500)
+    assert [huge.frames_for(n, 0.25) for n in (1, 4096)] == [1500, 1500]
+    with pytest.raises(ValueError, match=r"max_frames=2147483648 must be an int in \[1, 2147483647\]"):
+        ByteTokenizer(256, frames_per_byte=1.0, max_frames=2**31)
 
 
 def test_the_host_and_the_app_refuse_bad_arguments(tts):

@@ -8,16 +8,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import signal
 import socket
+import threading
 import time
 
 import httpx
 import pytest
 import websockets
+from websockets.sync.client import connect
 
 from mstar_jax.engine.faults import inject_faults
 from mstar_jax.server import ServerSettings, create_app
-from tests.server.support import assert_nothing_leaked, live, wait_for
+from tests.server.support import alone, assert_nothing_leaked, live, outcomes, wait_for
 
 DISCONNECTING_CLIENTS = 1000
 
@@ -28,9 +31,9 @@ def serve(tts):
     engine, voices = tts
     programs = engine.programs
 
-    def start(**settings):
+    def start(grace_s: float | None = None, send_buffer: int | None = None, **settings):
         app = create_app(engine, ServerSettings(**settings), model_name="streaming_tts", voices=voices)
-        return app, live(app)
+        return app, live(app, grace_s=grace_s, send_buffer=send_buffer)
 
     yield start
     engine.programs = programs
@@ -51,6 +54,7 @@ def test_a_body_over_the_limit_is_a_413(serve):
             headers={"content-type": "application/json"},
         )  # fmt: skip
         assert chunked.status_code == 413
+        assert outcomes(url).get("invalid") == 2  # each refusal counted, as a 400 is
         assert httpx.post(f"{url}/v1/audio/speech", json=speech("ok")).status_code == 200
     assert not app.state.host.engine.streams
 
@@ -245,3 +249,99 @@ def test_a_fault_closes_a_websocket_with_the_retryable_code(serve, tts):
         error = json.loads(messages[-1])["error"]
         assert (error["type"], error["retryable"]) == ("state_lost", True)
         assert_nothing_leaked(app.state.host)
+
+
+def test_sigterm_lets_a_websocket_read_its_segment_to_the_end(serve, tts):
+    """A signal while a WebSocket's segment is still on its way to a slow client (the engine done, its
+    audio buffered, the socket full): the server waits for the client to read it (not only for the
+    engine to finish it), so the client gets all of its audio, `segment.done` and `done`, and a normal
+    close, never uvicorn's 1012."""
+    engine, voices = tts
+    settings = {"stream_buffer": 256, "frames_per_byte": 20.0}  # 260 frames: 1 MB of PCM, none paused
+    text = "hello there. "
+    reference = alone(engine, voices["voice-0"], text, ServerSettings(**settings))
+    app, server = serve(grace_s=10.0, send_buffer=4096, **settings)
+    host = app.state.host
+    with server as url:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        sock.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        endpoint = url.replace("http", "ws") + "/v1/audio/speech/stream"
+        with connect(endpoint, sock=sock, max_queue=1, compression=None) as ws:
+            for message in ({"type": "start", "voice": "voice-0"}, {"type": "text", "text": text}):
+                ws.send(json.dumps(message))
+            ws.send(json.dumps({"type": "end"}))
+            audio, events = ws.recv(timeout=60), []
+            assert isinstance(audio, bytes)
+            app.state.server.handle_exit(signal.SIGTERM, None)
+            wait_for(lambda: host.live == 0, "the engine to finish the segment")  # the client read 1 chunk
+            assert host.delivering == 2  # the segment, its audio not all sent, and the session's end
+            for message in ws:  # slowly, until the server closes (`ws.close_code` says how)
+                time.sleep(0.01)
+                if isinstance(message, bytes):
+                    audio += message
+                else:
+                    events.append(json.loads(message)["type"])
+            assert ws.close_code == 1000
+    assert audio == reference
+    assert events == ["segment.done", "done"]
+
+
+def blocked_device(engine) -> threading.Event:
+    """Hold every talker step until the event returned is set (within 60 s)."""
+    release = threading.Event()
+    inject_faults(engine, "talker", lambda n: (release.wait(60), None)[1])
+    return release
+
+
+@pytest.mark.parametrize(
+    ("messages", "queued", "submitted"),
+    [
+        # Five sentences: the reader waits for the writer, two segments queued behind the one speaking.
+        ([{"type": "text", "text": "One. Two. Three. Four. Five. "}], 4, 4),
+        ([{"type": "text", "text": "One. "}, {"type": "end"}], 2, 1),  # all sent: only a close may follow
+    ],
+    ids=["segments_queued", "after_end"],
+)
+def test_a_websocket_client_that_leaves_before_any_audio_has_every_segment_cancelled(
+    serve, tts, messages, queued, submitted
+):
+    """A client that leaves while its segments wait for the device (none has audio yet) has them all
+    cancelled at once, not once the first one speaks: they would hold `max_waiting` places, then run."""
+    engine, _ = tts
+    release = blocked_device(engine)
+    app, server = serve()
+    host = app.state.host
+    try:
+        with server as url:
+            with connect(url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+                for message in messages:
+                    ws.send(json.dumps(message))
+                wait_for(lambda: host.delivering == queued, f"{submitted} segments to be submitted")
+            cancelled = engine.counters["cancelled"]
+            wait_for(lambda: host.delivering == 0, "the session to end, the device still held", 20)
+            release.set()
+            assert_nothing_leaked(host)
+            assert engine.counters["cancelled"] - cancelled == submitted
+    finally:
+        release.set()
+
+
+def test_a_websocket_message_after_end_is_refused_with_1007(serve, tts):
+    engine, _ = tts
+    release = blocked_device(engine)
+    app, server = serve()
+    try:
+        with server as url, connect(url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+            for message in ({"type": "text", "text": "One. "}, {"type": "end"}, {"type": "flush"}):
+                ws.send(json.dumps(message))
+            error = json.loads(ws.recv(timeout=30))
+            with pytest.raises(websockets.ConnectionClosed):
+                ws.recv(timeout=30)
+            assert ws.close_code == 1007
+            assert error["error"]["message"] == "a message after type='end'; the client may only close now"
+            assert outcomes(url).get("invalid") == 1
+            release.set()
+            assert_nothing_leaked(app.state.host)
+    finally:
+        release.set()

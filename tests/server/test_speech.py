@@ -13,10 +13,9 @@ import openai
 import pytest
 import websockets
 
-from mstar_jax.engine.request import TTSRequest
 from mstar_jax.server import ServerSettings, create_app
-from mstar_jax.server.audio import pcm16, wav_header
-from mstar_jax.server.tokenizer import ByteTokenizer
+from mstar_jax.server.audio import wav_header
+from tests.server.support import alone as served_alone
 from tests.server.support import assert_nothing_leaked, live, outcomes
 
 TEXTS = ("Hello there. ", "How are you?", "hé!")
@@ -27,10 +26,7 @@ SETTINGS = ServerSettings(max_input_bytes=64, segment_bytes=32, frames_per_byte=
 
 def alone(engine, voice, text: str, seed: int = 0) -> bytes:
     """The PCM of `text` served alone by the engine in process (no server)."""
-    tokens = ByteTokenizer(256, frames_per_byte=SETTINGS.frames_per_byte, max_frames=SETTINGS.max_frames)
-    ids = tokens.encode(text)
-    request = TTSRequest(f"alone-{text}-{seed}", ids, voice, tokens.frames_for(len(ids)), seed)
-    return b"".join(pcm16(chunk.samples) for chunk in engine.stream(request))
+    return served_alone(engine, voice, text, SETTINGS, seed)
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +162,7 @@ GOOD = {"model": "streaming_tts", "voice": "voice-0", "input": "hi"}
         ({**GOOD, "input": "x" * 65}, "input", "it must be at most max_input_bytes=64"),
         ({"model": "streaming_tts", "voice": "voice-0"}, "input", "input is required"),
         ({**GOOD, "voice": "alloy"}, "voice", "voice='alloy' must be one of ['voice-0', 'voice-1']"),
+        ({**GOOD, "voice": "v" * 100_000}, "voice", "voice='vvvvvvvv"),
         ({**GOOD, "model": "tts-1"}, "model", "model='tts-1' must be one of ['streaming_tts']"),
         ({**GOOD, "response_format": "mp3"}, "response_format", "must be one of ['wav', 'pcm']"),
         ({**GOOD, "stream_format": "chunks"}, "stream_format", "must be one of ['audio', 'sse']"),
@@ -203,6 +200,7 @@ def test_a_bad_request_is_a_400_naming_the_field_and_counted_invalid(served, bod
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert says in error["message"]
+    assert len(error["message"]) < 300  # the value named, not echoed whole
     assert not host.engine.streams
     assert outcomes(url).get("invalid", 0) == before + 1
 
