@@ -100,6 +100,7 @@ def check_segment(
     requests: Mapping[str, Any],
     num_sources: int,
     source_lengths: Mapping[int, int],
+    steps: int = 1,
 ) -> AdmitRuntimeError | RequestOffloading | None:
     """Why one row of a step may not run (None: it may), as `BoundedKVManager.admit` checks it.
 
@@ -109,6 +110,8 @@ def check_segment(
       requests: the manager's request records.
       num_sources: sources the bank holds.
       source_lengths: the registered sources' lengths.
+      steps: the step's `BoundedKVStep.steps` (a block of that many one-token steps: a row takes at
+        most one token a step).
     """
     rid, cfg = seg.request_id, config
     request = requests.get(rid)
@@ -163,6 +166,10 @@ def check_segment(
         return AdmitRuntimeError(f"{rid!r}: step tokens={step_tokens} must be >= 1")
     if not 0 <= seg.span <= step_tokens:
         return AdmitRuntimeError(f"{rid!r}: span={seg.span} must be in [0, step tokens={step_tokens}]")
+    if steps > 1 and seg.span > steps:
+        return AdmitRuntimeError(
+            f"{rid!r}: span={seg.span} must be <= steps={steps}: a block's row writes one token a step"
+        )
     if int(pos.source_len) + int(pos.written) + int(step_tokens) > MAX_POSITION:  # NumPy ints wrap
         return AdmitRuntimeError(
             f"{rid!r}: source_len={pos.source_len} + written={pos.written} + step tokens={step_tokens} "
@@ -200,7 +207,7 @@ def check_rows(
             )), need_slot  # fmt: skip
         reason = check_segment(
             seg, step.positions.get(seg.request_id), step_tokens_of(step, seg), ctx, config=config,
-            requests=requests, num_sources=num_sources, source_lengths=source_lengths,
+            requests=requests, num_sources=num_sources, source_lengths=source_lengths, steps=step.steps,
         )  # fmt: skip
         if reason is not None:
             return refuse(reason), need_slot

@@ -200,6 +200,7 @@ def admissible(
         & ((source_len == 0) | ((registered >= 0) & (source_len <= registered)))
         & ((started < 0) | ((started == source_len) & (started_on == source)))
         & (written == committed) & (step_tokens >= 1) & (span >= 0) & (span <= step_tokens)
+        & ((columns.step.steps == 1) | (span <= columns.step.steps))
     )  # fmt: skip
     if width is not None:
         ok &= step_tokens <= width

@@ -27,6 +27,7 @@ def table_rows(
     slots: SlotPools,
     requests: Mapping[str, Any],
     groups: Sequence[tuple[int, int]] | None = None,
+    shards: Mapping[str, int] | None = None,
 ) -> tuple[int, dict[str, int]]:
     """The plan table's row count and each real request's row.
 
@@ -44,6 +45,7 @@ def table_rows(
       slots, requests: the manager's slot pools and request records.
       groups: the step's row groups (`StepContext.row_groups`: consecutive segments, each group's
         count and its rows per shard); None: one group of `bucket_rows`.
+      shards: each real request's data shard, where admission would place it (default: its slot's).
 
     Raises:
       ValueError: a data shard has more of a group's requests than the group's rows per shard.
@@ -61,7 +63,8 @@ def table_rows(
         by_shard: list[list[str]] = [[] for _ in range(slots.shards)]
         for seg in segments[start : start + count]:
             if seg.request_id in real_ids:
-                by_shard[slots.shard_of(requests[seg.request_id].slot)].append(seg.request_id)
+                rid = seg.request_id
+                by_shard[slots.shard_of(requests[rid].slot) if shards is None else shards[rid]].append(rid)
         start += count
         width = size or max(1, *map(len, by_shard))
         for shard, rids in enumerate(by_shard):

@@ -11,7 +11,7 @@ import pytest
 from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, BoundedKVStep, PositionColumns
 from mstar_jax.resources.kv.bounded.config import StreamPosition as Pos
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
-from mstar_jax.resources.step import PAD, AdmitRuntimeError, Segment, StepNotAdmittedError
+from mstar_jax.resources.step import PAD, AdmitRuntimeError, Segment, StepContext, StepNotAdmittedError
 from tests.resources.kv.bounded.test_manager import (
     CFG,
     _random_cache,
@@ -91,6 +91,23 @@ def test_aborting_one_of_two_admitted_steps_returns_its_claims_only(manager):
     manager.commit(a, ctx_a)
     manager.abort_step(a, ctx_a)
     assert (manager.slot_of("x"), manager.written("x")) == (0, 1)
+
+
+def test_aborting_a_capture_step_returns_nothing_another_step_claimed(manager):
+    """A capture step only traces shapes: its admit claims nothing, so its abort may give nothing back,
+    not even the claim of a real step naming the same request."""
+    ingest(manager, "a")
+    real, ctx = declare([("a", Pos(3, 0, 0), 1)])
+    admit_ok(manager, real, ctx)
+    before = state(manager)
+    capture = StepContext(["a"], "walk", 0, capture=True)
+    admit_ok(manager, real, capture)
+    manager.abort_step(real, capture)
+    assert state(manager) == before
+    assert manager.slot_of("a") == 0
+    manager.plan(real, ctx)  # still the step admit accepted
+    manager.commit(real, ctx)
+    assert manager.written("a") == 1
 
 
 @pytest.mark.parametrize("span", [None, "1", 1.5, float("nan"), True])

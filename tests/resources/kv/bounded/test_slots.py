@@ -14,7 +14,14 @@ from mstar_jax.resources.kv.bounded.config import StreamPosition as Pos
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.kv.bounded.padding import pad_step
 from mstar_jax.resources.kv.bounded.slots import SlotPools
-from mstar_jax.resources.step import AllocationFailed, BucketKey, Segment, SlotLease, StepContext
+from mstar_jax.resources.step import (
+    AdmitRuntimeError,
+    AllocationFailed,
+    BucketKey,
+    Segment,
+    SlotLease,
+    StepContext,
+)
 
 CFG = BoundedKVConfig(
     num_layers=1, num_heads=2, head_dim=8, rows_per_request=1, max_source_len=4, min_source_len=2,
@@ -110,17 +117,32 @@ def test_every_shard_plans_what_an_unsharded_manager_of_its_size_plans():
         written = {rid: written[rid] + spans[rid] for rid in written}
 
 
-def test_a_shard_with_more_requests_than_the_bucket_holds_is_refused():
+def test_a_shard_with_more_requests_than_the_bucket_holds_is_refused_before_anything_is_claimed():
     m = manager(2)
     for rid in "abc":
         m.ingest_request(rid)
-    entries = [(rid, Pos(3, 0, 0), 1) for rid in "abc"]  # a, c on shard 0
-    admitted = step(entries, bucket_rows=1)
+    entries = [(rid, Pos(3, 0, 0), 1) for rid in "abc"]  # a, c would go to shard 0
+    refused = m.admit(*step(entries, bucket_rows=1))
+    assert not refused.ok
+    assert isinstance(refused.reason, AdmitRuntimeError)  # terminal: no retry admits it
+    assert refused.reason.message == (
+        "bounded KV step: data shard 0 has 2 of the step's requests ['a', 'c']; "
+        "the bucket holds 1 rows per shard"
+    )
+    assert m.free_slots == 6
+    assert m._slots.snapshot() == manager(2)._slots.snapshot()
+    assert all(m.slot_of(rid) is None for rid in "abc")
+    # Those already holding slots are counted where they are: a (shard 0) and b (shard 1) fit one row
+    # each, and c, new, would join a.
+    admitted = step(entries[:2], bucket_rows=1)
     assert m.admit(*admitted).ok
-    with pytest.raises(
-        ValueError, match=r"data shard 0 has 2 of the step's requests \['a', 'c'\]; the bucket holds 1"
-    ):
-        m.plan(*admitted)
+    m.commit(*admitted)
+    moved = [(rid, Pos(3, 1 if rid != "c" else 0, 0), 1) for rid in "abc"]
+    assert m.admit(*step(moved, bucket_rows=1)).reason.message.startswith(
+        "bounded KV step: data shard 0 has 2 of the step's requests ['a', 'c']"
+    )
+    assert m.slot_of("c") is None
+    assert m.free_slots == 4
 
 
 def test_offload_and_reload_keep_each_shards_count():

@@ -14,11 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mstar_jax.resources.kv.bounded import planning
 from mstar_jax.resources.kv.bounded.attention import attend
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, BoundedKVStep, SinkWindow
 from mstar_jax.resources.kv.bounded.config import StreamPosition as Pos
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
-from mstar_jax.resources.step import BucketKey, Segment, SlotLease, StepContext
+from mstar_jax.resources.step import (
+    AdmitRuntimeError,
+    BucketKey,
+    Segment,
+    SlotLease,
+    StepContext,
+    StepNotAdmittedError,
+)
 
 
 @partial(jax.jit, static_argnames=("config", "implementation"), donate_argnums=0)
@@ -320,10 +328,27 @@ def test_a_block_refuses_a_row_of_more_spans_than_steps():
     )  # fmt: skip
     manager = BoundedKVManager(BoundedKVSpec("kv", {"node"}, cfg), num_sources=1)
     manager.ingest_request("a")
-    step = BoundedKVStep((Segment("a", "main", 5),), {"a": Pos(0, 0, 0)}, {"a": 5}, steps=4)
-    assert manager.admit(step).ok  # unbucketed: admission has no width to hold the row to
-    with pytest.raises(ValueError, match=r"span\[0\]=5 exceeds the block's steps=4"):
-        manager.plan(step)
+    # Unbucketed, so no bucket width holds the row to the block; plain ints (read as columns) and NumPy
+    # ints (row by row) are refused alike, before the slot is claimed.
+    for written in (0, np.int64(0)):
+        step = BoundedKVStep((Segment("a", "main", 5),), {"a": Pos(0, 0, written)}, {"a": 5}, steps=4)
+        refused = manager.admit(step)
+        assert not refused.ok
+        assert isinstance(refused.reason, AdmitRuntimeError)  # terminal: no retry admits it
+        assert (
+            refused.reason.message == "'a': span=5 must be <= steps=4: a block's row writes one token a step"
+        )
+        assert manager.free_slots == 2
+        assert manager.slot_of("a") is None
+        with pytest.raises(StepNotAdmittedError):
+            manager.plan(step)
+    fits = BoundedKVStep((Segment("a", "main", 4),), {"a": Pos(0, 0, 0)}, {"a": 5}, steps=4)
+    assert manager.admit(fits).ok
+    with pytest.raises(ValueError, match=r"span\[0\]=5 exceeds the block's steps=4"):  # the planner's own
+        planning.block_tables(
+            step, step.segments, 1, {"a": 0}, requests=manager._requests, slots=manager._slots,
+            padding_slot=manager.padding_slot, config=cfg,
+        )  # fmt: skip
     for bad in (0, -1, 2.5, "4", None):
         with pytest.raises(ValueError, match=r"steps=.* must be an int >= 1"):
             BoundedKVStep((Segment("a", "main", 1),), {"a": Pos(0, 0)}, steps=bad)
