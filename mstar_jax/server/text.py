@@ -3,7 +3,8 @@
 - `POST /v1/completions`: `model`, `prompt` (a string, or a list of token ids, as OpenAI's API takes
   it), `max_tokens`, `stop` (up to 4 strings), `temperature`, `seed`, `stream`.
 - `POST /v1/chat/completions`: `messages` (`system`, `user`, `assistant`; content a string or a list of
-  text parts) in Gemma's chat template (`tokenizer.TextTokenizer.chat`), the same options.
+  text parts) in Gemma's chat template (`tokenizer.TextTokenizer.chat`), the same options, with
+  `max_completion_tokens` (OpenAI's newer name) taken for `max_tokens`.
 - `GET /v1/models`: the model served (for every deployment).
 
 Streams are SSE: one chunk per token (its text and, as an extension, its id in `token_ids`), a last
@@ -84,11 +85,23 @@ class TextService:
     metrics: ServerMetrics
     _ids: Any = dataclasses.field(default_factory=itertools.count)
 
-    def request(self, body: Body, prompt: list[int], *, stop_tokens: tuple[int, ...]) -> TextRequest:
+    def request(
+        self, body: Body, prompt: list[int], *, stop_tokens: tuple[int, ...], chat: bool = False
+    ) -> TextRequest:
+        """The engine's request for `body` (a chat's `max_completion_tokens` is its `max_tokens`)."""
         body.choice("model", [self.model_name], default=self.model_name)
         settings = self.settings
+        field = "max_tokens"
+        if chat and body.fields.get("max_completion_tokens") is not None:
+            if body.fields.get("max_tokens") is not None:
+                raise BadRequestError(
+                    "max_tokens and max_completion_tokens are both given; give one (max_completion_tokens "
+                    "is OpenAI's newer name for it)",
+                    param="max_completion_tokens",
+                )
+            field = "max_completion_tokens"
         max_tokens = body.integer(
-            "max_tokens", minimum=1, maximum=settings.max_tokens, default=settings.default_max_tokens
+            field, minimum=1, maximum=settings.max_tokens, default=settings.default_max_tokens
         )
         temperature = body.number("temperature", minimum=0.0, maximum=2.0, default=0.0)
         seed = body.integer("seed", minimum=0, maximum=2**32 - 1, default=0)
@@ -101,7 +114,7 @@ class TextService:
             )
         if not prompt:
             raise BadRequestError("prompt is empty; it needs at least one token", param="prompt")
-        check_resources(self.host.managers, {"decode": ("max_tokens", max_tokens)})
+        check_resources(self.host.managers, {"decode": (field, max_tokens)})
         rid = f"text-{next(self._ids)}"
         return TextRequest(rid, tuple(prompt), max_tokens, stop_tokens, temperature=temperature, seed=seed)
 
@@ -187,7 +200,7 @@ def text_router(service: TextService) -> APIRouter:
             stops = body.strings("stop", most=4, longest=MAX_STOP_CHARS)
             prompt = _messages(service, body) if chat else _prompt(service, body)
             stop_tokens = service.tokenizer.stop_tokens if chat else (service.tokenizer.eos_id,)
-            text_request = service.request(body, prompt, stop_tokens=stop_tokens)
+            text_request = service.request(body, prompt, stop_tokens=stop_tokens, chat=chat)
             return (stream, stops, text_request), text_request
 
         opened = await open_stream(request, service, prepare)

@@ -110,6 +110,11 @@ def test_chat_streams_greedys_reply_in_gemmas_template(gemma):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer.decode(want)
     whole = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
     assert whole.choices[0].message.content == tokenizer.decode(want)
+    # OpenAI's newer name for it (once ignored: the default 16 tokens, whatever was asked).
+    short = expected(alone, tokenizer, prompt, 5, stops=tokenizer.stop_tokens)
+    newer = sdk.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=5)
+    assert newer.choices[0].message.content == tokenizer.decode(short)
+    assert newer.usage.completion_tokens == len(short)
     assert_nothing_leaked(host)
 
 
@@ -212,6 +217,18 @@ def _said(content) -> dict:
             "'H' at offset 0 is not in the model's vocabulary",
         ),
         ("chat/completions", {"model": MODEL, "messages": []}, "messages", "must be a non-empty list"),
+        (
+            "chat/completions",
+            {**_said("hi"), "max_completion_tokens": 33},
+            "max_completion_tokens",
+            "max_completion_tokens=33 must be an int in [1, 32]",
+        ),
+        (
+            "chat/completions",
+            {**_said("hi"), "max_completion_tokens": 4, "max_tokens": 4},
+            "max_completion_tokens",
+            "max_tokens and max_completion_tokens are both given",
+        ),
         (
             "chat/completions",
             {"model": MODEL, "messages": [{"role": "bot", "content": "x"}]},
