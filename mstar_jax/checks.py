@@ -31,8 +31,10 @@ def brief(value: Any) -> str:
     """`repr(value)`, cut to 60 characters: a refusal names the value without echoing a megabyte."""
     try:
         text = repr(value)
-    except ValueError:  # an int past Python's digit limit for str(): too long to name anyway
-        return f"<an int of {value.bit_length()} bits>"
+    except ValueError:  # an int past Python's digit limit for str() (or a container holding one)
+        if isinstance(value, int):
+            return f"<an int of {value.bit_length()} bits>"
+        return f"<a {type(value).__name__} too long to show>"
     return text if len(text) <= 60 else text[:57] + "..."
 
 

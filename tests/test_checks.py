@@ -160,3 +160,5 @@ def test_a_refusal_names_a_long_value_without_echoing_it():
     assert str(refused.value).startswith("x='11111111")
     with pytest.raises(ValueError, match=r"^n=<an int of 16610 bits> must be an int in \[0, 4\]$"):
         check_int("n", huge, minimum=0, maximum=4)
+    with pytest.raises(ValueError, match=r"^c=<a list too long to show> must be one of \['a'\]$"):
+        check_choice("c", [huge], ("a",))

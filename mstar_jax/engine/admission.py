@@ -104,12 +104,10 @@ class Admission:
         (`placement`), and the caches pad each shard to it themselves.
         """
         width = None
-        if self._mesh is not None:  # a shard's rows beyond the bucket wait for the next step
-            placed = node.manager.placement([r.stream.request_id for r in rows])
-            if bucket is not None:  # and rows of another walk than the agreed one
-                rows = batch.fit_bucket(bucket, rows, placed)
+        if self._mesh is not None:  # a shard's rows beyond the bucket (or of another walk) wait
             largest = min(self._buckets.max_batch(walk) for walk in self._buckets.walks)
-            rows, width = batch.fit_shards(rows, placed, largest if bucket is None else bucket.bs)
+            most = largest if bucket is None else bucket.bs
+            rows, width, _ = batch.fit_placed(node.manager, rows, most, bucket)
         if bucket is None:
             bucket = self._served.choose_bucket(node, rows, rows_per_shard=width)
         return batch.declare(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -105,6 +106,23 @@ def fit_shards(rows: Sequence, placement: dict[str, int], most: int) -> tuple[li
             per_shard[shard] += 1
             kept.append(row)
     return kept, max((n for shard, n in per_shard.items() if shard is not None), default=1)
+
+
+def fit_placed(
+    manager: Any, rows: Sequence, most: int, bucket: BucketKey | None = None
+) -> tuple[list, int, dict[str, int]]:
+    """`fit_shards` of `rows` (after `fit_bucket`, where a bucket is agreed) by where `manager` places
+    them, fitted again to what is kept until nothing more is dropped: `(kept, width, placement)`. A new
+    request's shard depends on the new requests before it (`BoundedKVManager.placement`), so dropping
+    one moves those after it; fitted once, the step admitted could put more rows on a shard than its
+    bucket holds, which admission refuses for every row."""
+    while True:
+        placement = manager.placement([row.stream.request_id for row in rows])
+        kept = rows if bucket is None else fit_bucket(bucket, rows, placement)
+        kept, width = fit_shards(kept, placement, most)
+        if len(kept) == len(rows):
+            return kept, width, placement
+        rows = kept
 
 
 def fit_bucket(bucket: BucketKey, rows: Sequence, placement: dict[str, int]) -> list:

@@ -85,8 +85,7 @@ class Lockstep:
         largest = buckets.max_batch(walk) if walk is not None else min(map(buckets.max_batch, buckets.walks))
         kept, width = [], 0
         if rows:
-            placed = node.manager.placement([r.stream.request_id for r in rows])
-            kept, width = batch.fit_shards(rows, placed, largest)
+            kept, width, placed = batch.fit_placed(node.manager, rows, largest)
         most = distributed.most_of_all(width)
         if not most:
             return None

@@ -265,6 +265,9 @@ class _Session:
         for the item to be sent (`EngineHost.delivering`): a segment's audio, or the session's end."""
         self.service.host.begin_delivery()
         self._undelivered += 1
+        if not self.segments.full():
+            self.segments.put_nowait(item)
+            return
         put = asyncio.ensure_future(self.segments.put(item))
         try:
             while not put.done():

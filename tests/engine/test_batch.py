@@ -11,8 +11,16 @@ import pytest
 from mstar_jax.compile import CombinedRows
 from mstar_jax.engine import batch
 from mstar_jax.models.streaming_tts.model import TALKER_DECODE, TALKER_MIXED, TALKER_PREFILL
-from mstar_jax.resources.step import BucketKey
+from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, BoundedKVStep, SinkWindow
+from mstar_jax.resources.kv.bounded.config import StreamPosition as Pos
+from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+from mstar_jax.resources.step import BucketKey, Segment, SlotLease, StepContext
 from mstar_jax.serving.decoder import DecodeRow
+
+SLOTS_CFG = BoundedKVConfig(
+    num_layers=1, num_heads=1, head_dim=8, rows_per_request=1, max_source_len=0,
+    retention=SinkWindow(1, 4), max_slots=2,
+)  # fmt: skip
 
 
 def rows(*rids: str) -> list[DecodeRow]:
@@ -121,3 +129,39 @@ def test_row_indices_on_one_device_are_each_rows_place_in_its_padded_group():
             seen[row.decode] += 1
         assert batch.row_indices(mixed, rows) == want
         assert batch.row_indices(plain, rows) == list(range(len(rows)))
+
+
+def test_rows_fitted_to_where_admission_places_them_are_admitted_as_fitted():
+    """Two shards with 3 and 6 free slots: four new requests would go to shards 1, 1, 1, 0. Fitted once
+    to a bucket of one row a shard, the first and the last are kept, but admitted alone those two both
+    go to shard 1 (the least loaded), and the step is refused; fitted until nothing more drops, only
+    the first is kept, and its step is admitted."""
+    manager = BoundedKVManager(
+        BoundedKVSpec("kv", {"node"}, dataclasses.replace(SLOTS_CFG, max_slots=16)), num_sources=1,
+        data_shards=2,
+    )  # fmt: skip
+    for shard in (0,) * 5 + (1,) * 2:
+        manager._slots.take(shard)
+    new = [talker_row(f"n{i}", (0,), decode=False) for i in range(1, 5)]
+    ids = [row.stream.request_id for row in new]
+    for rid in ids:
+        manager.ingest_request(rid)
+    assert manager.placement(ids) == {"n1": 1, "n2": 1, "n3": 1, "n4": 0}
+
+    def admit(kept):
+        rids = [row.stream.request_id for row in kept]
+        step = BoundedKVStep(
+            tuple(Segment(rid, "main", 1) for rid in rids), {rid: Pos(0, 0, 0) for rid in rids}
+        )
+        ctx = StepContext(rids, "walk", 0, False, slot_lease=SlotLease(0, BucketKey("walk", 1, 1)))
+        outcome = manager.admit(step, ctx)
+        if outcome.ok:
+            manager.abort_step(step, ctx)
+        return outcome
+
+    once, _ = batch.fit_shards(new, manager.placement(ids), most=1)
+    assert [row.stream.request_id for row in once] == ["n1", "n4"]
+    assert "data shard 1 has 2 of the step's requests ['n1', 'n4']" in admit(once).reason.message
+    kept, width, placement = batch.fit_placed(manager, new, most=1)
+    assert ([row.stream.request_id for row in kept], width, placement) == (["n1"], 1, {"n1": 1})
+    assert admit(kept).ok

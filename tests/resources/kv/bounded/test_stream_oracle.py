@@ -328,8 +328,8 @@ def test_a_block_refuses_a_row_of_more_spans_than_steps():
     )  # fmt: skip
     manager = BoundedKVManager(BoundedKVSpec("kv", {"node"}, cfg), num_sources=1)
     manager.ingest_request("a")
-    # Unbucketed, so no bucket width holds the row to the block; plain ints (read as columns) and NumPy
-    # ints (row by row) are refused alike, before the slot is claimed.
+    # Unbucketed, so no bucket width holds the row to the block: the columns check refuses it, and then
+    # `check_segment` says why (both needed), before the slot is claimed, for plain and NumPy ints.
     for written in (0, np.int64(0)):
         step = BoundedKVStep((Segment("a", "main", 5),), {"a": Pos(0, 0, written)}, {"a": 5}, steps=4)
         refused = manager.admit(step)
