@@ -215,6 +215,7 @@ class EngineHost:
         self._delivering += 1
 
     def end_delivery(self, count: int = 1) -> None:
+        """End `count` deliveries `begin_delivery` counted (event loop only)."""
         self._delivering -= count
 
     def _post(self, command: Any) -> None:

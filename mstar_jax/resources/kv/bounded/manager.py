@@ -334,8 +334,10 @@ class BoundedKVManager(Resource):
         if self._slots.shards == 1 or bucket is None or len(need_slot) > len(self._slots):
             return None
         real = [seg.request_id for seg in step.segments or () if not self._is_padding(seg.request_id, ctx)]
-        shards = {rid: self._slots.shard_of(self._requests[rid].slot) for rid in real if rid not in need_slot}
-        shards.update(zip(need_slot, self._slots.preview(len(need_slot)), strict=True))
+        shards = dict(zip(need_slot, self._slots.preview(len(need_slot)), strict=True))
+        for rid in real:
+            if rid not in shards:  # it holds its slot
+                shards[rid] = self._slots.shard_of(self._requests[rid].slot)
         try:
             planning.table_rows(
                 step.segments or (), real, bucket.bs, slots=self._slots, requests=self._requests,
