@@ -23,7 +23,6 @@ from mstar_jax.resources.kv.bounded.admission import (
     admitted_segments,
     check_rows,
     claim_slots,
-    refuse,
 )
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, BoundedKVStep, StreamPosition
@@ -36,7 +35,6 @@ from mstar_jax.resources.step import (
     ADMIT_OK,
     PAD,
     AdmitOutcome,
-    AdmitRuntimeError,
     ResourceStep,
     StepContext,
 )
@@ -195,8 +193,7 @@ class BoundedKVManager(Resource):
         return self._host.snapshot()
 
     def recover(self, snapshot: BoundedKVSnapshot | None = None, restore: Collection[str] = ()) -> list[str]:
-        """Rebuild the device cache after a fault lost it; return the requests whose state was lost
-        (`HostCopies.recover`)."""
+        """Rebuild the device cache after a fault lost it; return the requests it lost (`HostCopies`)."""
         self._claims, self._columns, self._committed = [], None, None
         return self._host.recover(snapshot, restore)
 
@@ -307,7 +304,9 @@ class BoundedKVManager(Resource):
             )  # fmt: skip
             if refusal is not None:
                 return refusal
-        refusal = self._shard_rows_refusal(step, ctx, need_slot) or claim_slots(
+        refusal = planning.shard_overflow(
+            step, ctx, need_slot, slots=self._slots, requests=self._requests, padding=self._is_padding
+        ) or claim_slots(
             need_slot, step, slots=self._slots, requests=self._requests, readers=self._readers,
             config=self.config, sources=sources,
         )  # fmt: skip
@@ -323,29 +322,6 @@ class BoundedKVManager(Resource):
                 record.admitted = columns
         self._claims, self._columns = [*self._claims, *need_slot], columns
         return ADMIT_OK
-
-    def _shard_rows_refusal(self, step: BoundedKVStep, ctx: StepContext, need_slot: list[str]):
-        """The refusal of a bucketed step over several data shards that would put more of its rows on a
-        shard than the bucket holds per shard (`plan_rows`), its new requests placed where `claim_slots`
-        would place them; None when every shard's rows fit (or the slots are too few: `claim_slots`
-        refuses that)."""
-        lease = ctx.slot_lease
-        bucket = None if lease is None else lease.bucket
-        if self._slots.shards == 1 or bucket is None or len(need_slot) > len(self._slots):
-            return None
-        real = [seg.request_id for seg in step.segments or () if not self._is_padding(seg.request_id, ctx)]
-        shards = dict(zip(need_slot, self._slots.preview(len(need_slot)), strict=True))
-        for rid in real:
-            if rid not in shards:  # it holds its slot
-                shards[rid] = self._slots.shard_of(self._requests[rid].slot)
-        try:
-            planning.table_rows(
-                step.segments or (), real, bucket.bs, slots=self._slots, requests=self._requests,
-                groups=ctx.row_groups, shards=shards,
-            )  # fmt: skip
-        except ValueError as error:
-            return refuse(AdmitRuntimeError(f"bounded KV step: {error}"))
-        return None
 
     def plan_rows(self, step: ResourceStep, ctx: StepContext | None = None) -> tuple[int, dict[str, int]]:
         """The plan table's row count and each real request's row.
@@ -372,12 +348,8 @@ class BoundedKVManager(Resource):
 
     def plan(self, step: ResourceStep, ctx: StepContext | None = None) -> BoundedKVPlan:
         """The plan table for `step`'s requests, laid out by `plan_rows` (padding rows plan empty, on
-        each shard's padding slot); slots are local to each request's data shard.
-
-        The plan's `num_tokens` is the width `attend` requires of the step's arrays: the bucket's token
-        count for a step leased to a bucket, else the most step tokens a row declares (None with no real
-        rows); 1 for a block of one-token steps.
-        """
+        each shard's padding slot); slots are local to each request's data shard. Its `num_tokens` is
+        the width `attend` requires of the step's arrays (`planning.plan`)."""
         step = _as_bounded_step(step)
         ctx = ctx or StepContext.for_step(step)
         columns = self._columns_of(step)

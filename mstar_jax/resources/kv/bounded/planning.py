@@ -9,14 +9,17 @@ from typing import Any
 import numpy as np
 
 from mstar_jax.resources.kv.bounded import layout
-from mstar_jax.resources.kv.bounded.admission import step_tokens_of
+from mstar_jax.resources.kv.bounded.admission import refuse, step_tokens_of
 from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan
 from mstar_jax.resources.kv.bounded.columns import StepColumns
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVStep
 from mstar_jax.resources.kv.bounded.slots import SlotPools
-from mstar_jax.resources.step import BucketKey, Segment
+from mstar_jax.resources.step import AdmitOutcome, AdmitRuntimeError, BucketKey, Segment, StepContext
 
-__all__ = ["block_tables", "plan", "plan_columns", "row_fields", "slot_fields", "table_rows", "table_rows_of"]
+__all__ = [
+    "block_tables", "plan", "plan_columns", "row_fields", "shard_overflow", "slot_fields", "table_rows",
+    "table_rows_of",
+]  # fmt: skip
 
 
 def table_rows(
@@ -81,6 +84,37 @@ def table_rows(
         for shard, rids in enumerate(by_shard)
         for j, rid in enumerate(rids)
     }
+
+
+def shard_overflow(
+    step: BoundedKVStep,
+    ctx: StepContext,
+    need_slot: Sequence[str],
+    *,
+    slots: SlotPools,
+    requests: Mapping[str, Any],
+    padding: Any,
+) -> AdmitOutcome | None:
+    """The refusal of a bucketed step over several data shards that would put more of its rows on a
+    shard than the bucket holds per shard (`table_rows`), its first-time requests `need_slot` placed
+    where `claim_slots` would place them; None when every shard's rows fit (or the slots are too few:
+    `claim_slots` refuses that). `padding(request_id, ctx)` says which rows are padding."""
+    bucket = None if ctx.slot_lease is None else ctx.slot_lease.bucket
+    if slots.shards == 1 or bucket is None or len(need_slot) > len(slots):
+        return None
+    real = [seg.request_id for seg in step.segments or () if not padding(seg.request_id, ctx)]
+    shards = dict(zip(need_slot, slots.preview(len(need_slot)), strict=True))
+    for rid in real:
+        if rid not in shards:  # it holds its slot
+            shards[rid] = slots.shard_of(requests[rid].slot)
+    try:
+        table_rows(
+            step.segments or (), real, bucket.bs, slots=slots, requests=requests, groups=ctx.row_groups,
+            shards=shards,
+        )  # fmt: skip
+    except ValueError as error:
+        return refuse(AdmitRuntimeError(f"bounded KV step: {error}"))
+    return None
 
 
 def table_rows_of(
