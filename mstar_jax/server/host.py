@@ -215,8 +215,12 @@ class EngineHost:
         self._delivering += 1
 
     def end_delivery(self, count: int = 1) -> None:
-        """End `count` deliveries `begin_delivery` counted (event loop only)."""
-        self._delivering -= count
+        """End `count` deliveries `begin_delivery` counted (event loop only).
+
+        Raises:
+          ValueError: `count` is not an int in [0, deliveries under way].
+        """
+        self._delivering -= check_int("count", count, minimum=0, maximum=self._delivering)
 
     def _post(self, command: Any) -> None:
         self._commands.put(command)

@@ -182,6 +182,13 @@ def segment_end(text: str, limit: int, *, final: bool) -> int:
     return len(text) if final or len(encoded) == limit else 0
 
 
+def _unless_gone(received: dict[str, Any]) -> dict[str, Any]:
+    """A WebSocket's message as received; raises `WebSocketDisconnect` where it says the client left."""
+    if received["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(received.get("code", 1000))
+    return received
+
+
 class _Session:
     """One WebSocket's text in, audio out (module doc)."""
 
@@ -254,9 +261,7 @@ class _Session:
         has left."""
         received = await (self._ahead or self.ws.receive())
         self._ahead = None
-        if received["type"] == "websocket.disconnect":
-            raise WebSocketDisconnect(received.get("code", 1000))
-        return received
+        return _unless_gone(received)
 
     async def _queue(self, item: RequestHandle | None) -> None:
         """Hand `item` to the writer. While its queue is full, read the client's next message ahead, so
@@ -274,9 +279,8 @@ class _Session:
                 if self._ahead is None:
                     self._ahead = asyncio.ensure_future(self.ws.receive())
                 await asyncio.wait({put, self._ahead}, return_when=asyncio.FIRST_COMPLETED)
-                if self._ahead.done() and self._ahead.result()["type"] == "websocket.disconnect":
-                    raise WebSocketDisconnect(self._ahead.result().get("code", 1000))
-                if self._ahead.done():
+                if self._ahead.done():  # a message, kept for `_receive`; or the client left
+                    _unless_gone(self._ahead.result())
                     await put
         finally:
             put.cancel()

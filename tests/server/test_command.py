@@ -145,6 +145,15 @@ def test_the_host_and_the_app_refuse_bad_arguments(tts):
         EngineHost(engine, offload_paused_after_s=-1)
     with pytest.raises(TypeError, match="observer=1 must be a HostObserver or None"):
         EngineHost(engine, observer=1)
+    host = EngineHost(engine)
+    host.begin_delivery()
+    for count, says in ((2, r"count=2 must be an int in \[0, 1\]"), (-1, "count=-1"), (1.0, "count=1.0"),
+                        (float("nan"), "count=nan"), (True, "count=True")):  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            host.end_delivery(count)
+        assert host.delivering == 1  # refused before anything changed
+    host.end_delivery()
+    assert host.delivering == 0
     with pytest.raises(TypeError, match=r"settings=.* must be a ServerSettings"):
         create_app(engine, {"max_waiting": 1}, model_name="x", voices=voices)
     with pytest.raises(ValueError, match="model_name='' must be a non-empty str"):

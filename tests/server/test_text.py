@@ -225,6 +225,12 @@ def _said(content) -> dict:
         ),
         (
             "chat/completions",
+            {**_said("hi"), "max_completion_tokens": "4"},
+            "max_completion_tokens",
+            "max_completion_tokens='4' must be an int",
+        ),
+        (
+            "chat/completions",
             {**_said("hi"), "max_completion_tokens": 4, "max_tokens": 4},
             "max_completion_tokens",
             "max_tokens and max_completion_tokens are both given",
