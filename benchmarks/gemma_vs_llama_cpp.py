@@ -12,7 +12,10 @@ each engine reads it and greedily generates N tokens.
   and 8) its own engine and its own case: at K = 8 one program call, one argument check and one read
   serve a block of tokens, the stop tokens checked on the device; the global layers on
   `SinkWindow(4, 1020)`, which at 512 tokens keeps every position (the dense model) and at 8,192 is the
-  bounded cache (its tokens then differ from dense ones past 1,024).
+  bounded cache (its tokens then differ from dense ones past 1,024). Greedy tokens go through the
+  bfloat16 screen of the output projection (`Gemma3Streams(greedy_screen=True)`, the default here;
+  `--greedy-screen off` reads the float32 projection whole, `both` times each as its own engine; the
+  K column then says which).
 - llama.cpp: its own dense caches, `n_batch` 512 (its default), `swa_full` off (llama.cpp's own tools'
   default: the local layers keep their 512-position window, as ours do), flash attention off;
   `n_threads` = the cores this process may use. Logits of the last position only, read as NumPy.
@@ -32,7 +35,7 @@ their median and min–max. The greedy tokens of the two engines are printed sid
 steps (equal at a length the bounded cache holds whole, up to summation order).
 
 Run: python -m benchmarks.gemma_vs_llama_cpp [--quick] [--lengths 512 8192] [--tokens N] [--repeats R]
-     [--chunk C] [--decode-steps K ...] [--f32-gguf PATH]
+     [--chunk C] [--decode-steps K ...] [--greedy-screen on|off|both] [--f32-gguf PATH]
 """
 
 from __future__ import annotations
@@ -99,13 +102,16 @@ def prompt_tokens(tokenizer, length: int) -> tuple[np.ndarray, str]:
 class Ours:
     """Our engine, one stream: fresh caches per run, the programs captured once."""
 
-    def __init__(self, config, model, *, chunk: int, decode_steps: int):
+    def __init__(self, config, model, *, chunk: int, decode_steps: int, greedy_screen: bool):
         from mstar_jax.models.gemma3.serving import Gemma3Programs
         from mstar_jax.models.gemma3.stream import Gemma3Streams
         from mstar_jax.resources.kv.bounded.config import SinkWindow
 
         def streams():
-            return Gemma3Streams(config, model, global_retention=SinkWindow(*RETENTION), chunk=chunk)
+            retention = SinkWindow(*RETENTION)
+            return Gemma3Streams(
+                config, model, global_retention=retention, chunk=chunk, greedy_screen=greedy_screen
+            )
 
         self.new_streams, self.decode_steps = streams, decode_steps
         started = time.perf_counter()
@@ -191,18 +197,27 @@ def float32_gguf(reader, tensors, path: pathlib.Path | None, scratch: str) -> pa
     return target
 
 
-def table(lengths, ks, rates, repeats: int) -> list[str]:
+SCREENS = {"on": (True,), "off": (False,), "both": (False, True)}
+"""`--greedy-screen`: which of our engines run, by `greedy_screen`."""
+
+
+def variant(k: int, screened: bool, screens: tuple[bool, ...]) -> str:
+    """The K column's label of one of our engines (the screen named only when both run)."""
+    return str(k) if len(screens) == 1 else f"{k}, screen {'on' if screened else 'off'}"
+
+
+def table(lengths, variants, rates, repeats: int) -> list[str]:
     rows = [
         "| tokens | phase | K | ours tokens/s | llama.cpp tokens/s | ours ÷ llama.cpp |",
         "|---|---|---|---|---|---|",
     ]
     for length in lengths:
-        for phase, k in ((phase, k) for phase in ("prefill", "decode") for k in ks):
+        for phase, name in ((phase, name) for phase in ("prefill", "decode") for name in variants):
             ours, theirs = (
-                rates[f"ours K={k}", length, phase][-repeats:],
+                rates[f"ours K={name}", length, phase][-repeats:],
                 rates["llama.cpp", length, phase][-repeats:],
             )
-            cells = [f"{length:,}", phase, str(k), describe(ours, ".1f", repeats=False)]
+            cells = [f"{length:,}", phase, name, describe(ours, ".1f", repeats=False)]
             cells += [
                 describe(theirs, ".1f", repeats=False),
                 describe(ratios(ours, theirs), ".2f", repeats=False),
@@ -254,6 +269,10 @@ def main(argv=None) -> None:
         help="our decode tokens a dispatch, K: one engine each (default 1 8)",
     )  # fmt: skip
     parser.add_argument(
+        "--greedy-screen", choices=sorted(SCREENS), default="on",
+        help="our greedy tokens through the bfloat16 screen (on, the default), not (off), or both",
+    )  # fmt: skip
+    parser.add_argument(
         "--f32-gguf", type=pathlib.Path, help="keep the float32 GGUF here (written if absent)"
     )
     args = parser.parse_args(argv)
@@ -294,8 +313,15 @@ def main(argv=None) -> None:
         import llama_cpp
 
         theirs = LlamaCpp(path, n_ctx=max(lengths) + count + 8, threads=threads)
-        ours = {k: Ours(config, model, chunk=chunk, decode_steps=k) for k in ks}
-        captured = ", ".join(f"K = {k} in {engine.capture_seconds:.0f} s" for k, engine in ours.items())
+        screens = SCREENS[args.greedy_screen]
+        ours = {
+            variant(k, screened, screens): Ours(
+                config, model, chunk=chunk, decode_steps=k, greedy_screen=screened
+            )
+            for screened in screens
+            for k in ks
+        }
+        captured = ", ".join(f"K = {name} in {e.capture_seconds:.0f} s" for name, e in ours.items())
         print(f"ours: ServingEngine(Gemma3Serving), pipelined, one stream, prefill chunk {chunk}, K decode "
               f"steps a dispatch, global "
               f"layers SinkWindow{RETENTION}, float32; captured: {captured}")  # fmt: skip
@@ -336,15 +362,15 @@ def main(argv=None) -> None:
         finally:
             theirs.llama.close()  # before the scratch directory holding its file goes
     print(f"timing: {ORDER_NOTE}; {repeats} repeat(s) after one untimed run each; median (min–max)\n")
-    print("\n".join(table(lengths, ks, rates, repeats)))
+    print("\n".join(table(lengths, list(ours), rates, repeats)))
     print("\nour decode step's weight products alone (no attention, norms, cache or host) against "
           "llama.cpp's whole decode step, the same repeats:")  # fmt: skip
     print("\n".join(products_table(lengths, rates, repeats)))
     print(f"\ngreedy tokens, the first {SHOWN} after each prompt:")
     for length in lengths:
-        for k in ks:
-            same = agreement(tokens[f"ours K={k}", length], tokens["llama.cpp", length])
-            print(f"  {length:,}, K = {k}: {same}")
+        for name in ours:
+            same = agreement(tokens[f"ours K={name}", length], tokens["llama.cpp", length])
+            print(f"  {length:,}, K = {name}: {same}")
 
 
 if __name__ == "__main__":

@@ -505,6 +505,7 @@ def test_run_refuses_an_incomplete_or_bad_job_before_joining(joined, tmp_path, c
     ("argv", "message"),
     [
         (["--dense", "--global-sink", "2"], "--global-sink 2 does not go with --dense"),
+        (["--greedy-screen", "--dtype", "bfloat16"], "--greedy-screen needs --dtype float32, not bfloat16"),
         (
             ["--prompt-file", "/nonexistent/prompt.txt"],
             "--prompt-file '/nonexistent/prompt.txt' cannot be read",
@@ -520,8 +521,11 @@ def test_generate_refuses_bad_options_before_loading_the_model(argv, message, ca
 
 @pytest.mark.parametrize(
     "argv",
-    [["--dense", "--global-window", "8"], ["--max-new-tokens", "0"], ["--global-sink", "-1"]],
-)
+    [
+        ["--dense", "--global-window", "8"], ["--max-new-tokens", "0"], ["--global-sink", "-1"],
+        ["--greedy-screen=yes"],
+    ],
+)  # fmt: skip
 def test_generate_usage_errors_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", *argv])

@@ -118,6 +118,7 @@ def test_manager_plan_is_documented_with_its_signature(built):
     [
         ("mstar_jax.resources.kv.bounded", "bounded_kv.html"),
         ("kernels_pallas.sink_window_attention", "sink_window_attention.html"),
+        ("mstar_jax.native", "native.html"),
     ],
 )
 def test_every_exported_name_is_documented(built, package, page):

@@ -52,6 +52,14 @@ FORBIDDEN = {
     "mstar_jax.resources": ("mstar_jax.models", "mstar_jax.engine"),
     "mstar_jax.serving": ("mstar_jax.models", "mstar_jax.engine"),
     "mstar_jax.engine": ("mstar_jax.server",),  # the front door sits on the engine, never the reverse
+    # CPU kernels, as `kernels_pallas` is for accelerators: below everything that uses them.
+    "mstar_jax.native": (
+        "mstar_jax.models",
+        "mstar_jax.engine",
+        "mstar_jax.serving",
+        "mstar_jax.resources",
+        "mstar_jax.server",
+    ),
 }
 
 

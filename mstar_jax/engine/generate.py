@@ -115,12 +115,15 @@ def _check_memory(
     from flax import nnx
 
     from mstar_jax.memory import DeviceMemory, device_memory, format_bytes, serving_budget
+    from mstar_jax.models.gemma3 import screen
     from mstar_jax.models.gemma3.model import Gemma3
     from mstar_jax.models.gemma3.stream import GLOBAL_KV, LOCAL_KV, cache_configs
 
     dtype = jnp.dtype(args.dtype)
     local, global_ = cache_configs(config, global_retention=retention, max_slots=slots, dtype=dtype)
     _, params = nnx.split(nnx.eval_shape(lambda: Gemma3(config, dtype=dtype, rngs=nnx.Rngs(0))))
+    if args.greedy_screen:
+        params = (params, screen.abstract_arrays(config.vocab_size, config.d_model))
     if args.device_memory is None:
         device = device_memory()
     else:
@@ -179,6 +182,8 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
 
     if args.dense and args.global_sink is not None:
         raise error(f"--global-sink {args.global_sink} does not go with --dense, which keeps every position")
+    if args.greedy_screen and args.dtype != "float32":
+        raise error(f"--greedy-screen needs --dtype float32, not {args.dtype}")
     texts = list(args.prompt)
     for path in args.prompt_file:
         try:
@@ -222,7 +227,7 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
     model = Gemma3.from_tensors(config, tensors, dtype=jnp.dtype(args.dtype))
     streams = Gemma3Streams(
         config, model, global_retention=retention, max_slots=slots, chunk=args.chunk,
-        batch_sizes=BATCH_SIZES, implementation=args.implementation,
+        batch_sizes=BATCH_SIZES, implementation=args.implementation, greedy_screen=args.greedy_screen,
         store=None if args.executable_store is None else ExecutableStore(args.executable_store),
     )  # fmt: skip
     # Every stream may run in one step (the largest bucket holds `slots` rows).

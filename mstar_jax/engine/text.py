@@ -61,7 +61,7 @@ def build_text_engine(
         chunk=config.chunk, batch_sizes=cap_batch_sizes(deployment.batch_sizes, deployment.engine.max_batch),
         implementation=implementation, interpret=interpret,
         store=None if cache_dir is None else ExecutableStore(os.path.join(cache_dir, EXECUTABLES)),
-        mesh=mesh,
+        mesh=mesh, greedy_screen=config.greedy_screen,
     )  # fmt: skip
     return text_engine(streams, deployment.engine, progress=progress)
 

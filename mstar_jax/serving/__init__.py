@@ -16,7 +16,7 @@ from mstar_jax.serving.decoder import (
 )
 from mstar_jax.serving.feed import fed
 from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps
-from mstar_jax.serving.sampling import gumbel_noise, sample
+from mstar_jax.serving.sampling import gumbel_noise, sample, sample_or
 from mstar_jax.serving.stream import (
     Phase,
     ReplayMismatchError,
@@ -58,5 +58,6 @@ __all__ = [
     "layer_attention",
     "run_admitted",
     "sample",
+    "sample_or",
     "shaped",
 ]

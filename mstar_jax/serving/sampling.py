@@ -8,10 +8,12 @@ regenerates it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
-__all__ = ["argmax", "gumbel_noise", "sample"]
+__all__ = ["argmax", "gumbel_noise", "sample", "sample_or"]
 
 ARGMAX_BLOCK = 512
 """Entries per block of `argmax`'s first pass (about the square root of a 262,144-word vocabulary)."""
@@ -61,11 +63,20 @@ def sample(logits: jax.Array, temperatures: jax.Array, seeds: jax.Array, positio
       positions: i32[B] the stream position of the token the logits were computed at.
     """
     logits = logits.astype(jnp.float32)
-    greedy = argmax(logits)
+    return sample_or(argmax(logits), lambda: logits, temperatures, seeds, positions)
+
+
+def sample_or(
+    greedy: jax.Array, logits: Callable[[], jax.Array], temperatures: jax.Array, seeds: jax.Array,
+    positions: jax.Array,
+) -> jax.Array:  # fmt: skip
+    """`sample` with the greedy tokens i32[B] given: rows at temperature 0 take them, and `logits()`
+    (f32[B, V]) is computed only when some row samples."""
 
     def drawn(_):
-        noise = gumbel_noise(seeds, positions, logits.shape[-1])
-        scaled = logits / jnp.where(temperatures > 0, temperatures, 1.0)[:, None]
+        values = logits().astype(jnp.float32)
+        noise = gumbel_noise(seeds, positions, values.shape[-1])
+        scaled = values / jnp.where(temperatures > 0, temperatures, 1.0)[:, None]
         return jnp.where(temperatures > 0, argmax(scaled + noise), greedy)
 
     # A batch of greedy rows (the common case) draws no noise: a vocabulary of 262,144 costs.

@@ -68,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=_positive, default=128, metavar="T", help="prefill tokens a step")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--implementation", choices=("auto", "xla", "pallas"), default="auto")
+    parser.add_argument(
+        "--greedy-screen", action="store_true",
+        help="CPU, float32: greedy tokens through a bfloat16 screen of the output projection (faster decode; "
+        "built with the host's C++ compiler)",
+    )  # fmt: skip
     parser.add_argument("--gguf", type=_path, metavar="PATH", help="(default: the gemma extra's)")
     parser.add_argument(
         "--executable-store", type=_path, metavar="DIR",

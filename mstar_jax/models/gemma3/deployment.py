@@ -13,7 +13,7 @@ import functools
 import pathlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from mstar_jax.checks import INT32_MAX, check_choice, check_int
+from mstar_jax.checks import INT32_MAX, check_bool, check_choice, check_int
 
 if TYPE_CHECKING:
     from mstar_jax.models.gemma3.gguf import Gemma3Config
@@ -38,6 +38,8 @@ class Gemma3DeploymentConfig:
       chunk: prompt tokens a prefill step reads per stream.
       max_slots: streams served at once (each holds one slot of both caches).
       dtype: the weights' and caches' dtype.
+      greedy_screen: CPU and float32 only: greedy tokens through a bfloat16 screen of the output
+        projection (`Gemma3Streams(greedy_screen=True)`; built with the host's C++ compiler).
     """
 
     gguf: str | None = None
@@ -46,6 +48,7 @@ class Gemma3DeploymentConfig:
     chunk: int = 128
     max_slots: int = 4
     dtype: str = "float32"
+    greedy_screen: bool = False
 
     UNREAD_WORKLOAD: ClassVar[tuple[str, ...]] = ("voices", "min_frames", "max_frames")
     """A speech model's workload settings: a deployment of this model refuses them."""
@@ -54,6 +57,8 @@ class Gemma3DeploymentConfig:
         for name, minimum in (("global_sink", 0), ("global_window", 1), ("chunk", 1), ("max_slots", 1)):
             check_int(name, getattr(self, name), minimum=minimum, maximum=INT32_MAX)
         check_choice("dtype", self.dtype, DTYPES)
+        if check_bool("greedy_screen", self.greedy_screen) and self.dtype != "float32":
+            raise ValueError(f"greedy_screen=true needs dtype float32, not {self.dtype!r}")
         if self.gguf is not None:
             if not isinstance(self.gguf, str) or not self.gguf:
                 raise ValueError(f"gguf={self.gguf!r} must be the path of a .gguf file, or null")
@@ -111,10 +116,16 @@ class Gemma3DeploymentConfig:
 
     def abstract_params(self) -> Any:
         """The model's parameters as `ShapeDtypeStruct`s (`nnx.eval_shape`: nothing is allocated), for the
-        memory budget."""
+        memory budget; with `greedy_screen`, the screen's arrays beside them (as `Gemma3Streams` holds
+        them)."""
+        from mstar_jax.models.gemma3 import screen
         from mstar_jax.models.gemma3.model import abstract_model
 
-        return abstract_model(self.geometry(), self.jnp_dtype)[1]
+        geometry = self.geometry()
+        params = abstract_model(geometry, self.jnp_dtype)[1]
+        if self.greedy_screen:
+            return params, screen.abstract_arrays(geometry.vocab_size, geometry.d_model)
+        return params
 
 
 @functools.lru_cache(maxsize=8)

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.sink_window_attention import table as tbl
-from mstar_jax.checks import check_int
+from mstar_jax.checks import check_bool, check_int
 from mstar_jax.compile import (
     Buckets,
     BucketSet,
@@ -37,6 +37,7 @@ from mstar_jax.compile import (
     capture,
 )
 from mstar_jax.distributed import manager_shards
+from mstar_jax.models.gemma3 import screen
 from mstar_jax.models.gemma3.gguf import Gemma3Config
 from mstar_jax.models.gemma3.model import Gemma3
 from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan
@@ -60,6 +61,7 @@ from mstar_jax.serving import (
     layer_attention,
     run_admitted,
     sample,
+    sample_or,
     shaped,
 )
 
@@ -143,6 +145,11 @@ class Gemma3Streams:
         `max_slots`, `model` shards split the KV heads, the weights are replicated; a multi-process
         mesh's process admits into its own data shards. None: one device. The engine serves a meshed
         `Gemma3Streams` (`Gemma3Serving`); its own `run` needs one device.
+      greedy_screen: CPU only: take greedy tokens (head `next`, temperature 0) with
+        `mstar_jax.native.screened_argmax`, which reads a bfloat16 copy of the output projection (335 MB
+        more memory for the 270M model) instead of the float32 one, then finishes the few words it
+        cannot rule out in float32: the argmax of float32 logits, summed in its own fixed order.
+        Sampled rows and the other heads still compute every logit.
 
     Attributes:
       runner: both caches' `ResourceRunner`; `local`, `global_` the managers.
@@ -164,8 +171,12 @@ class Gemma3Streams:
         interpret=False,
         store: ExecutableStore | None = None,
         mesh: jax.sharding.Mesh | None = None,
+        greedy_screen: bool = False,
     ):
         check_int("chunk", chunk, minimum=1)
+        self.greedy_screen = check_bool("greedy_screen", greedy_screen)
+        if greedy_screen:
+            screen.require(mesh, model.embed_t[...].dtype)
         self.config, self.chunk, self.mesh = config, chunk, mesh
         local, global_ = cache_configs(
             config, global_retention=global_retention, max_slots=max_slots, dtype=model.embed_t[...].dtype
@@ -184,6 +195,8 @@ class Gemma3Streams:
             BucketSet(graph_walk=DECODE, batch_sizes=sizes, token_counts=(1,)),
         ))  # fmt: skip
         self._graphdef, self.params = nnx.split(model)
+        if greedy_screen:
+            self.params = (self.params, screen.arrays(model.embed_t[...]))
         if mesh is not None:
             for manager in self.managers:
                 place_on_mesh(manager, mesh)
@@ -236,7 +249,8 @@ class Gemma3Streams:
         Returns:
           (caches, per-row output as `HEADS` says, with a leading B axis).
         """
-        model = nnx.merge(self._graphdef, params)
+        state, screened = params if self.greedy_screen else (params, None)
+        model = nnx.merge(self._graphdef, state)
         configs = (self.local.config, self.global_.config)
         plans = [t if isinstance(t, BoundedKVPlan) else BoundedKVPlan(t) for t in tables]
         positions = plans[0].positions(tokens.shape[1])
@@ -258,7 +272,10 @@ class Gemma3Streams:
             last = jnp.maximum(lengths - 1, 0)
             hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
             at = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0]
-            return caches, sample(model.logits(hidden), temperatures, seeds, at)
+            if screened is None:
+                return caches, sample(model.logits(hidden), temperatures, seeds, at)
+            greedy = screen.greedy(hidden, model.embed_t[...], screened)
+            return caches, sample_or(greedy, lambda: model.logits(hidden), temperatures, seeds, at)
         logits = model.logits(hidden)
         if head == "logits":
             return caches, logits
@@ -297,7 +314,7 @@ class Gemma3Streams:
         captured = capture(
             self._fn, keys, self._abstract_args, static_kwargs={"head": head}, donate_argnums=(1,),
             name=f"gemma3 {head}", progress=progress, store=self._store,
-            fingerprint=(self.config, self.local.config, self.global_.config),
+            fingerprint=(self.config, self.local.config, self.global_.config, self.greedy_screen),
         )  # fmt: skip
         self._programs.update(dict.fromkeys(((head, k) for k in keys), captured))
         self.captures.append(captured.report)

@@ -99,6 +99,15 @@ def test_the_deployment_declares_both_caches_from_the_file(model_file):
     assert budget.parts[1].nbytes == 3 * local.slot_bytes  # two slots and the padding slot
 
 
+def test_with_the_greedy_screen_the_budget_counts_its_codes_scales_and_slack(model_file):
+    plain = parse_deployment(mapping(model_file), "gemma.yaml")
+    screened = parse_deployment(mapping(model_file, greedy_screen=True), "gemma.yaml")
+    memory = DeviceMemory(nbytes=2**30, source="test")
+    extra = memory_budget(screened, memory).parts[0].nbytes - memory_budget(plain, memory).parts[0].nbytes
+    # Two int8 codes a weight, a float32 step and two slacks a word.
+    assert extra == CONFIG.vocab_size * (CONFIG.d_model * 2 + 3 * 4)
+
+
 def test_on_a_mesh_the_budget_counts_one_devices_share_of_the_slots_and_heads(model_file):
     settings = mapping(model_file, max_slots=4)
     settings.update(mesh={"data": 2, "model": 2}, engine={"max_batch": 4, "pipelined": False})
@@ -116,19 +125,20 @@ def test_on_a_mesh_the_budget_counts_one_devices_share_of_the_slots_and_heads(mo
     )
 
 
-def test_mstar_jax_run_serves_the_workload_with_greedys_tokens(model_file, tmp_path, capsys):
+@pytest.mark.parametrize("screen", [False, True], ids=["float32", "greedy screen"])
+def test_mstar_jax_run_serves_the_workload_with_greedys_tokens(model_file, tmp_path, capsys, screen):
     from mstar_jax.engine.text import build_text_engine, drive_text, text_workload
     from mstar_jax.models.gemma3 import load_gguf
     from mstar_jax.models.gemma3.model import Gemma3
     from mstar_jax.models.gemma3.stream import Gemma3Streams
 
     path = tmp_path / "gemma.yaml"
-    path.write_text(yaml.safe_dump(mapping(model_file)))
+    path.write_text(yaml.safe_dump(mapping(model_file, greedy_screen=screen)))
     assert main(["run", "--config", str(path), "--output", str(tmp_path / "run"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert (tmp_path / "run" / "step_latency.png").stat().st_size > 0
-    deployment = parse_deployment(mapping(model_file), str(path))
+    deployment = parse_deployment(mapping(model_file, greedy_screen=screen), str(path))
     arrivals = text_workload(deployment.workload, vocab_size=CONFIG.vocab_size)
     assert report["streams"]["done"] == report["streams"]["submitted"] == 3
     assert report["tokens_generated"] == sum(a.request.max_new_tokens for a in arrivals)
@@ -137,6 +147,7 @@ def test_mstar_jax_run_serves_the_workload_with_greedys_tokens(model_file, tmp_p
     assert "3/3 done" in out
     # The same workload again, its streams' tokens against each prompt continued alone.
     engine = build_text_engine(deployment, progress=False)
+    assert engine.served.streams.greedy_screen is screen
     drive_text(engine, arrivals, progress=False)
     config, tensors = load_gguf(model_file)
     alone = Gemma3Streams(
@@ -160,6 +171,13 @@ def test_mstar_jax_run_serves_the_workload_with_greedys_tokens(model_file, tmp_p
         ({"chunk": float("nan")}, r"chunk=nan must be an int in \[1, 2147483647\]"),
         ({"max_slots": True}, r"max_slots=True must be an int in \[1, 2147483647\]"),
         ({"dtype": "float16"}, r"dtype='float16' must be one of \['float32', 'bfloat16'\]"),
+        ({"greedy_screen": "yes"}, r"greedy_screen='yes' must be a bool"),
+        ({"greedy_screen": 1}, r"greedy_screen=1 must be a bool"),
+        ({"greedy_screen": float("nan")}, r"greedy_screen=nan must be a bool"),
+        (
+            {"greedy_screen": True, "dtype": "bfloat16"},
+            r"greedy_screen=true needs dtype float32, not 'bfloat16'",
+        ),
         ({"windows": 3}, r"model 'gemma3' has no setting\(s\) \['windows'\]"),
     ],
 )

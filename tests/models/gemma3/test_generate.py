@@ -16,7 +16,7 @@ from tests.models.gemma3.extra import skip_module_without_the_gemma_extra
 
 skip_module_without_the_gemma_extra()
 
-from mstar_jax import cli  # noqa: E402
+from mstar_jax import cli, native  # noqa: E402
 from mstar_jax.engine.generate import _Printer  # noqa: E402
 from mstar_jax.memory import format_bytes  # noqa: E402
 from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, open_gguf, read_config  # noqa: E402
@@ -47,6 +47,18 @@ def test_generate_streams_two_prompts_through_one_slot(reader, capsys):
     config = read_config(reader)
     local, global_ = cache_configs(config, global_retention=SinkWindow(4, 60))
     assert f"memory per stream: {format_bytes(local.slot_bytes + global_.slot_bytes)} of cache" in out
+
+
+def test_generate_with_the_greedy_screen_prints_the_same_text(capsys):
+    if not native.available():
+        pytest.skip("no C++ compiler to build mstar_jax.native")
+    texts = []
+    for screen in ([], ["--greedy-screen"]):
+        argv = ["generate", "Monday, Tuesday,", "--max-new-tokens", "8", "--global-window", "60"]
+        assert cli.main([*argv, "--chunk", "16", *screen]) == 0
+        texts.append(capsys.readouterr().out.split("\n\n")[0])  # the text, before the summary
+    assert "Wednesday" in texts[0]
+    assert texts[1] == texts[0]
 
 
 def test_printed_text_is_the_decoded_text_even_mid_character(reader):

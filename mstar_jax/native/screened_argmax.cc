@@ -1,0 +1,212 @@
+// Greedy argmax over a tied output projection that reads an 8-bit copy of it, not the float32 one.
+//
+// For each row h of `hidden` [M, E] it returns the word v maximising exact(v), the float32 logit
+// computed as one fused multiply-add chain over e = 0..E-1 of h[e] * table[e, v] (`table` is [E, V],
+// float32). The screen holds each word's weights as int8 codes in two levels, row-major [V, E]:
+//   w[v, e] ~ scales[v] * q[v, e]                      (level 1, |w - that| <= scales[v] / 2)
+//   w[v, e] ~ scales[v] * (q[v, e] + r[v, e] / 254)    (level 2)
+// with, per word and level, `slack[level, v]`: the largest |w - its level's value| over e plus a bound
+// on the float32 chain's own rounding (made by `screen_of`). Each row is rounded to int16 codes,
+// h ~ step * k, so that a level's sum over e is an exact integer, and
+//   |level(v) - exact(v)| <= slack[level, v] * sum_e |h[e]| + 128 scales[v] * sum_e |h[e] - step k[e]|
+// (128 scales[v] bounds the level's weights), plus 2^-50 of the level's value (its products in double)
+// and E 2^-148 (underflow). Level 1 reads one byte a weight (a quarter of float32) for every word; a
+// word whose upper bound is below the best lower bound cannot win. Level 2 reads the second byte of the
+// few left; the still fewer left are computed exactly from `table`. Where too many are left, or a value
+// or a bound is not finite, every word is computed exactly. Ties go to the lowest index; a NaN wins as
+// in `jnp.argmax` (the first NaN).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kExactCandidates = 256;
+constexpr int64_t kResidualSteps = 254;
+
+// Level-1 sums of words [begin, end): exact integers (|q| <= 127, |k| <= the code range, whose product
+// summed over E stays below 2^31), so their order does not matter and the compiler vectorises them.
+void LevelOne(const int16_t* codes, const int8_t* q, int32_t* sums, int64_t width, int64_t begin,
+              int64_t end) {
+  for (int64_t v = begin; v < end; ++v) {
+    const int8_t* w = q + v * width;
+    int32_t total = 0;
+    for (int64_t e = 0; e < width; ++e) total += static_cast<int32_t>(codes[e]) * w[e];
+    sums[v] = total;
+  }
+}
+
+int64_t LevelTwo(const int16_t* codes, const int8_t* q, const int8_t* r, int64_t width) {
+  int64_t total = 0;
+  for (int64_t e = 0; e < width; ++e) {
+    total += static_cast<int64_t>(codes[e]) * (kResidualSteps * static_cast<int32_t>(q[e]) + r[e]);
+  }
+  return total;
+}
+
+inline float Exact(const float* h, const float* table, int64_t words, int64_t width, int64_t v) {
+  float total = 0.0f;
+  for (int64_t e = 0; e < width; ++e) total = std::fma(h[e], table[e * words + v], total);
+  return total;
+}
+
+// The first index of the largest value seen in index order, or of the first NaN (as jnp.argmax).
+struct Best {
+  int64_t index = -1;
+  float value = 0.0f;
+  void Offer(int64_t v, float x) {
+    if (index >= 0 && std::isnan(value)) return;
+    if (index < 0 || std::isnan(x) || x > value) index = v, value = x;
+  }
+};
+
+int32_t EveryWord(const float* h, const float* table, int64_t words, int64_t width) {
+  std::vector<float> exact(words, 0.0f);
+  for (int64_t e = 0; e < width; ++e) {
+    const float he = h[e];
+    const float* column = table + e * words;
+    for (int64_t v = 0; v < words; ++v) exact[v] = std::fma(he, column[v], exact[v]);
+  }
+  Best best;
+  for (int64_t v = 0; v < words; ++v) best.Offer(v, exact[v]);
+  return static_cast<int32_t>(best.index);
+}
+
+// One row rounded to int16 codes: h ~ step * codes, with what that rounding can move a level's sum.
+struct Codes {
+  std::vector<int16_t> codes;
+  double step = 1.0, size = 0.0, moved = 0.0;  // size: sum |h|; moved: sum |h - step * code|
+  bool finite = true;
+};
+
+Codes Round(const float* h, int64_t width, int32_t range) {
+  Codes row;
+  row.codes.resize(width);
+  double peak = 0.0;
+  for (int64_t e = 0; e < width; ++e) {
+    const double x = h[e];
+    row.finite = row.finite && std::isfinite(x);
+    peak = std::max(peak, std::fabs(x));
+    row.size += std::fabs(x);
+  }
+  if (!row.finite) return row;
+  row.step = peak > 0.0 ? peak / range : 1.0;
+  for (int64_t e = 0; e < width; ++e) {
+    const double code = std::clamp(std::nearbyint(h[e] / row.step), -static_cast<double>(range),
+                                   static_cast<double>(range));
+    row.codes[e] = static_cast<int16_t>(code);
+    row.moved += std::fabs(h[e] - row.step * code);
+  }
+  return row;
+}
+
+struct Screen {
+  const int8_t* q;
+  const int8_t* r;
+  const float* scales;
+  const float* slack;  // [2, V]
+  const float* table;
+  int64_t words, width;
+};
+
+int32_t Row(const float* h, const Codes& row, const int32_t* level_one, const Screen& s) {
+  if (!row.finite) return EveryWord(h, s.table, s.words, s.width);
+  const double underflow = s.width * std::ldexp(1.0, -148), products = std::ldexp(1.0, -50);
+  auto bound = [&](int level, int64_t v, double value) {
+    return s.slack[level * s.words + v] * row.size + 128.0 * s.scales[v] * row.moved +
+           products * std::fabs(value) + underflow;
+  };
+  // Level 1 over every word, in two passes (the largest lower bound, then who reaches it), each
+  // computing the same value and bound, so that no array of V bounds is kept.
+  auto value_one = [&](int64_t v) { return static_cast<double>(level_one[v]) * row.step * s.scales[v]; };
+  double floor = -std::numeric_limits<double>::infinity();
+  for (int64_t v = 0; v < s.words; ++v) {
+    const double value = value_one(v), reach = bound(0, v, value);
+    if (!std::isfinite(reach)) return EveryWord(h, s.table, s.words, s.width);
+    floor = std::max(floor, value - reach);
+  }
+  std::vector<int64_t> first;
+  for (int64_t v = 0; v < s.words; ++v) {
+    const double value = value_one(v);
+    if (value + bound(0, v, value) >= floor) first.push_back(v);
+  }
+  if (static_cast<int64_t>(first.size()) > s.words / 4 + 1) return EveryWord(h, s.table, s.words, s.width);
+  // Level 2 over those.
+  std::vector<double> value(first.size()), reach(first.size());
+  floor = -std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i < first.size(); ++i) {
+    const int64_t v = first[i];
+    const int64_t sum = LevelTwo(row.codes.data(), s.q + v * s.width, s.r + v * s.width, s.width);
+    value[i] = static_cast<double>(sum) * row.step * (s.scales[v] / static_cast<double>(kResidualSteps));
+    reach[i] = bound(1, v, value[i]);
+    if (!std::isfinite(reach[i])) return EveryWord(h, s.table, s.words, s.width);
+    floor = std::max(floor, value[i] - reach[i]);
+  }
+  // The float32 chain of those still in reach, in index order.
+  Best best;
+  int64_t exact = 0;
+  for (size_t i = 0; i < first.size(); ++i) {
+    if (value[i] + reach[i] < floor) continue;
+    if (++exact > kExactCandidates) return EveryWord(h, s.table, s.words, s.width);
+    best.Offer(first[i], Exact(h, s.table, s.words, s.width, first[i]));
+  }
+  return static_cast<int32_t>(best.index);
+}
+
+ffi::Error ScreenedArgmaxImpl(ffi::Buffer<ffi::F32> hidden, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::S8> r,
+                              ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> slack,
+                              ffi::Buffer<ffi::F32> table, ffi::ResultBuffer<ffi::S32> out, int64_t threads) {
+  const auto hidden_dims = hidden.dimensions();
+  const auto table_dims = table.dimensions();
+  if (hidden_dims.size() != 2 || table_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("screened_argmax: hidden and table must be 2-D");
+  }
+  const int64_t rows = hidden_dims[0], width = hidden_dims[1], words = table_dims[1];
+  if (table_dims[0] != width || q.element_count() != words * width || r.element_count() != words * width ||
+      scales.element_count() != words || slack.element_count() != 2 * words ||
+      out->element_count() != rows || width < 1 || width > (1 << 20)) {
+    return ffi::Error::InvalidArgument("screened_argmax: shapes disagree");
+  }
+  // The largest code whose products with q (|q| <= 127) sum over E below 2^31.
+  const int32_t range = static_cast<int32_t>(std::min<int64_t>(32767, 2147483647 / (127 * width)));
+  const Screen screen{q.typed_data(), r.typed_data(), scales.typed_data(), slack.typed_data(),
+                      table.typed_data(), words, width};
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, words / 4096 + 1));
+  const int64_t share = (words + parts - 1) / parts;
+  std::vector<int32_t> level_one(words);
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* h = hidden.typed_data() + m * width;
+    const Codes row = Round(h, width, range);
+    if (row.finite) {
+      std::vector<std::thread> pool;
+      for (int64_t p = 1; p < parts; ++p) {
+        pool.emplace_back(LevelOne, row.codes.data(), screen.q, level_one.data(), width,
+                          std::min(words, p * share), std::min(words, (p + 1) * share));
+      }
+      LevelOne(row.codes.data(), screen.q, level_one.data(), width, 0, std::min(words, share));
+      for (auto& thread : pool) thread.join();
+    }
+    out->typed_data()[m] = Row(h, row, level_one.data(), screen);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MstarScreenedArgmax, ScreenedArgmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("threads"));
