@@ -31,15 +31,26 @@ namespace {
 constexpr int64_t kExactCandidates = 256;
 constexpr int64_t kResidualSteps = 254;
 
-// Level-1 sums of words [begin, end): exact integers (|q| <= 127, |k| <= the code range, whose product
-// summed over E stays below 2^31), so their order does not matter and the compiler vectorises them.
-void LevelOne(const int16_t* codes, const int8_t* q, int32_t* sums, int64_t width, int64_t begin,
-              int64_t end) {
-  for (int64_t v = begin; v < end; ++v) {
-    const int8_t* w = q + v * width;
+// A level-1 sum: an exact integer (|q| <= 127 and |k| <= the code range, whose products summed over E
+// stay below 2^31), so its order does not matter and the compiler vectorises it.
+__attribute__((noinline)) int32_t LevelOne(const int16_t* __restrict codes, const int8_t* __restrict q,
+                                           int64_t width) {
+  int32_t total = 0;
+  for (int64_t e = 0; e < width; ++e) total += static_cast<int32_t>(codes[e]) * q[e];
+  return total;
+}
+
+// Level-1 sums of one word for several rows (`codes` [rows, E]): the word's codes widened once, then
+// each row's sum a product of two int16 vectors.
+__attribute__((noinline)) void LevelOneRows(const int16_t* __restrict codes, const int8_t* __restrict q,
+                                            int16_t* __restrict wide, int32_t* __restrict sums, int64_t rows,
+                                            int64_t width) {
+  for (int64_t e = 0; e < width; ++e) wide[e] = q[e];
+  for (int64_t m = 0; m < rows; ++m) {
+    const int16_t* k = codes + m * width;
     int32_t total = 0;
-    for (int64_t e = 0; e < width; ++e) total += static_cast<int32_t>(codes[e]) * w[e];
-    sums[v] = total;
+    for (int64_t e = 0; e < width; ++e) total += static_cast<int32_t>(k[e]) * wide[e];
+    sums[m] = total;
   }
 }
 
@@ -114,42 +125,44 @@ struct Screen {
   const float* slack;  // [2, V]
   const float* table;
   int64_t words, width;
+  double underflow;  // E 2^-148
 };
 
-int32_t Row(const float* h, const Codes& row, const int32_t* level_one, const Screen& s) {
-  if (!row.finite) return EveryWord(h, s.table, s.words, s.width);
-  const double underflow = s.width * std::ldexp(1.0, -148), products = std::ldexp(1.0, -50);
-  auto bound = [&](int level, int64_t v, double value) {
-    return s.slack[level * s.words + v] * row.size + 128.0 * s.scales[v] * row.moved +
-           products * std::fabs(value) + underflow;
-  };
-  // Level 1 over every word, in two passes (the largest lower bound, then who reaches it), each
-  // computing the same value and bound, so that no array of V bounds is kept.
-  auto value_one = [&](int64_t v) { return static_cast<double>(level_one[v]) * row.step * s.scales[v]; };
-  double floor = -std::numeric_limits<double>::infinity();
-  for (int64_t v = 0; v < s.words; ++v) {
-    const double value = value_one(v), reach = bound(0, v, value);
-    if (!std::isfinite(reach)) return EveryWord(h, s.table, s.words, s.width);
-    floor = std::max(floor, value - reach);
+// What a level's value of word v can differ by from its float32 chain, for one row.
+inline double Bound(const Screen& s, const Codes& row, int level, int64_t v, double value) {
+  return s.slack[level * s.words + v] * row.size + 128.0 * s.scales[v] * row.moved + 0x1p-50 * std::fabs(value) +
+         s.underflow;
+}
+
+inline double LevelOneValue(const Screen& s, const Codes& row, int32_t sum, int64_t v) {
+  return static_cast<double>(sum) * row.step * s.scales[v];
+}
+
+// Runs fn(part, begin, end) over `count` items split into `parts` contiguous parts, one thread each.
+template <typename Fn>
+void Parallel(int64_t parts, int64_t count, Fn fn) {
+  const int64_t share = (count + parts - 1) / parts;
+  std::vector<std::thread> pool;
+  for (int64_t p = 1; p < parts; ++p) {
+    pool.emplace_back(fn, p, std::min(count, p * share), std::min(count, (p + 1) * share));
   }
-  std::vector<int64_t> first;
-  for (int64_t v = 0; v < s.words; ++v) {
-    const double value = value_one(v);
-    if (value + bound(0, v, value) >= floor) first.push_back(v);
-  }
-  if (static_cast<int64_t>(first.size()) > s.words / 4 + 1) return EveryWord(h, s.table, s.words, s.width);
-  // Level 2 over those.
+  fn(0, 0, std::min(count, share));
+  for (auto& thread : pool) thread.join();
+}
+
+// Level 2 over a row's level-1 survivors (in index order), then the float32 chain of those still in
+// reach: the row's answer.
+int32_t Finish(const float* h, const Codes& row, const std::vector<int64_t>& first, const Screen& s) {
   std::vector<double> value(first.size()), reach(first.size());
-  floor = -std::numeric_limits<double>::infinity();
+  double floor = -std::numeric_limits<double>::infinity();
   for (size_t i = 0; i < first.size(); ++i) {
     const int64_t v = first[i];
     const int64_t sum = LevelTwo(row.codes.data(), s.q + v * s.width, s.r + v * s.width, s.width);
     value[i] = static_cast<double>(sum) * row.step * (s.scales[v] / static_cast<double>(kResidualSteps));
-    reach[i] = bound(1, v, value[i]);
+    reach[i] = Bound(s, row, 1, v, value[i]);
     if (!std::isfinite(reach[i])) return EveryWord(h, s.table, s.words, s.width);
     floor = std::max(floor, value[i] - reach[i]);
   }
-  // The float32 chain of those still in reach, in index order.
   Best best;
   int64_t exact = 0;
   for (size_t i = 0; i < first.size(); ++i) {
@@ -169,32 +182,81 @@ ffi::Error ScreenedArgmaxImpl(ffi::Buffer<ffi::F32> hidden, ffi::Buffer<ffi::S8>
     return ffi::Error::InvalidArgument("screened_argmax: hidden and table must be 2-D");
   }
   const int64_t rows = hidden_dims[0], width = hidden_dims[1], words = table_dims[1];
-  if (table_dims[0] != width || q.element_count() != words * width || r.element_count() != words * width ||
-      scales.element_count() != words || slack.element_count() != 2 * words ||
-      out->element_count() != rows || width < 1 || width > (1 << 20)) {
+  const auto count = [](const auto& buffer) { return static_cast<int64_t>(buffer.element_count()); };
+  if (table_dims[0] != width || count(q) != words * width || count(r) != words * width ||
+      count(scales) != words || count(slack) != 2 * words ||
+      count(*out) != rows || width < 1 || width > (1 << 20)) {
     return ffi::Error::InvalidArgument("screened_argmax: shapes disagree");
   }
+  if (rows == 0) return ffi::Error::Success();
+  const Screen s{q.typed_data(), r.typed_data(), scales.typed_data(), slack.typed_data(), table.typed_data(),
+                 words, width, width * 0x1p-148};
   // The largest code whose products with q (|q| <= 127) sum over E below 2^31.
   const int32_t range = static_cast<int32_t>(std::min<int64_t>(32767, 2147483647 / (127 * width)));
-  const Screen screen{q.typed_data(), r.typed_data(), scales.typed_data(), slack.typed_data(),
-                      table.typed_data(), words, width};
+  std::vector<Codes> codes;
+  for (int64_t m = 0; m < rows; ++m) codes.push_back(Round(hidden.typed_data() + m * width, width, range));
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, words / 4096 + 1));
-  const int64_t share = (words + parts - 1) / parts;
-  std::vector<int32_t> level_one(words);
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* h = hidden.typed_data() + m * width;
-    const Codes row = Round(h, width, range);
-    if (row.finite) {
-      std::vector<std::thread> pool;
-      for (int64_t p = 1; p < parts; ++p) {
-        pool.emplace_back(LevelOne, row.codes.data(), screen.q, level_one.data(), width,
-                          std::min(words, p * share), std::min(words, (p + 1) * share));
+  // Level 1, every word once for all rows (a word's codes stay in cache across the rows): its sums,
+  // and each part's largest lower bound per row.
+  std::vector<int32_t> sums(rows * words);
+  std::vector<double> floors(parts * rows, -std::numeric_limits<double>::infinity());
+  std::vector<char> finite(parts * rows, 1);
+  std::vector<int16_t> all_codes(rows * width);
+  for (int64_t m = 0; m < rows; ++m) std::copy(codes[m].codes.begin(), codes[m].codes.end(), &all_codes[m * width]);
+  Parallel(parts, words, [&](int64_t part, int64_t begin, int64_t end) {
+    // Kept on this thread's stack, written once: neighbouring parts' entries share a cache line.
+    std::vector<double> floor(rows, -std::numeric_limits<double>::infinity());
+    std::vector<char> ok(rows, 1);
+    std::vector<int16_t> wide(width);
+    std::vector<int32_t> word(rows);
+    for (int64_t v = begin; v < end; ++v) {
+      const int8_t* w = s.q + v * width;
+      if (rows == 1) {
+        word[0] = LevelOne(all_codes.data(), w, width);
+      } else {
+        LevelOneRows(all_codes.data(), w, wide.data(), word.data(), rows, width);
       }
-      LevelOne(row.codes.data(), screen.q, level_one.data(), width, 0, std::min(words, share));
-      for (auto& thread : pool) thread.join();
+      for (int64_t m = 0; m < rows; ++m) {
+        sums[m * words + v] = word[m];
+        const double value = LevelOneValue(s, codes[m], word[m], v), reach = Bound(s, codes[m], 0, v, value);
+        ok[m] &= std::isfinite(reach);
+        floor[m] = std::max(floor[m], value - reach);
+      }
     }
-    out->typed_data()[m] = Row(h, row, level_one.data(), screen);
+    std::copy(floor.begin(), floor.end(), floors.begin() + part * rows);
+    std::copy(ok.begin(), ok.end(), finite.begin() + part * rows);
+  });
+  // Who reaches the row's largest lower bound (each part's survivors in index order), then the rest.
+  std::vector<double> floor(rows, -std::numeric_limits<double>::infinity());
+  std::vector<char> screened(rows);
+  for (int64_t m = 0; m < rows; ++m) {
+    screened[m] = codes[m].finite;
+    for (int64_t p = 0; p < parts; ++p) {
+      floor[m] = std::max(floor[m], floors[p * rows + m]);
+      screened[m] = screened[m] && finite[p * rows + m];
+    }
   }
+  std::vector<std::vector<int64_t>> kept(parts * rows);
+  Parallel(parts, words, [&](int64_t part, int64_t begin, int64_t end) {
+    for (int64_t m = 0; m < rows; ++m) {
+      if (!screened[m]) continue;
+      for (int64_t v = begin; v < end; ++v) {
+        const double value = LevelOneValue(s, codes[m], sums[m * words + v], v);
+        if (value + Bound(s, codes[m], 0, v, value) >= floor[m]) kept[part * rows + m].push_back(v);
+      }
+    }
+  });
+  Parallel(std::min<int64_t>(parts, rows), rows, [&](int64_t, int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* h = hidden.typed_data() + m * width;
+      std::vector<int64_t> first;
+      for (int64_t p = 0; p < parts && screened[m]; ++p) {
+        first.insert(first.end(), kept[p * rows + m].begin(), kept[p * rows + m].end());
+      }
+      const bool narrowed = screened[m] && static_cast<int64_t>(first.size()) <= words / 4 + 1;
+      out->typed_data()[m] = narrowed ? Finish(h, codes[m], first, s) : EveryWord(h, s.table, words, width);
+    }
+  });
   return ffi::Error::Success();
 }
 

@@ -1,14 +1,16 @@
 """Gemma 3 served by the engine on a mesh of simulated CPU devices (`test_mesh.py`).
 
 Run as a script (one process, `run_child`: a pipelined deployment with a `(data=2, model=2)` mesh of 4
-devices, its model read from a GGUF file), or as a module with the `MSTAR_*` variables set
-(`run_processes`: each of 2 processes of 2 devices, one mesh over the 4, each serving every other prompt
-on its own data shard, pipelined). Prints one JSON line: every request's tokens, the process's data shards,
-compilations after warm-up and the steps it entered with no rows.
+devices, its model read from a GGUF file, its greedy tokens through the screen where `SCREEN_VARIABLE`
+is 1), or as a module with the `MSTAR_*` variables set (`run_processes`: each of 2 processes of 2
+devices, one mesh over the 4, each serving every other prompt on its own data shard, pipelined). Prints
+one JSON line: every request's tokens, the process's data shards, compilations after warm-up and the
+steps it entered with no rows.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +25,10 @@ DATA, MODEL = 2, 2
 SLOTS = 4  # over both data shards
 NEW_TOKENS = 12
 SAMPLED = {"temperature": 0.9, "seed": 21}  # the last prompt is sampled, the others greedy
+
+
+SCREEN_VARIABLE = "MSTAR_TEST_GREEDY_SCREEN"
+"""Set to 1: the one-process deployment takes its greedy tokens through the screen."""
 
 
 def prompts() -> list[tuple[int, ...]]:
@@ -44,7 +50,7 @@ def deployment_engine():
 
     path = Path(tempfile.mkdtemp()) / "tiny.gguf"
     write_gguf(path)
-    settings = mapping(path, max_slots=SLOTS)
+    settings = mapping(path, max_slots=SLOTS, greedy_screen=os.environ.get(SCREEN_VARIABLE) == "1")
     # Pipelined: one process on a mesh feeds each decode step's tokens to the next on the device.
     settings.update(engine={"max_batch": SLOTS, "pipelined": True}, mesh={"data": DATA, "model": MODEL})
     return build_text_engine(parse_deployment(settings, "mesh.yaml"), progress=False)
@@ -105,8 +111,6 @@ def main_process() -> dict:
 
 
 if __name__ == "__main__":
-    import os
-
     if "MSTAR_PROCESS_ID" in os.environ:
         report_as_process(main_process)
     else:

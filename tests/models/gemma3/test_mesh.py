@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from mstar_jax import native
 from mstar_jax.engine import ServingEngine
 from mstar_jax.models.gemma3.model import Gemma3
 from mstar_jax.models.gemma3.serving import Gemma3Serving, TextRequest
 from mstar_jax.models.gemma3.stream import Gemma3Streams
 from mstar_jax.settings import EngineSettings
-from tests.models.gemma3.mesh_child import NEW_TOKENS, SLOTS, fields, prompts
+from tests.models.gemma3.mesh_child import NEW_TOKENS, SCREEN_VARIABLE, SLOTS, fields, prompts
 from tests.models.gemma3.test_model import CONFIG, random_tensors
 from tests.models.gemma3.test_serving import RETENTION
 from tests.simulated_devices import last_json, run_child, run_processes
@@ -38,8 +39,12 @@ def alone() -> dict[str, list[int]]:
     }
 
 
-def test_one_process_on_a_mesh_gives_every_prompt_its_tokens_alone(alone):
+@pytest.mark.parametrize("screen", [False, True], ids=["float32", "greedy screen"])
+def test_one_process_on_a_mesh_gives_every_prompt_its_tokens_alone(alone, screen, monkeypatch):
     pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
+    if screen and not native.available():
+        pytest.skip("no C++ compiler to build mstar_jax.native")
+    monkeypatch.setenv(SCREEN_VARIABLE, "1" if screen else "0")
     found = run_child(CHILD, devices=4, timeout=TIMEOUT_S)
     assert found["tokens"] == alone
     assert found["errors"] == []
