@@ -12,20 +12,19 @@ each engine reads it and greedily generates N tokens.
   and 8) its own engine and its own case: at K = 8 one program call, one argument check and one read
   serve a block of tokens, the stop tokens checked on the device; the global layers on
   `SinkWindow(4, 1020)`, which at 512 tokens keeps every position (the dense model) and at 8,192 is the
-  bounded cache (its tokens then differ from dense ones past 1,024). Greedy tokens go through the
-  bfloat16 screen of the output projection (`Gemma3Streams(greedy_screen=True)`, the default here;
-  `--greedy-screen off` reads the float32 projection whole, `both` times each as its own engine; the
-  K column then says which).
+  bounded cache (its tokens then differ from dense ones past 1,024). Greedy tokens go through the int8
+  screen of the output projection (`Gemma3Streams(greedy_screen=True)`, the default here: the argmax of
+  the float32 logits, read mostly from an 8-bit copy); `--greedy-screen off` reads the float32
+  projection whole, `both` times each as its own engine (the K column then says which).
 - llama.cpp: its own dense caches, `n_batch` 512 (its default), `swa_full` off (llama.cpp's own tools'
   default: the local layers keep their 512-position window, as ours do), flash attention off;
   `n_threads` = the cores this process may use. Logits of the last position only, read as NumPy.
 
 - Our products alone: only the weight products of one decode step (each layer's four matrix-vector
-  products, then the output projection and its argmax: `benchmarks/gemma_step_parts.py`'s chain, checked
-  against its float64 oracle first) on the same weights, N - 1 of them back to back, timed as a case of
-  its own: no attention, norms, cache or host. It bounds what any change outside the products can reach:
-  where it is not above llama.cpp's whole decode step in a run, nothing but faster products would bring
-  our decode there.
+  products, then the float32 output projection and its argmax: `benchmarks/gemma_step_parts.py`'s chain,
+  checked against its float64 oracle first) on the same weights, N - 1 of them back to back, timed as a
+  case of its own: no attention, norms, cache or host. It bounds what the engine without the screen can
+  reach; the screen reads a quarter of the output projection's bytes, so it goes past it.
 
 Prefill rate (the same program whatever K): L over the time from the request to its first token (the
 prompt read, one argmax); decode rate: N - 1 over the time from there to the last token. Every

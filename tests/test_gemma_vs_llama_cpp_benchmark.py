@@ -85,3 +85,13 @@ def test_a_bad_decode_steps_is_refused_before_anything_loads(value, capsys):
     message = str(refused.value.code) + capsys.readouterr().err
     assert "--decode-steps" in message
     assert value in message
+
+
+@pytest.mark.parametrize("value", ["maybe", "1", ""])
+def test_a_bad_greedy_screen_is_refused_before_anything_loads(value, capsys):
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["--quick", "--greedy-screen", value])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "--greedy-screen" in err
+    assert "invalid choice" in err
