@@ -43,6 +43,8 @@ HEAVIEST_FIRST = {
     "tests/engine/test_soak.py": 80,
     "tests/test_engine_benchmark.py": 65,
     "tests/models/gemma3/test_generate.py": 60,
+    "tests/models/gemma3/test_greedy_screen.py": 80,
+    "tests/test_greedy_screen_benchmark.py": 45,
 }
 
 

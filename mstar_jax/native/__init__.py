@@ -30,12 +30,14 @@ import numpy as np
 from mstar_jax.checks import INT32_MAX, check_int
 
 __all__ = [
+    "MAX_WIDTH",
     "RESIDUAL_STEPS",
     "NativeUnavailableError",
     "Screen",
     "abstract_screen",
     "available",
     "build",
+    "check_table",
     "screen_of",
     "screened_argmax",
 ]
@@ -70,6 +72,8 @@ def build() -> str:
       NativeUnavailableError: with no C++ compiler, or when it fails (its message ends the error's).
     """
     path = _library()
+    if isinstance(path, NativeUnavailableError):
+        raise NativeUnavailableError(str(path))
     if not _registered:
         # XLA keeps one handler per target name for the process: the first library built serves.
         library = ctypes.cdll.LoadLibrary(path)
@@ -82,8 +86,16 @@ _registered: list[str] = []
 
 
 @functools.cache
-def _library() -> str:
-    """Build the library, or find it built; its path."""
+def _library() -> str | NativeUnavailableError:
+    """The library's path, built if not yet; or why it cannot be built (kept, so a host without a
+    compiler tries once a process, not at every call)."""
+    try:
+        return _compile()
+    except NativeUnavailableError as error:
+        return error
+
+
+def _compile() -> str:
     compiler = os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None:
         raise NativeUnavailableError(f"no C++ compiler {compiler!r} on PATH (set $CXX) to build {_SOURCE}")
@@ -92,13 +104,10 @@ def _library() -> str:
     key = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:20]
     directory = _build_dir()
     target = directory / f"screened_argmax-{key}.so"
-    if not target.exists():
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError as error:  # a file where the folder belongs, or no permission
-            raise NativeUnavailableError(
-                f"MSTAR_JAX_NATIVE_DIR={str(directory)!r} must be a writable folder: {error}"
-            ) from error
+    if target.exists():
+        return str(target)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory) as scratch:
             built = Path(scratch) / target.name
             command = [compiler, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", str(built)]
@@ -106,6 +115,10 @@ def _library() -> str:
             if done.returncode != 0:
                 raise NativeUnavailableError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
             os.replace(built, target)  # atomic: a concurrent build finds a whole library or none
+    except OSError as error:  # a file where the folder belongs, or no permission
+        raise NativeUnavailableError(
+            f"MSTAR_JAX_NATIVE_DIR={str(directory)!r} must be a writable folder: {error}"
+        ) from error
     return str(target)
 
 
@@ -139,6 +152,28 @@ class Screen(NamedTuple):
     slack: Any
 
 
+MAX_WIDTH = 2**20
+"""The widest hidden state the kernel takes (its int16 codes keep every level-1 sum below 2^31)."""
+
+
+def check_table(table: Any) -> None:
+    """Refuse an output projection the screen cannot serve: not float32 `[E, V]` with 1 <= E <= 2^20 and
+    1 <= V < 2^31.
+
+    Raises:
+      ValueError: naming the table's shape and dtype and what is allowed.
+    """
+    shape, dtype = tuple(table.shape), jnp.dtype(table.dtype)
+    if (
+        len(shape) != 2 or dtype != jnp.float32 or not 1 <= shape[0] <= MAX_WIDTH
+        or not 1 <= shape[1] <= INT32_MAX
+    ):  # fmt: skip
+        raise ValueError(
+            f"table of shape {shape} and dtype {dtype} must be float32 [E, V] with E in [1, {MAX_WIDTH}] and "
+            f"V in [1, {INT32_MAX}]"
+        )
+
+
 def abstract_screen(words: int, width: int) -> Screen:
     """`screen_of`'s shapes and dtypes (nothing allocated), for a memory budget."""
     codes = jax.ShapeDtypeStruct((words, width), jnp.int8)
@@ -159,6 +194,7 @@ def screen_of(table: Any, *, chunk: int = 8192) -> Screen:
     slack (every row then computes every word exactly).
     """
     table = np.asarray(table)
+    check_table(table)
     width, words = table.shape
     rounding = 2.02 * (width + 1) * 2.0**-24 + 2.0**-30
     q = np.empty((words, width), np.int8)
@@ -170,7 +206,8 @@ def screen_of(table: Any, *, chunk: int = 8192) -> Screen:
         finite = np.isfinite(w).all(axis=1)
         w = np.where(finite[:, None], w, 0.0)
         magnitude = np.abs(w).max(axis=1)
-        step = np.where(magnitude > 0, magnitude / 127, 1.0).astype(np.float32).astype(np.float64)
+        step = (magnitude / 127).astype(np.float32).astype(np.float64)
+        step = np.where(step > 0, step, 1.0)  # a word of zeros, or one so small its step rounds to 0
         first = np.clip(np.rint(w / step[:, None]), -127, 127)
         second = np.clip(np.rint((w - step[:, None] * first) * RESIDUAL_STEPS / step[:, None]), -127, 127)
         levels = (step[:, None] * first, step[:, None] * (first + second / RESIDUAL_STEPS))
@@ -201,11 +238,10 @@ def screened_argmax(
     if hidden.ndim < 1 or not jnp.issubdtype(hidden.dtype, jnp.floating):
         raise ValueError(f"hidden of shape {hidden.shape} and dtype {hidden.dtype} must be floats [..., E]")
     width = hidden.shape[-1]
-    if table.ndim != 2 or table.shape[0] != width or table.dtype != jnp.float32:
-        raise ValueError(f"table of shape {table.shape} and dtype {table.dtype} must be float32 [{width}, V]")
+    check_table(table)
+    if table.shape[0] != width:
+        raise ValueError(f"table of shape {table.shape} must be [{width}, V]: hidden rows hold {width}")
     words = table.shape[1]
-    if words > INT32_MAX:
-        raise ValueError(f"table has {words} words; at most {INT32_MAX} fit the int32 result")
     want = abstract_screen(words, width)
     for name, got, shape in zip(Screen._fields, screen, want, strict=True):
         if got.shape != shape.shape or got.dtype != shape.dtype:

@@ -13,7 +13,8 @@
 // and E 2^-148 (underflow). Level 1 reads one byte a weight (a quarter of float32) for every word; a
 // word whose upper bound is below the best lower bound cannot win. Level 2 reads the second byte of the
 // few left; the still fewer left are computed exactly from `table`. Where too many are left, or a value
-// or a bound is not finite, every word is computed exactly. Ties go to the lowest index; a NaN wins as
+// or a bound is not finite (or the chain could overflow float32), every word is computed exactly, with
+// IEEE subnormals (not XLA:CPU's flush-to-zero). Ties go to the lowest index; a NaN wins as
 // in `jnp.argmax` (the first NaN).
 #include <algorithm>
 #include <cmath>
@@ -21,6 +22,10 @@
 #include <limits>
 #include <thread>
 #include <vector>
+
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -130,6 +135,9 @@ struct Screen {
 
 // What a level's value of word v can differ by from its float32 chain, for one row.
 inline double Bound(const Screen& s, const Codes& row, int level, int64_t v, double value) {
+  // |every partial sum of the chain| <= sum_e |h[e] w[v, e]| <= 128 scales[v] sum_e |h[e]|: below 2^127 the
+  // chain cannot overflow float32; above, no bound holds (an infinite one sends the row to every word).
+  if (128.0 * s.scales[v] * row.size >= 0x1p127) return std::numeric_limits<double>::infinity();
   return s.slack[level * s.words + v] * row.size + 128.0 * s.scales[v] * row.moved + 0x1p-50 * std::fabs(value) +
          s.underflow;
 }
@@ -138,15 +146,34 @@ inline double LevelOneValue(const Screen& s, const Codes& row, int32_t sum, int6
   return static_cast<double>(sum) * row.step * s.scales[v];
 }
 
-// Runs fn(part, begin, end) over `count` items split into `parts` contiguous parts, one thread each.
+// IEEE subnormals while alive: XLA:CPU runs a custom call with flush-to-zero and denormals-are-zero
+// set, which would make the chain another function than the one promised, and break the underflow term.
+class Subnormals {
+ public:
+#if defined(__SSE__)
+  Subnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~(kFlushToZero | kDenormalsAreZero)); }
+  ~Subnormals() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kFlushToZero = 1u << 15, kDenormalsAreZero = 1u << 6;
+  unsigned saved_;
+#endif
+};
+
+// Runs fn(part, begin, end) over `count` items split into `parts` contiguous parts, one thread each
+// (each with IEEE subnormals: a thread inherits its creator's flags, not a guard's).
 template <typename Fn>
 void Parallel(int64_t parts, int64_t count, Fn fn) {
   const int64_t share = (count + parts - 1) / parts;
+  auto run = [&fn](int64_t part, int64_t begin, int64_t end) {
+    const Subnormals ieee;
+    fn(part, begin, end);
+  };
   std::vector<std::thread> pool;
   for (int64_t p = 1; p < parts; ++p) {
-    pool.emplace_back(fn, p, std::min(count, p * share), std::min(count, (p + 1) * share));
+    pool.emplace_back(run, p, std::min(count, p * share), std::min(count, (p + 1) * share));
   }
-  fn(0, 0, std::min(count, share));
+  run(0, 0, std::min(count, share));
   for (auto& thread : pool) thread.join();
 }
 
@@ -188,7 +215,8 @@ ffi::Error ScreenedArgmaxImpl(ffi::Buffer<ffi::F32> hidden, ffi::Buffer<ffi::S8>
       count(*out) != rows || width < 1 || width > (1 << 20)) {
     return ffi::Error::InvalidArgument("screened_argmax: shapes disagree");
   }
-  if (rows == 0) return ffi::Error::Success();
+  if (rows == 0 || words == 0) return ffi::Error::Success();
+  const Subnormals ieee;
   const Screen s{q.typed_data(), r.typed_data(), scales.typed_data(), slack.typed_data(), table.typed_data(),
                  words, width, width * 0x1p-148};
   // The largest code whose products with q (|q| <= 127) sum over E below 2^31.

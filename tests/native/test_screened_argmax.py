@@ -129,6 +129,48 @@ def test_huge_weights_and_hidden_states_stay_exact():
     assert screened(hidden, table).tolist() == oracle(hidden, table).tolist()
 
 
+@pytest.mark.parametrize(
+    ("hidden", "table"),
+    [
+        ([[1e20]], [[4e18, 5e18]]),  # both chains overflow to inf: the first wins
+        ([[2e19, 2e19]], [[2e19, 1e14], [-2e19, 0.0]]),  # word 0's chain overflows on the way
+    ],
+)
+def test_a_chain_that_overflows_float32_is_computed_exactly(hidden, table):
+    hidden, table = np.asarray(hidden, np.float32), np.asarray(table, np.float32)
+    assert screened(hidden, table).tolist() == oracle(hidden, table).tolist() == [0]
+
+
+@pytest.mark.parametrize("copies", [1, 2])
+def test_subnormal_partial_sums_are_kept_not_flushed(copies):
+    # Word 1's chain passes 1.5 * 2^-126 and ends at 2^-127, a subnormal above word 0's 0; XLA:CPU runs
+    # custom calls with flush-to-zero, under which it would end at 0 and word 0 would win. A copy of
+    # word 1 sends the row down another path (more words within the bound), with the same answer.
+    table = np.zeros((2, 1 + copies), np.float32)
+    table[:, 1:] = np.array([1.5 * 2.0**-26, -(2.0**-26)], np.float32)[:, None]
+    hidden = np.full((1, 2), 2.0**-100, np.float32)
+    assert oracle(hidden, table).tolist() == [1]
+    assert screened(hidden, table).tolist() == [1]
+
+
+def test_words_too_small_for_a_step_are_screened_without_warnings():
+    table = np.random.default_rng(29).standard_normal((16, 50)).astype(np.float32)
+    table[:, 7] = np.float32(1e-44)  # magnitude / 127 rounds to 0 in float32
+    screen = native.screen_of(jnp.asarray(table))
+    assert np.isfinite(np.asarray(screen.slack)).all()
+    hidden = np.random.default_rng(30).standard_normal((2, 16)).astype(np.float32)
+    assert screened(hidden, table).tolist() == oracle(hidden, table).tolist()
+
+
+@pytest.mark.parametrize("shape", [(8, 0), (0, 8), (native.MAX_WIDTH + 1, 1), (8,)])
+def test_a_table_the_screen_cannot_serve_is_refused_by_name(shape):
+    table = jnp.zeros(shape, jnp.float32)
+    with pytest.raises(
+        ValueError, match=r"table of shape .* must be float32 \[E, V\] with E in \[1, 1048576\]"
+    ):
+        native.screen_of(table)
+
+
 def test_it_runs_under_jit_with_leading_axes():
     rng = np.random.default_rng(17)
     table = jnp.asarray(rng.standard_normal((24, 700)).astype(np.float32))
@@ -169,7 +211,10 @@ def arrays(width=8, words=30):
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        ((lambda h, s, t: (h[:, :5], s, t)), r"table of shape \(8, 30\).*must be float32 \[5, V\]"),
+        (
+            (lambda h, s, t: (h[:, :5], s, t)),
+            r"table of shape \(8, 30\) must be \[5, V\]: hidden rows hold 5",
+        ),
         ((lambda h, s, t: (h.astype(jnp.int32), s, t)), "hidden of shape .* must be floats"),
         ((lambda h, s, t: (h, s, t.astype(jnp.bfloat16))), "table .* dtype bfloat16 must be float32"),
         (
@@ -229,6 +274,19 @@ def test_a_file_where_the_build_folder_belongs_is_a_typed_error(fresh_build, mon
     refused = r"MSTAR_JAX_NATIVE_DIR=.*afile.* must be a writable folder"
     with pytest.raises(native.NativeUnavailableError, match=refused):
         native.build()
+
+
+def test_a_failed_build_is_tried_once_a_process(fresh_build, monkeypatch):
+    calls = fresh_build / "calls"
+    failing = fresh_build / "cc"
+    failing.write_text(f"#!/bin/sh\necho x >> {calls}\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CXX", str(failing))
+    assert not native.available()
+    assert not native.available()
+    with pytest.raises(native.NativeUnavailableError):
+        native.build()
+    assert calls.read_text() == "x\n"
 
 
 def test_a_build_is_reused_not_repeated(fresh_build):

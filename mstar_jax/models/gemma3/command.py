@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--implementation", choices=("auto", "xla", "pallas"), default="auto")
     parser.add_argument(
         "--greedy-screen", action="store_true",
-        help="CPU, float32: greedy tokens through a bfloat16 screen of the output projection (faster decode; "
+        help="CPU, float32: greedy tokens through an int8 screen of the output projection (faster decode; "
         "built with the host's C++ compiler)",
     )  # fmt: skip
     parser.add_argument("--gguf", type=_path, metavar="PATH", help="(default: the gemma extra's)")

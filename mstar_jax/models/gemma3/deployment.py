@@ -38,7 +38,7 @@ class Gemma3DeploymentConfig:
       chunk: prompt tokens a prefill step reads per stream.
       max_slots: streams served at once (each holds one slot of both caches).
       dtype: the weights' and caches' dtype.
-      greedy_screen: CPU and float32 only: greedy tokens through a bfloat16 screen of the output
+      greedy_screen: CPU and float32 only: greedy tokens through an int8 screen of the output
         projection (`Gemma3Streams(greedy_screen=True)`; built with the host's C++ compiler).
     """
 

@@ -1,4 +1,4 @@
-"""Greedy tokens through a bfloat16 screen of the output projection (`Gemma3Streams(greedy_screen=True)`).
+"""Greedy tokens through an int8 screen of the output projection (`Gemma3Streams(greedy_screen=True)`).
 
 A decode step's largest read is the output projection: 262,144 words x 640 floats, 671 MB in float32,
 more than every layer together. A greedy row needs only the argmax, so `mstar_jax.native.screened_argmax`

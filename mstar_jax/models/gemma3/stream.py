@@ -145,11 +145,12 @@ class Gemma3Streams:
         `max_slots`, `model` shards split the KV heads, the weights are replicated; a multi-process
         mesh's process admits into its own data shards. None: one device. The engine serves a meshed
         `Gemma3Streams` (`Gemma3Serving`); its own `run` needs one device.
-      greedy_screen: CPU only: take greedy tokens (head `next`, temperature 0) with
-        `mstar_jax.native.screened_argmax`, which reads a bfloat16 copy of the output projection (335 MB
-        more memory for the 270M model) instead of the float32 one, then finishes the few words it
-        cannot rule out in float32: the argmax of float32 logits, summed in its own fixed order.
-        Sampled rows and the other heads still compute every logit.
+      greedy_screen: CPU, float32 only: take greedy tokens (head `next`, temperature 0) with
+        `mstar_jax.native.screened_argmax`, which reads a two-level int8 copy of the output projection
+        (336 MiB more for the 270M model) instead of the float32 one, then finishes the few words it
+        cannot rule out in float32: the argmax of float32 logits, summed in its own fixed order (so a
+        near-tie may go another way than XLA's product would). Sampled rows and the other heads still
+        compute every logit.
 
     Attributes:
       runner: both caches' `ResourceRunner`; `local`, `global_` the managers.
