@@ -245,7 +245,8 @@ def parse_deployment(mapping: Mapping[str, Any], source: str = "<string>") -> De
     if "kv_cache" in mapping:
         raise DeploymentError(f"{source}: kv_cache: {_legacy_kv_cache_hint(mapping['kv_cache'], specs)}")
     specs = _apply_resources(source, specs, mapping)
-    _refuse_unread_workload(source, name, config, mapping.get("workload"))
+    for section in _UNREAD:
+        _refuse_unread(source, name, config, section, mapping.get(section))
     settings = {section: _parse_settings(source, section, mapping.get(section)) for section in _SETTINGS}
     try:
         return Deployment(model=name, model_config=config, specs=specs, source=source, **settings)
@@ -253,16 +254,21 @@ def parse_deployment(mapping: Mapping[str, Any], source: str = "<string>") -> De
         raise DeploymentError(f"{source}: {err}") from None
 
 
-def _refuse_unread_workload(source: str, name: str, config: Any, block: Any) -> None:
-    """Refuse a workload setting the model's run never reads (a speech model's `max_frames` in a text
-    model's deployment, say): given, it would be silently ignored."""
-    unread = type(config).UNREAD_WORKLOAD
+# section: the model config's class attribute naming the section's settings its model never reads.
+_UNREAD = {"workload": "UNREAD_WORKLOAD", "compile": "UNREAD_COMPILE"}
+
+
+def _refuse_unread(source: str, name: str, config: Any, section: str, block: Any) -> None:
+    """Refuse a `section` setting the model never reads (a speech model's `max_frames` in a text model's
+    workload, a text model's `token_counts` in its compile, say): given, it would be silently ignored.
+    Checked before the section is parsed, and the value shown cut short (`brief`)."""
+    unread = getattr(type(config), _UNREAD[section], ())
     given = sorted((key for key in block if key in unread), key=str) if isinstance(block, Mapping) else []
     if given:
-        read = [f.name for f in dataclasses.fields(WorkloadSettings) if f.name not in unread]
+        read = [f.name for f in dataclasses.fields(_SETTINGS[section]) if f.name not in unread]
         raise DeploymentError(
-            f"{source}: workload: {given[0]}={block[given[0]]!r} is not read by model {name!r}; its "
-            f"workload reads {read}"
+            f"{source}: {section}: {given[0]}={brief(block[given[0]])} is not read by model {name!r}; its "
+            f"{section} reads {read}"
         )
 
 

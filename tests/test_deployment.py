@@ -403,6 +403,48 @@ def test_a_cache_the_model_cannot_build_is_a_model_config_error():
     )
 
 
+def test_a_compile_setting_the_model_never_reads_is_refused_before_the_section_is_parsed(monkeypatch):
+    # The generic part: a model config names its unread compile settings (`UNREAD_COMPILE`, default none).
+    mapping = _with(_default_mapping(), "compile.min_batch", "two")  # not even an int: never parsed
+    with pytest.raises(DeploymentError, match=r"compile: min_batch='two' must be an int >= 1"):
+        parse_deployment(mapping, source="deploy.yaml")
+    monkeypatch.setattr(StreamingTTSConfig, "UNREAD_COMPILE", ("min_batch",), raising=False)
+    with pytest.raises(DeploymentError) as info:
+        parse_deployment(mapping, source="deploy.yaml")
+    assert str(info.value) == (
+        "deploy.yaml: compile: min_batch='two' is not read by model 'streaming_tts'; its compile reads "
+        "['batch_sizes', 'token_counts', 'min_tokens', 'max_tokens', 'persistent_cache_dir', "
+        "'persistent_cache_min_compile_secs']"
+    )
+
+
+def test_gemma3_refuses_token_buckets_it_never_compiles():
+    mapping = {"model": {"name": "gemma3"}, "engine": {"max_batch": 2}}
+    assert parse_deployment(_with(mapping, "compile.batch_sizes", [1, 2])).batch_sizes == (1, 2)
+    for key, value in (("token_counts", [1, 128]), ("min_tokens", 2), ("max_tokens", 64)):
+        with pytest.raises(DeploymentError) as info:
+            parse_deployment(_with(mapping, f"compile.{key}", value), source="deploy.yaml")
+        assert str(info.value) == (
+            f"deploy.yaml: compile: {key}={value} is not read by model 'gemma3'; its compile reads "
+            "['batch_sizes', 'min_batch', 'persistent_cache_dir', 'persistent_cache_min_compile_secs']"
+        )
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_with_a_short_message(tmp_path):
+    # Ten levels of nine aliases: 9**10 ints, shown by `brief` without writing them all.
+    levels = ["&a0 [0, 0, 0, 0, 0, 0, 0, 0, 0]"]
+    for i in range(1, 10):
+        levels.append(f"&a{i} [{levels[-1]}" + f", *a{i - 1}" * 8 + "]")
+    path = tmp_path / "bomb.yaml"
+    path.write_text(f"model: {{name: streaming_tts}}\ncompile:\n  token_counts: {levels[-1]}\n")
+    with pytest.raises(DeploymentError) as info:
+        load_deployment(path)
+    assert str(info.value) == (
+        f"{path}: compile: token_counts[0]=[[[[[[[[[0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0... "
+        "must be an int >= 1"
+    )
+
+
 def test_missing_model_and_non_mapping_document():
     with pytest.raises(DeploymentError, match=r"^<string>: missing the 'model:' section"):
         parse_deployment({"engine": {"max_batch": 2}})

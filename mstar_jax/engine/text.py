@@ -24,6 +24,7 @@ from mstar_jax.engine import report as tts_report
 from mstar_jax.engine.build import EXECUTABLES, deployment_mesh
 from mstar_jax.engine.engine import ServingEngine
 from mstar_jax.engine.workload import arrival_times
+from mstar_jax.errors import DeploymentError
 from mstar_jax.models.gemma3.serving import Gemma3Programs, Gemma3Serving, TextRequest, TextStream
 from mstar_jax.models.gemma3.stream import Gemma3Streams
 from mstar_jax.serving.stream import Phase
@@ -46,13 +47,15 @@ def build_text_engine(
     the deployment refuses otherwise)."""
     import jax.numpy as jnp
 
-    from mstar_jax.models.gemma3 import load_gguf, open_gguf
+    from mstar_jax.models.gemma3 import load_gguf, open_gguf, read_config
     from mstar_jax.models.gemma3.model import Gemma3
 
     config = deployment.model_config
     slots = {spec.resource_key: spec.config.max_slots for spec in deployment.specs}
     mesh = deployment_mesh(deployment)  # before the weights load: a mesh's devices are checked first
-    geometry, tensors = load_gguf(open_gguf(config.path))
+    reader = open_gguf(config.path)
+    _check_geometry(deployment, read_config(reader))  # before the weights load
+    geometry, tensors = load_gguf(reader)
     model = Gemma3.from_tensors(geometry, tensors, dtype=jnp.dtype(config.dtype))
     configure_persistent_cache(deployment.compile)
     cache_dir = deployment.compile.persistent_cache_dir
@@ -64,6 +67,23 @@ def build_text_engine(
         mesh=mesh, greedy_screen=config.greedy_screen,
     )  # fmt: skip
     return text_engine(streams, deployment.engine, progress=progress)
+
+
+def _check_geometry(deployment: Any, found: Any) -> None:
+    """Refuse a model file whose geometry is not the one the deployment's caches were declared from (the
+    `gemma` extra's file, checked without it, declares Gemma 3 270M's).
+
+    Raises:
+      DeploymentError: naming the file and the first field that differs.
+    """
+    declared = deployment.model_config.geometry()
+    for field in dataclasses.fields(declared):
+        want, got = getattr(declared, field.name), getattr(found, field.name)
+        if want != got:
+            raise DeploymentError(
+                f"{deployment.source}: model.config.gguf: {deployment.model_config.path} has "
+                f"{field.name}={got!r}, where the deployment declares {want!r}"
+            )
 
 
 def text_engine(streams: Gemma3Streams, settings: EngineSettings, *, progress: bool = True) -> ServingEngine:

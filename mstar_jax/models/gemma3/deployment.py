@@ -1,7 +1,8 @@
 """A Gemma 3 deployment's `model.config`: which GGUF file, what the global layers keep, how prompts are read.
 
 A deployment names the model `gemma3` (`mstar_jax.models.MODELS`); its config points at a GGUF file and
-declares the two bounded caches (`resource_specs`) from that file's geometry. Nothing heavier than the
+declares the two bounded caches (`resource_specs`) from that file's geometry: the `gemma` extra's file's
+is declared (`GEMMA3_270M`), so checking a deployment of it needs no extra. Nothing heavier than the
 standard library is imported until the specs are asked for: a deployment of another model never needs
 the `gemma` extra.
 """
@@ -52,6 +53,8 @@ class Gemma3DeploymentConfig:
 
     UNREAD_WORKLOAD: ClassVar[tuple[str, ...]] = ("voices", "min_frames", "max_frames")
     """A speech model's workload settings: a deployment of this model refuses them."""
+    UNREAD_COMPILE: ClassVar[tuple[str, ...]] = ("token_counts", "min_tokens", "max_tokens")
+    """Token buckets: a text model's are its `chunk` and 1, so a deployment of this model refuses them."""
 
     def __post_init__(self):
         for name, minimum in (("global_sink", 0), ("global_window", 1), ("chunk", 1), ("max_slots", 1)):
@@ -84,13 +87,18 @@ class Gemma3DeploymentConfig:
         return SinkWindow(self.global_sink, self.global_window)
 
     def geometry(self) -> Gemma3Config:
-        """The model's geometry, from the file's metadata, checked against its tensor table (no tensor is
-        read).
+        """The model's geometry: the extra's model declares it (`GEMMA3_270M`), so a deployment of it checks
+        without the extra installed; another file's comes from its metadata, checked against its tensor
+        table (no tensor is read).
 
         Raises:
           GGUFError: (a ValueError) for a file that is not a readable Gemma 3 GGUF file.
           ValueError: for a tensor missing, or of another shape than the geometry's.
         """
+        if self.gguf is None:
+            from mstar_jax.models.gemma3.gguf import GEMMA3_270M
+
+            return GEMMA3_270M
         path = self.path.resolve()
         stat = path.stat()
         return _geometry(path, (stat.st_ino, stat.st_size, stat.st_mtime_ns))

@@ -19,9 +19,12 @@ from mstar_jax.cli import main
 from mstar_jax.deployment import DeploymentError, parse_deployment
 from mstar_jax.devices import DeviceMemory
 from mstar_jax.memory import memory_budget
+from tests import extras
 from tests.models.gemma3.test_model import CONFIG, random_tensors
 
-gguf = pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
+extras.skip_module_without("gemma")
+pytestmark = pytest.mark.gemma
+import gguf
 
 
 def write_gguf(path, config=CONFIG, seed: int = 0, pieces=None, *, tensors=None, metadata=None) -> None:
@@ -283,3 +286,25 @@ def test_one_deployment_builds_its_abstract_model_once(tmp_path, monkeypatch):
     budget = memory_budget(deployment, DeviceMemory(nbytes=2**30, source="test"))
     assert budget.parts[0].nbytes == sum(t.nbytes for t in random_tensors(config).values())
     assert len(calls) == 1
+
+
+def test_a_model_file_other_than_the_declared_geometry_is_refused_before_its_weights_load(
+    model_file, tmp_path, monkeypatch, capsys
+):
+    # `gguf: null` declares Gemma 3 270M without reading the extra's file; building reads the file and
+    # must refuse one of another geometry (here the tiny model's) before loading a tensor.
+    from mstar_jax.models import gemma3
+    from mstar_jax.models.gemma3 import gguf as gguf_module
+
+    monkeypatch.setattr(gguf_module, "default_gguf_path", lambda: model_file)
+    monkeypatch.setattr(gemma3, "load_gguf", lambda *a, **k: pytest.fail("the weights were loaded"))
+    settings = mapping(model_file)
+    del settings["model"]["config"]["gguf"]
+    path = tmp_path / "gemma.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    assert main(["run", "--config", str(path), "--output", str(tmp_path / "out")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        f"mstar-jax run: error: {path}: model.config.gguf: {model_file} has vocab_size=64, where the "
+        "deployment declares 262144"
+    )
