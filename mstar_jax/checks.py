@@ -27,15 +27,74 @@ INT32_MAX = 2**31 - 1
 counts, loop trip counts): past it a program overflows instead of refusing."""
 
 
+_SHOWN = 60
+
+
 def brief(value: Any) -> str:
-    """`repr(value)`, cut to 60 characters: a refusal names the value without echoing a megabyte."""
+    """`repr(value)`, cut to 60 characters: a refusal names the value without echoing a megabyte.
+
+    Lists, tuples, dicts and sets are written item by item only until the 60 characters are there, so
+    a huge value costs what a small one does: a YAML alias bomb (each level nine references to the one
+    below) is billions of items to `repr` whole.
+    """
+    parts: list[str] = []
     try:
-        text = repr(value)
+        _write(value, parts, [_SHOWN + 1], set())
+    except _EnoughError:
+        pass
     except ValueError:  # an int past Python's digit limit for str() (or a container holding one)
         if isinstance(value, int):
             return f"<an int of {value.bit_length()} bits>"
         return f"<a {type(value).__name__} too long to show>"
-    return text if len(text) <= 60 else text[:57] + "..."
+    text = "".join(parts)
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
+
+
+class _EnoughError(Exception):
+    """`brief` has more text than it shows: stop writing."""
+
+
+# The builtin containers `_write` spells out as their `repr` does (exact types: a subclass may have its
+# own `__repr__`): (opening, closing, what repr shows for one inside itself).
+_CONTAINERS = {
+    list: ("[", "]", "[...]"),
+    tuple: ("(", ")", "(...)"),
+    dict: ("{", "}", "{...}"),
+    set: ("{", "}", "set(...)"),
+    frozenset: ("frozenset({", "})", "frozenset(...)"),
+}
+
+
+def _write(value: Any, parts: list[str], room: list[int], active: set[int]) -> None:
+    """Append `repr(value)` to `parts` piece by piece, raising `_EnoughError` once `room[0]` characters are
+    used up; `active` holds the ids of the containers being written (a container inside itself)."""
+    kind = type(value)
+    if kind not in _CONTAINERS or not value:
+        _put(repr(value), parts, room)
+        return
+    opening, closing, inside_itself = _CONTAINERS[kind]
+    if id(value) in active:
+        _put(inside_itself, parts, room)
+        return
+    active.add(id(value))
+    _put(opening, parts, room)
+    for i, item in enumerate(value.items() if kind is dict else value):
+        if i:
+            _put(", ", parts, room)
+        if kind is dict:
+            _write(item[0], parts, room, active)
+            _put(": ", parts, room)
+            item = item[1]
+        _write(item, parts, room, active)
+    active.discard(id(value))
+    _put(",)" if kind is tuple and len(value) == 1 else closing, parts, room)
+
+
+def _put(text: str, parts: list[str], room: list[int]) -> None:
+    parts.append(text)
+    room[0] -= len(text)
+    if room[0] < 0:
+        raise _EnoughError
 
 
 def is_int(value: Any, *, numpy: bool = False) -> bool:

@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 from typing import Any
 
-from mstar_jax.checks import INT32_MAX, check_bool, check_int, check_number
+from mstar_jax.checks import INT32_MAX, brief, check_bool, check_int, check_number
 
 __all__ = [
     "MAX_DECODE_STEPS", "MAX_STREAMS", "MAX_WAIT_S", "CompileSettings", "EngineSettings", "MeshSettings",
@@ -218,7 +218,7 @@ def _default(obj: Any, name: str) -> Any:
 
 def _increasing_ints(name: str, values: Any) -> tuple[int, ...]:
     if isinstance(values, str) or not isinstance(values, tuple | list):
-        raise ValueError(f"{name}={values!r} must be a list of ints >= 1, or null")
+        raise ValueError(f"{name}={brief(values)} must be a list of ints >= 1, or null")
     values = tuple(values)
     if not values:
         raise ValueError(f"{name}=[] must list at least one bucket, or be null to derive them")

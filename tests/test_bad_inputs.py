@@ -215,6 +215,16 @@ PARSE_CASES = [
         r"\['streams', 'arrival_rate_hz', 'min_text_tokens', .*'max_new_tokens', 'seed'\]",
     ),
     _case(
+        "compile-token-buckets-of-a-text-model",
+        {
+            "model": {"name": "gemma3"}, "resources": None, "workload": {"streams": 2},
+            "compile": {"token_counts": [1, 128]},
+        },
+        DeploymentError,
+        r"deploy\.yaml: compile: token_counts=\[1, 128\] is not read by model 'gemma3'; its compile reads "
+        r"\['batch_sizes', 'min_batch', 'persistent_cache_dir', 'persistent_cache_min_compile_secs'\]",
+    ),
+    _case(
         "arrival_rate_hz=true", {"workload.arrival_rate_hz": True}, DeploymentError,
         r"deploy\.yaml: workload: arrival_rate_hz=True must be a number >= 0\.000277.*",
     ),
@@ -580,11 +590,21 @@ CONFIG_CASES = [
     ),
     _case(
         "dtype=list", _config, {"dtype": [1]}, ValueError,
-        r"dtype=\[1\] is not a dtype; use e\.g\. jnp\.float32 or jnp\.bfloat16",
+        r"dtype=\[1\] is not a dtype; use one of float32, bfloat16, float16",
     ),
     _case(
         "dtype=int8", _config, {"dtype": "int8"}, ValueError,
-        r"dtype='int8' must be a floating dtype \(float32, bfloat16, float16\)",
+        r"dtype='int8' must be a floating dtype the cache stores \(float32, bfloat16, float16\), not int8",
+    ),
+    _case(
+        "dtype=float64", _config, {"dtype": np.float64}, ValueError,
+        r"dtype=<class 'numpy\.float64'> must be a floating dtype the cache stores \(float32, bfloat16, "
+        r"float16\), not float64",
+    ),
+    _case(
+        "sink+window-past-int32", _config, {"retention": SinkWindow(2**31 - 4, 4)}, ValueError,
+        r"retention\(1\) keeps sink=2147483644 \+ window=4 = 2147483648 entries; the sum must be <= "
+        r"2147483647 \(positions are int32\)",
     ),
     _case(
         "reverse_step_order=None", _config, {"reverse_step_order": None}, ValueError,
@@ -1043,7 +1063,8 @@ _GEMMA_METADATA = {
 def _write_gemma_gguf(path: Path) -> bytes:
     """A GGUF file with Gemma 3 metadata and small float32 tensors, one per block named in the metadata
     (not the model's: enough for the checks before the tensors' own); returns its bytes."""
-    gguf = pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
+    import gguf  # the gemma extra: every test calling this carries its marker
+
     writer = gguf.GGUFWriter(path, "gemma3")
     for key, value in _GEMMA_METADATA.items():
         writer.add_uint32(f"gemma3.{key}", value)
@@ -1140,6 +1161,7 @@ def _generate(argv: list[str]) -> tuple[int, str]:
     return status, lines[0]
 
 
+@pytest.mark.gemma
 @pytest.mark.parametrize(("corrupt", "pattern"), GGUF_CASES)
 def test_a_corrupt_gguf_file_is_refused_naming_it(corrupt, pattern, tmp_path, monkeypatch):
     from mstar_jax.models.gemma3 import GGUFError, load_gguf, open_gguf, read_config
@@ -1176,6 +1198,7 @@ def _budget(gguf: Path, slots: int, device_bytes: int):
     return serving_budget(params, dict(zip(("local", "global"), caches, strict=True)), device)
 
 
+@pytest.mark.gemma
 def test_generate_refuses_more_slots_than_fit_naming_the_most_that_do(tmp_path, monkeypatch):
     gguf = tmp_path / "model.gguf"
     _write_gemma_gguf(gguf)
@@ -1209,6 +1232,7 @@ def test_generate_refuses_more_slots_than_fit_naming_the_most_that_do(tmp_path, 
     assert re.fullmatch(GENERATE + r"--gguf: tensor '[\w.]+' has shape \([\d, ]+\); the config .*", line)
 
 
+@pytest.mark.gemma
 def test_generate_checks_the_devices_own_memory(tmp_path, monkeypatch):
     """The issue's case: no --device-memory, so the device's memory (the host's RAM on a CPU)."""
     from mstar_jax.memory import device_memory
@@ -1226,6 +1250,20 @@ def test_generate_checks_the_devices_own_memory(tmp_path, monkeypatch):
         rf"\({re.escape(device.source)}\); --max-slots \d+ is the most that fits",
         line,
     ), line
+
+
+@pytest.mark.gemma
+def test_generate_refuses_a_global_sink_and_window_past_int32_together(tmp_path, monkeypatch):
+    gguf = tmp_path / "model.gguf"
+    _write_gemma_gguf(gguf)
+    _forbid_loading(monkeypatch)
+    status, line = _generate(["--gguf", str(gguf), "--global-sink", str(2**31 - 1), "--global-window", "1"])
+    assert status == 2
+    assert line == (
+        "mstar-jax generate: error: --global-sink 2147483647 --global-window 1: the global layers' cache "
+        "cannot keep them: retention(0) keeps sink=2147483647 + window=1 = 2147483648 entries; the sum "
+        "must be <= 2147483647 (positions are int32)"
+    )
 
 
 # -- the engine ---------------------------------------------------------------------------------------
@@ -1307,6 +1345,10 @@ ENGINE_CASES = [
     ),
     _case(
         "offload-unknown", lambda p, e: e.offload("nobody"), UnknownRequestError,
+        r"request_id='nobody' is not a live request; live: \['live'\]",
+    ),
+    _case(
+        "cancel-unknown", lambda p, e: e.cancel("nobody"), UnknownRequestError,
         r"request_id='nobody' is not a live request; live: \['live'\]",
     ),
     _case(
@@ -1409,6 +1451,27 @@ def test_a_bad_engine_call_is_refused_and_changes_nothing(served, call, error, p
     assert re.fullmatch(pattern, str(info.value)), str(info.value)
     _assert_same_state(before, _engine_state(engine))
     assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots  # "live" was never admitted
+
+
+def test_a_request_before_the_host_started_is_refused_as_not_retryable(served):
+    from mstar_jax.server.errors import HostNotStartedError, ServerShuttingDownError
+    from mstar_jax.server.host import EngineHost  # imports no FastAPI
+
+    programs, _, _ = served
+    engine = _new_engine(programs)
+    host = EngineHost(engine)
+    with pytest.raises(HostNotStartedError) as info:
+        host.submit(request("early", V0, 4))  # no event loop either: refused before one is looked for
+    assert str(info.value) == (
+        "EngineHost.submit() was called before EngineHost.start(): call start() first (an app from "
+        "create_app starts its host when it starts up)"
+    )
+    assert isinstance(info.value, RuntimeError)
+    assert not isinstance(info.value, ServerShuttingDownError)
+    assert info.value.retryable is False
+    assert (host.alive, host.waiting, host.live) == (False, 0, 0)
+    assert engine.idle
+    assert engine.talker.free_slots == CONFIG.max_slots
 
 
 def test_the_table_covers_every_layer():

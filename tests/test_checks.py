@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from mstar_jax.checks import check_bool, check_choice, check_int, check_number, is_int
+from mstar_jax.checks import brief, check_bool, check_choice, check_int, check_number, is_int
 
 
 def test_is_int_refuses_bools_and_takes_numpy_ints_only_when_asked():
@@ -162,3 +162,39 @@ def test_a_refusal_names_a_long_value_without_echoing_it():
         check_int("n", huge, minimum=0, maximum=4)
     with pytest.raises(ValueError, match=r"^c=<a list too long to show> must be one of \['a'\]$"):
         check_choice("c", [huge], ("a",))
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def test_brief_is_repr_cut_to_60_characters():
+    itself, mapping, tuple_of_list = [1], {}, ([],)
+    itself.append(itself)
+    mapping["me"] = mapping
+    tuple_of_list[0].append(tuple_of_list)
+    values = [
+        None, True, 3.5, "it's", "v" * 100, [], (), {}, set(), frozenset(), (1,), ((1,),), [1, (2,)],
+        {1: [2, 3], "k": {"z": (4,)}}, {1, 2, 3}, frozenset({1}), [frozenset({1, 2})] * 10,
+        list(range(100)), {i: str(i) * 5 for i in range(30)}, itself, mapping, tuple_of_list,
+        np.int64(7), [np.float32(0.5)],
+    ]  # fmt: skip
+    for value in values:
+        assert brief(value) == _cut(repr(value))
+    assert brief(itself) == "[1, [...]]"  # a list inside itself, as repr shows it
+
+
+def test_brief_of_a_yaml_alias_bomb_writes_only_what_it_shows():
+    bomb = [0] * 9
+    for _ in range(19):  # nine references to the level below at each level: 9**20 zeros
+        bomb = [bomb] * 9
+    assert brief(bomb) == "[" * 20 + "0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0,..."
+    assert len(brief(bomb)) == 60
+    shared = {"a": [bomb] * 9, "b": 1}
+    assert brief(shared) == "{'a': [" + "[" * 20 + "0, 0, 0, 0, 0, 0, 0, 0, 0], [0..."
+    deep: list = []
+    for _ in range(100_000):  # deeper than repr can recurse
+        deep = [deep]
+    assert brief(deep) == "[" * 57 + "..."
+    with pytest.raises(ValueError, match=r"^token_counts\[0\]=\[\[\[\[.*\.\.\. must be an int >= 1$"):
+        check_int("token_counts[0]", bomb, minimum=1)

@@ -533,8 +533,42 @@ def test_generate_usage_errors_exit_2(argv, capsys):
     assert "usage: mstar-jax generate" in capsys.readouterr().err
 
 
+def test_generate_offers_and_takes_only_implementations_that_run(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--implementation", "pallas"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    # Python 3.12 quotes the choices, 3.13 does not.
+    choices = r"\(choose from '?auto'?, '?xla'?\)"
+    last = err.splitlines()[-1]
+    assert re.fullmatch(
+        r"mstar-jax generate: error: argument --implementation: invalid choice: 'pallas' " + choices, last
+    ), last
+    with pytest.raises(SystemExit):
+        main(["generate", "-h"])
+    assert "--implementation {auto,xla}" in capsys.readouterr().out
+
+
+def test_generate_refuses_the_greedy_screen_without_a_compiler_before_loading(monkeypatch, tmp_path, capsys):
+    from mstar_jax import native
+
+    native._library.cache_clear()  # forget a build made by an earlier test: this one has no compiler
+    monkeypatch.setenv("MSTAR_JAX_NATIVE_DIR", str(tmp_path / "native"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    try:
+        assert main(["generate", "--greedy-screen"]) == 2
+    finally:
+        native._library.cache_clear()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(
+        f"mstar-jax generate: error: --greedy-screen cannot run here: no C++ compiler "
+        f"'{tmp_path / 'no-such-compiler'}' on PATH (set $CXX)"
+    )
+
+
+@pytest.mark.gemma
 def test_generate_names_a_gguf_file_it_cannot_read(capsys):
-    pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
     assert main(["generate", "--gguf", "/nonexistent/model.gguf"]) == 2
     assert (
         "--gguf '/nonexistent/model.gguf' cannot be read: No such file or directory"

@@ -254,15 +254,17 @@ class ServingEngine:
                 self.cancel(stream.request_id)
 
     def cancel(self, request_id: str) -> None:
-        """Stop a request and return everything it holds."""
+        """Stop a live request and return everything it holds.
+
+        Raises:
+          UnknownRequestError: `request_id` is not live: never submitted, or already ended (a stream
+            ends once; check `stream.phase.finished` first).
+        """
         self._check_driver("cancel")
-        stream = self.streams.get(request_id)
-        if stream is not None:
-            self._finish(
-                stream,
-                Phase.CANCELLED,
-                RequestCancelledError(f"request {request_id!r} cancelled by the client"),
-            )
+        stream = self._live(request_id)
+        self._finish(
+            stream, Phase.CANCELLED, RequestCancelledError(f"request {request_id!r} cancelled by the client")
+        )
 
     def pause(self, request_id: str) -> None:
         """Stop scheduling a stream (its client is not reading); its slots may be offloaded."""
@@ -302,8 +304,10 @@ class ServingEngine:
         stream = self.streams.get(request_id)
         if stream is None:
             live = sorted(self.streams)
+            ended = self.finished.get(request_id)  # the most recent `history` ended streams
+            why = "" if ended is None else f" (it ended: {ended.phase.value})"
             raise UnknownRequestError(
-                f"request_id={request_id!r} is not a live request; live: {live[:8]}"
+                f"request_id={request_id!r} is not a live request{why}; live: {live[:8]}"
                 + (f" and {len(live) - 8} more" if len(live) > 8 else "")
             )
         return stream

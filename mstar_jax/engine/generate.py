@@ -109,7 +109,8 @@ def _check_memory(
     (`nnx.eval_shape`), each cache's slots and source bank from its config (`memory.serving_budget`).
 
     Raises:
-      error: naming `--max-slots`, its value, the bytes needed and available, and the most that fit.
+      error: naming `--max-slots`, its value, the bytes needed and available, and the most that fit; or
+        naming `--global-sink` and `--global-window` where the caches cannot hold them.
     """
     import jax.numpy as jnp
     from flax import nnx
@@ -120,7 +121,13 @@ def _check_memory(
     from mstar_jax.models.gemma3.stream import GLOBAL_KV, LOCAL_KV, cache_configs
 
     dtype = jnp.dtype(args.dtype)
-    local, global_ = cache_configs(config, global_retention=retention, max_slots=slots, dtype=dtype)
+    try:
+        local, global_ = cache_configs(config, global_retention=retention, max_slots=slots, dtype=dtype)
+    except ValueError as err:  # a sink and window past int32 positions together (each flag is bounded)
+        flags = (
+            "--dense" if args.dense else f"--global-sink {retention.sink} --global-window {retention.window}"
+        )
+        raise error(f"{flags}: the global layers' cache cannot keep them: {err}") from None
     _, params = nnx.split(nnx.eval_shape(lambda: Gemma3(config, dtype=dtype, rngs=nnx.Rngs(0))))
     if args.greedy_screen:
         params = (params, screen.abstract_arrays(config.vocab_size, config.d_model))
@@ -184,6 +191,14 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
         raise error(f"--global-sink {args.global_sink} does not go with --dense, which keeps every position")
     if args.greedy_screen and args.dtype != "float32":
         raise error(f"--greedy-screen needs --dtype float32, not {args.dtype}")
+    if args.greedy_screen:
+        from mstar_jax.models.gemma3 import screen
+        from mstar_jax.native import NativeUnavailableError
+
+        try:  # off CPU, or no C++ compiler: refused before the model loads, not by `Gemma3Streams`
+            screen.require(None, jnp.float32)
+        except (ValueError, NativeUnavailableError) as err:
+            raise error(f"--greedy-screen cannot run here: {err}") from None
     texts = list(args.prompt)
     for path in args.prompt_file:
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mstar_jax.checks import brief
 from mstar_jax.resources.base import PublishedInfo, Resource
 from mstar_jax.resources.spec import ResourceReqConfig
 from mstar_jax.resources.step import FULL_ADMIT_OK, AdmitOutcome, FullAdmitOutcome, SubmoduleStep
@@ -186,7 +187,7 @@ class ResourceRunner:
         request_id: str,
         node_name: str,
         graph_walk: str,
-        published: Mapping[str, PublishedInfo],
+        published: Mapping[str, PublishedInfo] | None = None,
     ) -> FullAdmitOutcome:
         """Hand each retrieving resource its part of `published` (by resource key; None where absent)
         for `request_id`; stop at the first refusal.
@@ -197,12 +198,23 @@ class ResourceRunner:
           request_id: the request retrieving.
           node_name: the graph node this runner serves.
           graph_walk: the walk the request is on.
-          published: what another instance published for the request, by resource key.
+          published: what another instance published for the request, by resource key (what `publish`
+            returns for it); None: nothing was published, every retrieving resource gets None.
 
         Returns:
           `FULL_ADMIT_OK`; or the refusing resource's outcome with `failed_resource` naming it; or
           `ok=True, ready=False` while some retrieval is still on its way.
+
+        Raises:
+          TypeError: `published` is neither None nor a mapping (checked before any resource is asked).
         """
+        if published is None:
+            published = {}
+        elif not isinstance(published, Mapping):
+            raise TypeError(
+                f"published={brief(published)} must be None or a mapping of resource key to PublishedInfo "
+                f"(what publish() returns for one request), got {type(published).__name__}"
+            )
         ready = True
         for key in self._retrievers:
             resource = self.resources[key]

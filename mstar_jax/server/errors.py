@@ -19,6 +19,7 @@ __all__ = [
     "WS_CLOSE_RETRY",
     "BadRequestError",
     "ClientError",
+    "HostNotStartedError",
     "NotFoundError",
     "OverloadedError",
     "PayloadTooLargeError",
@@ -99,6 +100,14 @@ class ServerShuttingDownError(RequestError):
     deadline. Retryable: another replica, or this one restarted, will serve it."""
 
     retryable = True
+
+
+class HostNotStartedError(RuntimeError):
+    """A request submitted to an `EngineHost` before its `start()`: the caller's mistake, not a fault a
+    client could retry (a `ServerShuttingDownError` is one), so not retryable; `create_app` starts its
+    host before it serves."""
+
+    retryable = False
 
 
 class _EngineFailureError(ClientError):

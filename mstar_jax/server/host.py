@@ -41,7 +41,12 @@ from typing import Any
 from mstar_jax.checks import check_int, check_number
 from mstar_jax.engine.engine import ServingEngine
 from mstar_jax.engine.tts import Engine
-from mstar_jax.server.errors import BadRequestError, OverloadedError, ServerShuttingDownError
+from mstar_jax.server.errors import (
+    BadRequestError,
+    HostNotStartedError,
+    OverloadedError,
+    ServerShuttingDownError,
+)
 from mstar_jax.server.handle import Cancel, RequestHandle, Resume, Submit, receive_all
 from mstar_jax.serving.stream import Phase, RequestError, StepFailedError
 
@@ -172,10 +177,15 @@ class EngineHost:
           loop: the event loop that reads the handle (default: the running one).
 
         Raises:
-          ServerShuttingDownError: the host no longer accepts requests.
+          HostNotStartedError: `start()` was not called yet (not retryable: nothing would serve it).
+          ServerShuttingDownError: the host no longer accepts requests, or its thread has stopped.
           OverloadedError: `max_waiting` requests wait already.
-          RuntimeError: the host thread is not running.
         """
+        if self._thread is None:
+            raise HostNotStartedError(
+                "EngineHost.submit() was called before EngineHost.start(): call start() first (an app "
+                "from create_app starts its host when it starts up)"
+            )
         loop = loop or asyncio.get_running_loop()
         if not self.alive:
             raise ServerShuttingDownError("the engine is not running") from self.failure
@@ -316,7 +326,10 @@ class EngineHost:
         elif isinstance(command, Cancel):
             if handle.request_id in self._live:
                 handle._cancelled_as = command.outcome
-                self.engine.cancel(handle.request_id)
+                # Only a live stream: the engine refuses to cancel one that ended (`_settle` answers it),
+                # and a refusal here would stop the thread every client is served by.
+                if handle.request_id in self.engine.streams:
+                    self.engine.cancel(handle.request_id)
                 self._settle()
         elif isinstance(command, Resume):
             with handle._lock:
@@ -406,7 +419,8 @@ class EngineHost:
         if self._deadline is None or time.monotonic() < self._deadline or not self._live:
             return
         for handle in list(self._live.values()):
-            self.engine.cancel(handle.request_id)
+            if handle.request_id in self.engine.streams:  # one that ended is answered as shut down too
+                self.engine.cancel(handle.request_id)
             self._finish(
                 handle,
                 ServerShuttingDownError(

@@ -179,7 +179,7 @@ def test_malformed_requests_are_refused_at_submit_with_nothing_queued(programs):
         Voice(0, 16.0)
     with pytest.raises(ValueError, match=r"text=\[1.5, 2\] must be integer token ids, got dtype float64"):
         TTSRequest("f", [1.5, 2], v0, 4)
-    for call in (engine.pause, engine.resume, engine.offload):
+    for call in (engine.pause, engine.resume, engine.offload, engine.cancel):
         with pytest.raises(
             UnknownRequestError, match=r"request_id='nobody' is not a live request; live: \[\]"
         ):
@@ -239,6 +239,28 @@ def test_cancellation_frees_every_slot(programs):
     assert_complete(kept)
     assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
     assert "doomed" not in engine.streams
+
+
+def test_cancel_refuses_a_request_that_is_not_live_and_changes_nothing(programs):
+    engine, (v0, _) = make_engine(programs)
+    ended = engine.submit(request("ended", v0, 3))
+    engine.run_until_idle()
+    kept = engine.submit(request("kept", v0, 5))
+    counters = dict(engine.counters)
+    with pytest.raises(UnknownRequestError) as info:
+        engine.cancel("never")
+    assert str(info.value) == "request_id='never' is not a live request; live: ['kept']"
+    with pytest.raises(UnknownRequestError) as info:  # a stream ends once: done stays done
+        engine.cancel("ended")
+    assert str(info.value) == "request_id='ended' is not a live request (it ended: done); live: ['kept']"
+    assert ended.phase is Phase.DONE
+    assert ended.failure is None
+    assert kept.phase is Phase.WAITING
+    assert list(engine.streams) == ["kept"]
+    assert dict(engine.counters) == counters
+    engine.cancel("kept")
+    assert kept.phase is Phase.CANCELLED
+    assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
 
 
 def test_a_voice_named_by_a_queued_request_cannot_be_replaced(programs):
@@ -431,6 +453,7 @@ def test_mstar_jax_run_end_to_end_on_a_tiny_deployment(programs, cache_dir, tmp_
     assert cli.main(["run", "--config", str(path), "--output", str(output), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "5/5 done" in out
+    assert out.splitlines()[-1] == cli.NEXT_STEPS  # what the README's first command ends with
     assert "0 compilations after warm-up" in out
     report = json.loads((output / "report.json").read_text())
     assert report["streams"]["done"] == 5

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mstar_jax.resources.base import PublishedInfo, Resource
@@ -308,6 +310,35 @@ def test_admit_retrieve_takes_the_originals_positional_order_and_passes_it_throu
     resource.retrieved.clear()
     assert runner.admit_retrieve(request_id="rid", node_name="node", graph_walk="walk", published={}).ok
     assert resource.retrieved == [("rid", "node", "walk", None)]
+
+
+def test_admit_retrieve_takes_none_as_nothing_published():
+    journal = []
+    a, b = Publisher("a", journal), Publisher("b", journal, retrieve=AdmitOutcome(True, False, None))
+    runner = ResourceRunner({"a": a, "b": b})
+    outcome = runner.admit_retrieve("r1", "talker", "prefill", None)
+    assert (outcome.ok, outcome.ready, outcome.failed_resource) == (True, False, None)
+    assert runner.admit_retrieve("r2", "talker", "decode").ok  # None is the default
+    assert a.retrieved == b.retrieved == [("r1", "talker", "prefill", None), ("r2", "talker", "decode", None)]
+
+
+@pytest.mark.parametrize(
+    ("published", "shown"),
+    [([("a", 1)], r"\[\('a', 1\)\]"), (Info(1), "<.*Info object at .*>"), ("a", "'a'")],
+)
+def test_admit_retrieve_refuses_published_info_that_is_not_a_mapping_before_asking_anyone(published, shown):
+    journal = []
+    resource = Publisher("a", journal)
+    runner = ResourceRunner({"a": resource})
+    with pytest.raises(TypeError) as info:
+        runner.admit_retrieve("r1", "talker", "prefill", published)
+    assert re.fullmatch(
+        f"published={shown} must be None or a mapping of resource key to PublishedInfo \\(what publish\\(\\) "
+        f"returns for one request\\), got {type(published).__name__}",
+        str(info.value),
+    ), str(info.value)
+    assert resource.retrieved == []
+    assert journal == []
 
 
 def test_a_resource_that_raises_in_admit_has_the_earlier_admits_aborted_then_the_error_raised():

@@ -67,7 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-slots", type=_positive, metavar="N", help="streams at once (default: all)")
     parser.add_argument("--chunk", type=_positive, default=128, metavar="T", help="prefill tokens a step")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--implementation", choices=("auto", "xla", "pallas"), default="auto")
+    # No "pallas": a Pallas kernel lowers only for its own platform, and "auto" already picks it there.
+    parser.add_argument(
+        "--implementation", choices=("auto", "xla"), default="auto",
+        help="attention: the Pallas kernel on TPU and GPU, else XLA (auto), or XLA everywhere (xla)",
+    )  # fmt: skip
     parser.add_argument(
         "--greedy-screen", action="store_true",
         help="CPU, float32: greedy tokens through an int8 screen of the output projection (faster decode; "

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from mstar_jax.checks import check_bool, check_int
+from mstar_jax.checks import INT32_MAX, brief, check_bool, check_int
 from mstar_jax.resources.spec import NodeResourceSpec, register_static_pytree
 from mstar_jax.resources.step import ResourceStep, register_step_pytree
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_TABULATED_SOURCE_LENGTHS",
+    "STORAGE_DTYPES",
     "BoundedKVConfig",
     "BoundedKVSpec",
     "BoundedKVStep",
@@ -41,6 +42,10 @@ MAX_TABULATED_SOURCE_LENGTHS = 2**16
 (a deployment builds each config a few times), and 65,536 frames is 87 minutes of voice at 12.5 Hz.
 A constant `SinkWindow` needs no table and has no bound."""
 
+STORAGE_DTYPES: tuple[np.dtype, ...] = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+"""The dtypes a cache stores keys and values in. Not float64: JAX makes its arrays float32 unless
+`jax_enable_x64` is on, while `slot_bytes` would count 8-byte entries; and no Pallas kernel takes it."""
+
 # Store lengths are allocated in whole TPU tiles: sublanes, or lanes (see `store_capacity`).
 STORE_TILE = 8
 LANE_TILE = 128
@@ -50,7 +55,8 @@ class SinkWindow(NamedTuple):
     """Keep the stream's first `sink` and last `window` entries.
 
     With `window_includes_step` the window counts the step's own tokens, so a step that writes `span`
-    attends only the last `window - span` retained ones.
+    attends only the last `window - span` retained ones. `BoundedKVConfig` checks it: `sink` and
+    `window` are ints >= 0 with `sink + window <= INT32_MAX` (positions are int32).
     """
 
     sink: int
@@ -138,7 +144,8 @@ class BoundedKVConfig:
       max_slots: requests the cache holds at once.
       min_source_len: the shortest source a request may read; the written part of the sink is
         largest for the shortest source, so this sizes the slots.
-      dtype: storage dtype of keys and values (None means float32).
+      dtype: storage dtype of keys and values, one of `STORAGE_DTYPES` (float32, bfloat16, float16;
+        None means float32).
       reverse_step_order: a step's written tokens join the stream last-first (order-free attention
         only, e.g. a flow decoder that keeps the front of each chunk).
       query_window: None (every query attends every retained and step key) or `q >= 1`: causal band of
@@ -163,14 +170,15 @@ class BoundedKVConfig:
     def __post_init__(self):
         for name in ("num_layers", "num_heads", "head_dim", "rows_per_request", "max_slots"):
             check_int(name, getattr(self, name), minimum=1, numpy=True)
-        check_int("max_source_len", self.max_source_len, minimum=0, numpy=True)
+        # Positions are int32 in every program: a longer source would overflow them, not be refused.
+        check_int("max_source_len", self.max_source_len, minimum=0, maximum=INT32_MAX, numpy=True)
         check_int("min_source_len", self.min_source_len, minimum=0, numpy=True)
         if self.min_source_len > self.max_source_len:
             raise ValueError(
                 f"min_source_len={self.min_source_len} must be <= max_source_len={self.max_source_len}"
             )
         if self.query_window is not None:
-            check_int("query_window", self.query_window, minimum=1, numpy=True)
+            check_int("query_window", self.query_window, minimum=1, maximum=INT32_MAX, numpy=True)
             if self.reverse_step_order:
                 raise ValueError(
                     f"reverse_step_order=True with query_window={self.query_window}: a causal window needs "
@@ -322,12 +330,15 @@ register_static_pytree(BoundedKVConfig)
 def _storage_dtype(dtype: Any) -> np.dtype:
     if dtype is None:
         return np.dtype(np.float32)
+    allowed = ", ".join(d.name for d in STORAGE_DTYPES)
     try:
         resolved = np.dtype(dtype)
     except TypeError:
-        raise ValueError(f"dtype={dtype!r} is not a dtype; use e.g. jnp.float32 or jnp.bfloat16") from None
-    if not jnp.issubdtype(resolved, jnp.floating):
-        raise ValueError(f"dtype={dtype!r} must be a floating dtype (float32, bfloat16, float16)")
+        raise ValueError(f"dtype={brief(dtype)} is not a dtype; use one of {allowed}") from None
+    if resolved not in STORAGE_DTYPES:
+        raise ValueError(
+            f"dtype={brief(dtype)} must be a floating dtype the cache stores ({allowed}), not {resolved.name}"
+        )
     return resolved
 
 
@@ -337,10 +348,17 @@ def _as_sink_window(policy: Any, source_len: int) -> SinkWindow:
             f"retention({source_len})={policy!r} must be a SinkWindow(sink, window[, window_includes_step])"
         )
     policy = SinkWindow(*policy)
-    check_int(f"retention({source_len}).sink", policy.sink, minimum=0, numpy=True)
-    check_int(f"retention({source_len}).window", policy.window, minimum=0, numpy=True)
+    # The plan table holds positions and retained counts as int32: past it a program would overflow.
+    check_int(f"retention({source_len}).sink", policy.sink, minimum=0, maximum=INT32_MAX, numpy=True)
+    check_int(f"retention({source_len}).window", policy.window, minimum=0, maximum=INT32_MAX, numpy=True)
     check_bool(f"retention({source_len}).window_includes_step", policy.window_includes_step)
-    return SinkWindow(int(policy.sink), int(policy.window), policy.window_includes_step)
+    sink, window = int(policy.sink), int(policy.window)
+    if sink + window > INT32_MAX:
+        raise ValueError(
+            f"retention({source_len}) keeps sink={sink} + window={window} = {sink + window} entries; the "
+            f"sum must be <= {INT32_MAX} (positions are int32)"
+        )
+    return SinkWindow(sink, window, policy.window_includes_step)
 
 
 @dataclasses.dataclass(frozen=True)

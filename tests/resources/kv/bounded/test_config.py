@@ -157,6 +157,18 @@ def test_dtype_is_resolved(dtype, expected):
     assert make(dtype=dtype).dtype == np.dtype(expected)
 
 
+def test_slot_bytes_count_the_entries_the_cache_arrays_hold():
+    for dtype, itemsize in (("float32", 4), ("bfloat16", 2), ("float16", 2)):
+        cfg = make(dtype=dtype)  # 2 layers x 8 entries (one tile) x 1 row x 2 heads x (K, V) x 4 dims
+        assert cfg.slot_bytes == 2 * 8 * 1 * 2 * 2 * 4 * itemsize
+
+
+def test_the_largest_int32_retention_and_source_are_accepted():
+    cfg = make(retention=SinkWindow(2**31 - 2, 1), max_source_len=2**31 - 1, query_window=2**31 - 1)
+    assert cfg.max_retained == 2**31 - 1
+    assert cfg.retention_for(2**31 - 1) == SinkWindow(2**31 - 2, 1)
+
+
 def test_numpy_integers_are_accepted():
     cfg = make(num_layers=np.int64(3), max_source_len=np.int32(5), max_slots=np.int64(2))
     assert (cfg.num_layers, cfg.max_source_len, cfg.max_slots) == (3, 5, 2)
@@ -181,16 +193,16 @@ BAD_CONFIGS = [
     ({"max_slots": True}, "max_slots=True must be an int >= 1"),
     ({"max_slots": None}, "max_slots=None must be an int >= 1"),
     # Source lengths are ints >= 0 with min <= max.
-    ({"max_source_len": -1}, "max_source_len=-1 must be an int >= 0"),
-    ({"max_source_len": False}, "max_source_len=False must be an int >= 0"),
+    ({"max_source_len": -1}, "max_source_len=-1 must be an int in [0, 2147483647]"),
+    ({"max_source_len": False}, "max_source_len=False must be an int in [0, 2147483647]"),
     ({"min_source_len": -1}, "min_source_len=-1 must be an int >= 0"),
     ({"min_source_len": True}, "min_source_len=True must be an int >= 0"),
     ({"min_source_len": 9}, "min_source_len=9 must be <= max_source_len=8"),
     # query_window is None or an int >= 1, and excludes reverse_step_order.
-    ({"query_window": 0}, "query_window=0 must be an int >= 1"),
-    ({"query_window": -2}, "query_window=-2 must be an int >= 1"),
-    ({"query_window": True}, "query_window=True must be an int >= 1"),
-    ({"query_window": 1.5}, "query_window=1.5 must be an int >= 1"),
+    ({"query_window": 0}, "query_window=0 must be an int in [1, 2147483647]"),
+    ({"query_window": -2}, "query_window=-2 must be an int in [1, 2147483647]"),
+    ({"query_window": True}, "query_window=True must be an int in [1, 2147483647]"),
+    ({"query_window": 1.5}, "query_window=1.5 must be an int in [1, 2147483647]"),
     ({"reverse_step_order": True, "query_window": 2}, "reverse_step_order=True with query_window=2"),
     ({"reverse_step_order": 1}, "reverse_step_order=1 must be a bool"),
     ({"reverse_step_order": "yes"}, "reverse_step_order='yes' must be a bool"),
@@ -198,13 +210,35 @@ BAD_CONFIGS = [
     ({"dtype": jnp.int32}, "must be a floating dtype"),
     ({"dtype": np.bool_}, "must be a floating dtype"),
     ({"dtype": np.complex64}, "must be a floating dtype"),
-    ({"dtype": "nope"}, "dtype='nope' is not a dtype"),
+    ({"dtype": "nope"}, "dtype='nope' is not a dtype; use one of float32, bfloat16, float16"),
+    # Only what the cache stores: a float64 config would count 8-byte entries in float32 arrays.
+    (
+        {"dtype": jnp.float64},
+        "dtype=<class 'jax.numpy.float64'> must be a floating dtype the cache stores (float32, bfloat16, "
+        "float16), not float64",
+    ),
+    ({"dtype": "float64"}, "dtype='float64' must be a floating dtype the cache stores"),
+    ({"dtype": np.int32}, "(float32, bfloat16, float16), not int32"),
+    # Positions are int32: a sink, window, source or band past 2**31 - 1 is refused, not overflowed.
+    ({"retention": SinkWindow(2**31, 4)}, "retention(0).sink=2147483648 must be an int in [0, 2147483647]"),
+    ({"retention": SinkWindow(2, 2**31)}, "retention(0).window=2147483648 must be an int in [0, 2147483647]"),
+    (
+        {"retention": SinkWindow(2**30, 2**30)},
+        "retention(0) keeps sink=1073741824 + window=1073741824 = 2147483648 entries; the sum must be <= "
+        "2147483647 (positions are int32)",
+    ),
+    (
+        {"retention": lambda s: SinkWindow(s + 2**31 - 9, 1)},
+        "retention(8) keeps sink=2147483647 + window=1 = 2147483648 entries",
+    ),
+    ({"max_source_len": 2**31}, "max_source_len=2147483648 must be an int in [0, 2147483647]"),
+    ({"query_window": 2**31}, "query_window=2147483648 must be an int in [1, 2147483647]"),
     # Retention: a SinkWindow or a callable returning one, non-negative, never shrinking.
     ({"retention": 5}, "retention=5 must be a SinkWindow or a callable"),
-    ({"retention": SinkWindow(-1, 2)}, "retention(0).sink=-1 must be an int >= 0"),
-    ({"retention": SinkWindow(1, -2)}, "retention(0).window=-2 must be an int >= 0"),
-    ({"retention": SinkWindow(True, 2)}, "retention(0).sink=True must be an int >= 0"),
-    ({"retention": SinkWindow(1, 2.0)}, "retention(0).window=2.0 must be an int >= 0"),
+    ({"retention": SinkWindow(-1, 2)}, "retention(0).sink=-1 must be an int in [0, 2147483647]"),
+    ({"retention": SinkWindow(1, -2)}, "retention(0).window=-2 must be an int in [0, 2147483647]"),
+    ({"retention": SinkWindow(True, 2)}, "retention(0).sink=True must be an int in [0, 2147483647]"),
+    ({"retention": SinkWindow(1, 2.0)}, "retention(0).window=2.0 must be an int in [0, 2147483647]"),
     ({"retention": SinkWindow(1, 2, 1)}, "retention(0).window_includes_step=1 must be a bool"),
     ({"retention": lambda s: (1, 2, False, 4)}, "retention(0)=(1, 2, False, 4) must be a SinkWindow"),
     ({"retention": lambda s: "x"}, "retention(0)='x' must be a SinkWindow"),
@@ -250,14 +284,16 @@ def test_constant_retention():
 
 
 def test_constant_retention_needs_no_table_whatever_the_source_range():
-    # 10**12 source lengths: tabulating them would never finish. One run, closed-form capacities.
-    cfg = make(retention=SinkWindow(30, 5), min_source_len=10, max_source_len=10**12)
+    # 2**31 source lengths: tabulating them would never finish. One run, closed-form capacities.
+    cfg = make(retention=SinkWindow(30, 5), min_source_len=10, max_source_len=2**31 - 1)
     assert cfg.sink_capacity == 30 - 10  # largest at the shortest source
     assert cfg.window_capacity == 5
     assert cfg.max_retained == 30 + 5
-    assert cfg.retention_for(10) == cfg.retention_for(10**12) == SinkWindow(30, 5)
-    assert make(retention=SinkWindow(30, 5), min_source_len=10**9, max_source_len=10**12).sink_capacity == 0
-    assert cfg == make(retention=SinkWindow(30, 5), min_source_len=10, max_source_len=10**12)
+    assert cfg.retention_for(10) == cfg.retention_for(2**31 - 1) == SinkWindow(30, 5)
+    assert (
+        make(retention=SinkWindow(30, 5), min_source_len=10**9, max_source_len=2**31 - 1).sink_capacity == 0
+    )
+    assert cfg == make(retention=SinkWindow(30, 5), min_source_len=10, max_source_len=2**31 - 1)
 
 
 def test_callable_retention_over_too_many_lengths_is_refused_before_any_call():
@@ -496,7 +532,8 @@ def test_spec_config_must_be_a_bounded_kv_config():
 
 
 def test_spec_resource_class_is_the_manager():
-    manager = pytest.importorskip("mstar_jax.resources.kv.bounded.manager")
+    from mstar_jax.resources.kv.bounded import manager
+
     assert BoundedKVSpec("kv", ["n"], make()).resource_class is manager.BoundedKVManager
 
 
