@@ -7,6 +7,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import pytest
 
+from tests import extras
+
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -49,6 +51,8 @@ HEAVIEST_FIRST = {
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Runs the `HEAVIEST_FIRST` files first, heaviest first; every other file after, as collected."""
+    """Runs the `HEAVIEST_FIRST` files first, heaviest first; every other file after, as collected. Skips,
+    naming the extra, every test marked with an extra that is not installed (`tests/extras.py`)."""
     cost = {path: -seconds for path, seconds in HEAVIEST_FIRST.items()}
     items.sort(key=lambda item: cost.get(item.nodeid.split("::", 1)[0], 0))
+    extras.skip_marked_without_extras(items)

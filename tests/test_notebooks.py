@@ -5,7 +5,6 @@ through a kernelspec written to a temporary `JUPYTER_PATH`: a `python3` kernelsp
 machine (a user's, another environment's) must not pick the interpreter.
 """
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -14,6 +13,8 @@ import sys
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+from tests import extras
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
@@ -45,13 +46,22 @@ def kernel_env(tmp_path, monkeypatch) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("path", PATHS, ids=[p.name for p in PATHS])
+def extras_needed(path: pathlib.Path) -> list[str]:
+    """The extras whose modules a notebook names in its metadata (`mstar_requires`)."""
+    required = set(nbformat.read(path, as_version=4).metadata.get("mstar_requires", []))
+    needed = [extra for extra, (_, modules) in extras.EXTRAS.items() if required & set(modules)]
+    unknown = required - {module for extra in needed for module in extras.EXTRAS[extra][1]}
+    assert not unknown, f"{path.name} requires {sorted(unknown)}, which no extra of tests/extras.py installs"
+    return needed
+
+
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=[getattr(pytest.mark, e) for e in extras_needed(p)]) for p in PATHS],
+    ids=[p.name for p in PATHS],
+)
 def test_notebook_runs(path: pathlib.Path, kernel_env: dict[str, str]):
     notebook = nbformat.read(path, as_version=4)
-    # A notebook names the optional modules it needs (e.g. the `gemma` extra's) in its metadata.
-    missing = [m for m in notebook.metadata.get("mstar_requires", []) if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"{path.name} needs {missing} (an optional extra), not installed here")
     client = NotebookClient(
         notebook,
         timeout=TIMEOUT_S,

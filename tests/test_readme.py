@@ -8,6 +8,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests.extras import SELECT_EXTRAS
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 CACHE_GUIDE = ROOT / "docs" / "guides" / "cache.md"
@@ -44,12 +46,24 @@ def test_readme_links_resolve():
     assert not missing, f"README.md links to missing files: {missing}"
 
 
-def test_readme_commands_match_ci():
-    text = README.read_text()
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert "mstar-jax run" in text
-    assert ".venv/bin/python -m pytest -q" in text
-    assert "python -m pytest -q" in ci
+def readme_commands() -> list[str]:
+    """The commands of the README's "Two commands" section, one a bash block."""
+    section = README.read_text().split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)]
+
+
+def test_ci_runs_the_readme_commands_as_written_then_the_extras_tests():
+    install_and_run, test = readme_commands()
+    assert install_and_run == (
+        "python3 -m venv .venv && .venv/bin/pip install -e '.[dev]' && .venv/bin/mstar-jax run"
+    )
+    assert test == ".venv/bin/python -m pytest -q"
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    commands = [line for line in lines if line and not line.startswith("#")]
+    assert any(install_and_run in line for line in commands)
+    assert f"run_pytest {test} || readme_status=$?" in commands  # exactly the test command, nothing added
+    extras_run = f'JAX_PLATFORMS=cpu run_pytest .venv-extras/bin/python -m pytest -q -m "{SELECT_EXTRAS}"'
+    assert any(line.startswith(extras_run) for line in lines)
 
 
 def test_cache_guide_example_attends_at_every_layer():

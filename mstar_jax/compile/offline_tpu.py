@@ -13,7 +13,8 @@ loaded this module sets `TPU_SKIP_MDS_QUERY` (no metadata server to ask) and `AL
 A newer libtpu also compiles for jax 0.10.2 when installed on its own, `pip install --no-deps --target
 DIR libtpu==0.0.52`. A process loads one libtpu (`libtpu_version` says which), so checks run against the
 newer one in a child process whose environment `libtpu_environ(DIR)` gives; `next_libtpu_folder` finds
-DIR (`$MSTAR_LIBTPU_NEXT`, or a default such as the `.venv/libtpu-next` that `.ci/run` installs).
+DIR (`$MSTAR_LIBTPU_NEXT`, or a default such as `libtpu-next` in the environment, where `.ci/run`
+installs it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`offline_tpu`'s reading of compiled programs, its second-compiler helpers, and the offline TPU checks run
 against that second compiler: a libtpu newer than jax's pin, installed on its own (`.ci/run` puts 0.0.52 in
-`.venv/libtpu-next`), in a child process, since a process loads one libtpu.
+`libtpu-next` in its extras' environment), in a child process, since a process loads one libtpu.
 """
 
 import os
@@ -14,7 +14,7 @@ import pytest
 from mstar_jax.compile import offline_tpu
 
 REPO = Path(__file__).resolve().parents[2]
-NEXT_LIBTPU_DEFAULT = REPO / ".venv" / "libtpu-next"
+NEXT_LIBTPU_DEFAULT = Path(sys.prefix) / "libtpu-next"  # beside the environment's own libtpu
 
 # --- large_copies on hand-written optimized HLO -------------------------------------------------------------
 
@@ -140,6 +140,7 @@ NEXT_LIBTPU_TESTS = (
 )
 
 
+@pytest.mark.aot
 def test_offline_tpu_checks_pass_against_the_next_libtpu():
     if offline_tpu.tpu_toolchain_missing():
         pytest.skip(f"no offline TPU compiler: {offline_tpu.tpu_toolchain_missing()}")

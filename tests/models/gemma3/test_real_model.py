@@ -11,15 +11,14 @@ which differs from this float32 model by summation order alone: greedy text must
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 
 from mstar_jax.resources.kv.bounded.config import SinkWindow
-from tests.models.gemma3.extra import skip_module_without_the_gemma_extra
+from tests import extras
 
-skip_module_without_the_gemma_extra()
+extras.skip_module_without("gemma")
+pytestmark = pytest.mark.gemma
 
 from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, load_gguf, open_gguf  # noqa: E402
 from mstar_jax.models.gemma3.model import Gemma3  # noqa: E402
@@ -68,8 +67,6 @@ def dense(loaded):
 
 
 def _llama_cpp(path):
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python is not installed (pip install -e '.[gemma,llama]')")
     from tests.models.gemma3 import llama_reference
 
     return llama_reference.load(path, n_ctx=512)
@@ -84,8 +81,6 @@ def llama(path):
 @pytest.fixture(scope="module")
 def llama_f32(reader, weights, tmp_path_factory):
     """llama.cpp on a float32 GGUF of the weights this model runs (about 1.1 GB, written once)."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python is not installed (pip install -e '.[gemma,llama]')")
     from tests.models.gemma3 import llama_reference
 
     copy = tmp_path_factory.mktemp("gguf") / "gemma-3-270m-f32.gguf"
@@ -98,6 +93,7 @@ def test_the_model_counts_on(dense, tokenizer):
     assert tokenizer.decode(tokens).startswith(" five, six, seven, eight")
 
 
+@pytest.mark.llama
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_text_is_llama_cpps_token_for_token(dense, tokenizer, llama_f32, prompt):
     """On the same float32 weights, 64 tokens of free-running greedy decoding are llama.cpp's, and
@@ -121,6 +117,7 @@ def test_greedy_text_is_llama_cpps_token_for_token(dense, tokenizer, llama_f32, 
     assert difference.max() < 2e-2
 
 
+@pytest.mark.llama
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_llama_cpp_on_the_quantized_file_ranks_first_what_we_do(dense, tokenizer, llama, prompt):
     """llama.cpp on the Q4_K_M file itself (its own dequantization and kernels), teacher-forced on our

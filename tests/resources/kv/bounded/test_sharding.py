@@ -138,6 +138,7 @@ TPU_CASES = {  # (data, model, KV heads, query heads, implementation) on v5e:2x2
 }
 
 
+@pytest.mark.aot
 @pytest.mark.skipif(MISSING is not None, reason=f"no offline TPU compiler: {MISSING}")
 @pytest.mark.parametrize("case", list(TPU_CASES))
 def test_sharded_step_compiles_for_tpu_with_the_kernel_and_no_collective(case):
