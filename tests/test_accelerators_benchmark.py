@@ -8,7 +8,7 @@ from benchmarks import accelerators
 from mstar_jax.compile import offline_gpu, offline_tpu
 
 MISSING = offline_tpu.tpu_toolchain_missing() or offline_gpu.gpu_toolchain_missing()
-pytestmark = pytest.mark.aot
+pytestmark = [pytest.mark.slow, pytest.mark.aot]
 
 
 @pytest.mark.skipif(MISSING is not None, reason=f"no offline compilers: {MISSING}")

@@ -219,6 +219,7 @@ def test_host_local_of_one_process_is_device_get_and_keeps_no_device_array_alive
     np.testing.assert_array_equal(got[0]["codes"][2], [8, 9, 10, 11])  # the copies outlive them
 
 
+@pytest.mark.slow
 def test_two_processes_run_the_sharded_step_on_their_own_shards(tmp_path):
     outputs = run_processes(
         ["-m", "tests.test_distributed"],

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from benchmarks import engine as engine_benchmark
+
+pytestmark = pytest.mark.slow
 
 
 def test_prints_every_section_for_both_engines_and_each_k(capsys):

@@ -54,6 +54,7 @@ def test_check_products_refuses_a_chain_that_drifts_from_the_oracle(tiny_inputs,
         parts.check_products(TINY, weights, embed_t, x)
 
 
+@pytest.mark.slow
 def test_quick_tiny_run_prints_every_case_as_a_share_of_the_step(capsys):
     parts.main(["--quick", "--tiny", "--prompt", "8", "--repeats", "1", "--number", "1"])
     out = capsys.readouterr().out

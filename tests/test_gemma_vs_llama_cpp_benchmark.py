@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import gemma_vs_llama_cpp as bench
 
-pytestmark = [pytest.mark.gemma, pytest.mark.llama]
+pytestmark = [pytest.mark.slow, pytest.mark.gemma, pytest.mark.llama]
 
 NUMBER = r"\d[\d,]*\.\d+"
 SPREAD = rf"{NUMBER} \({NUMBER}–{NUMBER}\)"  # median (min–max)

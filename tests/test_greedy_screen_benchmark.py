@@ -14,6 +14,7 @@ from benchmarks import greedy_screen as bench
 from mstar_jax import native
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.gemma,
     pytest.mark.skipif(not native.available(), reason="no C++ compiler to build mstar_jax.native"),
 ]

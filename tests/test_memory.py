@@ -159,6 +159,7 @@ def _compiled_temp_bytes(deployment) -> dict[str, int]:
         }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_workspace_bounds_what_xla_allocates_for_the_largest_buckets(dtype):
     # Windows and a prefill chunk long enough that attention scores dominate, as in a real deployment.

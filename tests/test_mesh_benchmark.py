@@ -11,6 +11,8 @@ import pytest
 
 from benchmarks import mesh, mesh_engine
 
+pytestmark = pytest.mark.slow
+
 RATIO = r"\d+\.\d\d \(\d+\.\d\d–\d+\.\d\d\)"  # median (min–max)
 
 

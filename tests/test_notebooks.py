@@ -57,7 +57,14 @@ def extras_needed(path: pathlib.Path) -> list[str]:
 
 @pytest.mark.parametrize(
     "path",
-    [pytest.param(p, marks=[getattr(pytest.mark, e) for e in extras_needed(p)]) for p in PATHS],
+    [  # one needing an extra runs the real model (minutes): the slow tier's
+        pytest.param(
+            p,
+            marks=[getattr(pytest.mark, e) for e in extras_needed(p)]
+            + [pytest.mark.slow] * bool(extras_needed(p)),
+        )
+        for p in PATHS
+    ],
     ids=[p.name for p in PATHS],
 )
 def test_notebook_runs(path: pathlib.Path, kernel_env: dict[str, str]):

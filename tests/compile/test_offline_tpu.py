@@ -140,6 +140,7 @@ NEXT_LIBTPU_TESTS = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.aot
 def test_offline_tpu_checks_pass_against_the_next_libtpu():
     if offline_tpu.tpu_toolchain_missing():

@@ -90,6 +90,7 @@ def assert_blocks_ran(engine: Engine, streams) -> None:
     assert advanced or k >= max(s.request.frames for s in streams.values())
 
 
+@pytest.mark.slow
 def test_each_member_of_a_crowd_hears_what_it_hears_alone_at_one_step(blocks, alone, pipelined):
     """The random crowd of `test_outputs`, half arriving while others run, two slots a cache: every
     member's codes, mel and samples are bit-identical to the K = 1 engine's alone."""

@@ -21,6 +21,8 @@ import pytest
 from tests.engine.mesh_child import BLOCKS, MESHES, PIPELINED, REQUESTS
 from tests.simulated_devices import run_child
 
+pytestmark = pytest.mark.slow
+
 CHILD = Path(__file__).with_name("mesh_child.py")
 
 

@@ -19,6 +19,8 @@ import pytest
 from tests.engine.mesh_child import MODEL, REQUESTS, serve
 from tests.simulated_devices import ROOT, last_json, run_processes
 
+pytestmark = pytest.mark.slow
+
 PROCESSES, LOCAL_DEVICES = 2, 4
 TIMEOUT_S = 600
 

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from benchmarks import soak
 from mstar_jax.deployment import DEFAULT_CONFIG, load_deployment
 from mstar_jax.engine import Engine
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_short_soak_serves_everyone_exactly_and_leaks_nothing():

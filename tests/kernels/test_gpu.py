@@ -77,6 +77,7 @@ def _retained(case: cases.KernelCase) -> list[int]:
     return [int(sum(row[tbl.read_len(i)] for i in range(tbl.NUM_READS))) for row in case.table]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", [case.name for case in cases.standard_cases()])
 def test_standard_cases(name, dtype):
@@ -95,6 +96,7 @@ def _grid(case: cases.KernelCase, block_sizes: BlockSizes) -> tuple[int, ...]:
     return tuple(call.params["grid_mapping"].grid)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [case.name for case in cases.standard_cases()])
 def test_standard_cases_with_the_walk_split(name):
     case = _standard_cases(np.dtype(np.float32))[name]
@@ -364,6 +366,7 @@ def test_input_errors_are_the_public_ops(index, mutate, match):
     assert str(gpu.value) == str(public.value)
 
 
+@pytest.mark.slow
 def test_auto_falls_back_to_xla_without_the_triton_backend(monkeypatch):
     # A JAX that dropped the Pallas Triton backend: importing it raises ImportError (None in sys.modules).
     case = cases.standard_cases()[0]

@@ -85,6 +85,7 @@ def _lower(specs, *, implementation: str, max_retained: int, query_window: int |
     return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("dtype", "head_dim", "shape"), CASES)
 def test_default_blocks_build_without_spills(dtype, head_dim, shape):
     _, _, _, max_retained, query_window = SHAPES[shape]

@@ -24,6 +24,8 @@ from kernels_pallas.sink_window_attention.tpu import BlockSizes as TpuBlocks
 from kernels_pallas.sink_window_attention.tpu import sink_window_attention_tpu
 from tests.kernels import cases
 
+pytestmark = pytest.mark.slow
+
 TOLERANCE = {np.dtype(np.float32): 1e-5, np.dtype(jnp.bfloat16): 2e-2}
 CASES = {case.name: case for case in cases.score_term_cases()}
 BF16_CASES = {case.name: case for case in cases.score_term_cases(jnp.bfloat16)}

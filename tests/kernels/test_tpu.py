@@ -190,6 +190,7 @@ class _KernelSuite:
         assert out.dtype == case.q.dtype
         return np.asarray(out, np.float64)
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
     def test_cases(self, dtype):
         if dtype not in self.DTYPES:

@@ -48,6 +48,7 @@ def _check_compiled(compiled, case: accelerator_cases.AttentionCase, dtype) -> s
     return compiled.as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("generation", GENERATIONS)
@@ -69,6 +70,7 @@ STEP_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "dtype"), STEP_CASES, ids=[f"{n}-{jnp.dtype(d).name}" for n, d in STEP_CASES]
 )
@@ -165,6 +167,7 @@ def _tiled_bias_bytes(case: accelerator_cases.AttentionCase, width: int) -> int:
     return 4 * case.batch * case.kv_heads * rows * -(-width // 128) * 128
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("dtype", "generations"),
     [(jnp.bfloat16, GENERATIONS), (jnp.float32, ("v6e",))],

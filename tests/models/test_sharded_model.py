@@ -15,6 +15,8 @@ import pytest
 from tests.models.mesh_child import CONFIG, MESHES
 from tests.simulated_devices import run_child
 
+pytestmark = pytest.mark.slow
+
 CHILD = Path(__file__).with_name("mesh_child.py")
 
 

@@ -19,7 +19,7 @@ from tests.server.support import TTS_YAML, free_port, wait_for
 from tests.server.test_speech import SETTINGS, TEXTS, alone
 from tests.simulated_devices import ROOT
 
-pytestmark = pytest.mark.serve
+pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
 TIMEOUT_S = 240
 

@@ -102,6 +102,7 @@ def test_a_request_after_shutdown_began_is_a_retryable_503_and_counted(serve):
         assert 'mstar_requests_total{outcome="shutdown"} 1.0' in httpx.get(f"{url}/metrics").text
 
 
+@pytest.mark.slow
 def test_clients_that_disconnect_mid_stream_free_everything(serve):
     app, server = serve(max_waiting=DISCONNECTING_CLIENTS, frames_per_byte=8.0)
     host = app.state.host

@@ -30,6 +30,7 @@ def reader():
     return open_gguf(default_gguf_path())  # the CLI's own open reuses this parse
 
 
+@pytest.mark.slow
 def test_generate_streams_two_prompts_through_one_slot(reader, capsys):
     status = cli.main([
         "generate", "One, two, three, four,", "Monday, Tuesday, Wednesday,", "--max-new-tokens", "6",
@@ -50,6 +51,7 @@ def test_generate_streams_two_prompts_through_one_slot(reader, capsys):
     assert f"memory per stream: {format_bytes(local.slot_bytes + global_.slot_bytes)} of cache" in out
 
 
+@pytest.mark.slow
 def test_generate_with_the_greedy_screen_continues_the_days_of_the_week(capsys):
     if not native.available():
         pytest.skip("no C++ compiler to build mstar_jax.native")

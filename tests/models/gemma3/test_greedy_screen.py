@@ -21,7 +21,10 @@ from mstar_jax.serving.stream import Phase
 from mstar_jax.settings import EngineSettings
 from tests.models.gemma3.test_model import CONFIG, oracle_log_softmax, random_tensors
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler to build mstar_jax.native")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not native.available(), reason="no C++ compiler to build mstar_jax.native"),
+]
 
 RETENTION = SinkWindow(2, 10)
 NEW_TOKENS = 16

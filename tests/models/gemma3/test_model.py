@@ -132,6 +132,7 @@ CASES = {  # (global retention, prefill chunk): every retention chunked; one-tok
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("retention", "chunk"), list(CASES.values()), ids=list(CASES))
 def test_streamed_log_probs_equal_the_masked_oracle(tensors, tokens, retention, chunk):
     model = Gemma3.from_tensors(CONFIG, tensors)
@@ -149,6 +150,7 @@ def test_the_retention_changes_the_answer(tensors, tokens):
     assert np.abs(dense - bounded).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_greedy_decoding_continues_as_the_oracle_ranks(tensors, tokens):
     retention = SinkWindow(2, 10)
     streams = Gemma3Streams(CONFIG, Gemma3.from_tensors(CONFIG, tensors), global_retention=retention, chunk=8)

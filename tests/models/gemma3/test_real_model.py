@@ -18,7 +18,7 @@ from mstar_jax.resources.kv.bounded.config import SinkWindow
 from tests import extras
 
 extras.skip_module_without("gemma")
-pytestmark = pytest.mark.gemma
+pytestmark = [pytest.mark.slow, pytest.mark.gemma]
 
 from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, load_gguf, open_gguf  # noqa: E402
 from mstar_jax.models.gemma3.model import Gemma3  # noqa: E402

@@ -27,6 +27,8 @@ from mstar_jax.serving.stream import Phase, StateLostError
 from mstar_jax.settings import EngineSettings
 from tests.models.gemma3.test_model import CONFIG, random_tensors
 
+pytestmark = pytest.mark.slow
+
 RETENTION = SinkWindow(2, 10)
 NEW_TOKENS = 20
 SLOTS = 3

@@ -229,6 +229,7 @@ def run_random_streams(seed: int, steps: int = 60, implementation: str = "xla") 
     return finished + len(positions)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(24))
 def test_random_streams_match_oracle(seed):
     assert run_random_streams(seed) >= 1
@@ -316,6 +317,7 @@ def run_random_blocks(seed: int, blocks: int = 20) -> int:
     return checked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(12))
 def test_random_blocks_of_one_token_steps_match_the_oracle_one_token_at_a_time(seed):
     assert run_random_blocks(seed) >= 1
