@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mstar_jax import cli
+from mstar_jax import check_table, cli
 from mstar_jax.cli import SUBCOMMANDS, Subcommand, format_bytes, main
 from mstar_jax.deployment import DEFAULT_CONFIG, load_deployment
 from mstar_jax.memory import host_memory, weight_bytes, workspace_bytes
@@ -212,9 +212,9 @@ def test_check_prints_the_device_memory_budget_by_hand(capsys):
         "flow_kv source bank (8 sources)": "384.0 KiB (393,216 B)",
         # 4 rows x 16 tokens, the largest bucket.
         "workspace (largest bucket: 4 x 16 tokens)": f"{format_bytes(workspace)} ({workspace:,} B)",
-        "total": cli._bytes_cell(1_867_072 + workspace),
+        "total": check_table._bytes_cell(1_867_072 + workspace),
         "device memory (--device-memory)": "1.0 GiB (1,073,741,824 B)",
-        "headroom (fits)": cli._bytes_cell(2**30 - 1_867_072 - workspace),
+        "headroom (fits)": check_table._bytes_cell(2**30 - 1_867_072 - workspace),
     }
     assert weight_bytes(deployment.model_config) + 102_400 + 163_840 + 98_304 + 393_216 == 1_867_072
 
@@ -222,7 +222,7 @@ def test_check_prints_the_device_memory_budget_by_hand(capsys):
 def test_check_budgets_for_this_hosts_ram_by_default(capsys):
     assert main(["check"]) == 0
     rows = _budget_rows(capsys.readouterr().out)
-    assert rows["device memory (host RAM)"] == cli._bytes_cell(host_memory())
+    assert rows["device memory (host RAM)"] == check_table._bytes_cell(host_memory())
 
 
 def _write(tmp_path: Path, mapping: dict, name: str = "deploy.yaml") -> Path:
