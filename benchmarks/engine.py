@@ -37,8 +37,8 @@ import numpy as np
 from benchmarks.timing import ORDER_NOTE, describe, interleaved_times, quick_label, ratios
 from benchmarks.trace_summary import add_trace_argument, write_trace
 from mstar_jax.compile import cap_batch_sizes
-from mstar_jax.engine import Engine, TTSPrograms, TTSRequest, tts_buckets
 from mstar_jax.engine import dispatch as dispatch_module
+from mstar_jax.models.streaming_tts import Engine, TTSPrograms, TTSRequest, tts_buckets
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager

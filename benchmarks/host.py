@@ -31,9 +31,9 @@ import numpy as np
 from benchmarks.engine import VOICES, config_for
 from benchmarks.timing import ORDER_NOTE, describe, interleaved_times, quick_label
 from mstar_jax.compile import cap_batch_sizes
-from mstar_jax.engine import Engine, TTSPrograms, TTSRequest, tts_buckets
-from mstar_jax.engine.programs import codes_width
+from mstar_jax.models.streaming_tts import Engine, TTSPrograms, TTSRequest, tts_buckets
 from mstar_jax.models.streaming_tts.model import FLOW_CHUNK, SAMPLES_PER_FRAME, StreamingTTSModel
+from mstar_jax.models.streaming_tts.programs import codes_width
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.settings import EngineSettings
 

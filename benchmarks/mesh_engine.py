@@ -15,7 +15,7 @@ import numpy as np
 
 from benchmarks.timing import Spread, interleaved_times, ratios
 from mstar_jax.deployment import parse_deployment
-from mstar_jax.engine import Engine, TTSRequest
+from mstar_jax.models.streaming_tts import Engine, TTSRequest
 
 GLOBAL_BATCH = 16
 REQUESTS = 16

@@ -38,10 +38,10 @@ import numpy as np
 from benchmarks.timing import ORDER_NOTE, describe, interleaved_times, quick_label, ratios
 from mstar_jax.compile import disable_persistent_cache
 from mstar_jax.deployment import load_deployment
-from mstar_jax.engine.request import TTSRequest
-from mstar_jax.engine.tts import Engine
-from mstar_jax.engine.workload import register_voices
 from mstar_jax.models.streaming_tts.model import FRAME_RATE_HZ
+from mstar_jax.models.streaming_tts.request import TTSRequest
+from mstar_jax.models.streaming_tts.serving import Engine
+from mstar_jax.models.streaming_tts.workload import register_voices
 from mstar_jax.server.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

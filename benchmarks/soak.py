@@ -34,9 +34,10 @@ import jax
 import numpy as np
 
 from mstar_jax.deployment import DEFAULT_CONFIG, load_deployment
-from mstar_jax.engine import Engine, Phase, Stream, TTSRequest
+from mstar_jax.engine import Phase
 from mstar_jax.engine.faults import FAULT_KINDS, inject_faults
-from mstar_jax.engine.voices import Voice
+from mstar_jax.models.streaming_tts import Engine, Stream, TTSRequest
+from mstar_jax.models.streaming_tts.voices import Voice
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.settings import EngineSettings
 

@@ -32,9 +32,9 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.timing import ORDER_NOTE, Spread, describe, interleaved_times, quick_label, ratios
-from mstar_jax.engine.voices import VoiceBank
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel, dense_attention
+from mstar_jax.models.streaming_tts.voices import VoiceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.step import BucketKey, Segment, SlotLease, StepContext

@@ -41,6 +41,7 @@ from mstar_jax.memory import (
     parse_size,
 )
 from mstar_jax.models.gemma3 import command as gemma3_command
+from mstar_jax.registry import model_entry
 from mstar_jax.server import command as serve_command
 
 __all__ = [
@@ -251,9 +252,8 @@ def _run(args: argparse.Namespace) -> int:
                 folder.rmdir()
         raise
 
-    from mstar_jax.engine.run import run_deployment  # imports the engine only when serving
-
-    report = run_deployment(deployment, output=args.output, progress=not args.no_progress)
+    run = model_entry(deployment.model).function("run")  # imports the engine only now
+    report = run(deployment, output=args.output, progress=not args.no_progress)
     if report["streams"]["done"] != report["streams"]["submitted"]:
         return 1
     if not args.process_id:  # None (one process) or 0
@@ -262,7 +262,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from mstar_jax.engine.generate import run  # imports the engine only when serving
+    from mstar_jax.models.gemma3.generate import run  # imports the engine only when serving
 
     return run(args, CommandLineError)
 
@@ -278,7 +278,7 @@ def _serve(args: argparse.Namespace) -> int:
     deployment = load_deployment(DEFAULT_CONFIG if args.config is None else args.config)
     _check_cache_dir(deployment, create=False)
     deployment.check_devices()
-    if args.voices is not None and "voices" in type(deployment.model_config).UNREAD_WORKLOAD:
+    if args.voices is not None and "voices" in getattr(type(deployment.model_config), "UNREAD_WORKLOAD", ()):
         raise CommandLineError(
             f"--voices={args.voices} is not read by model {deployment.model!r}, which has no voices; "
             "leave it out"

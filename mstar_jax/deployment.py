@@ -24,7 +24,7 @@ import yaml
 from mstar_jax.checks import brief
 from mstar_jax.errors import DeploymentError, DeploymentTypeError
 from mstar_jax.memory import resource_costs
-from mstar_jax.models import MODELS, model_config
+from mstar_jax.registry import model_config, model_entry
 from mstar_jax.resources.kv.bounded.config import BoundedKVSpec
 from mstar_jax.resources.spec import NodeResourceSpec, apply_yaml_overrides
 from mstar_jax.settings import CompileSettings, EngineSettings, MeshSettings, WorkloadSettings
@@ -53,7 +53,7 @@ class Deployment:
     """A validated deployment: the model's config, its tuned resource specs and the run settings.
 
     Attributes:
-      model: the model's name in `mstar_jax.models.MODELS`.
+      model: the model's name in the registry (`mstar_jax.registry.model_entry`).
       model_config: that model's frozen config.
       specs: the model's `resource_specs()` with the `resources:` block applied.
       compile: bucket and compilation-cache settings.
@@ -95,23 +95,6 @@ class Deployment:
                 f"{list(self.compile.batch_sizes or ())}: a full batch would fit no bucket; add {max_batch} "
                 "to compile.batch_sizes or lower engine.max_batch"
             )
-        chunk = getattr(self.model_config, "flow_chunk", None)
-        if chunk is not None and max(self.token_counts) < chunk:
-            # Name the key the file set: derived buckets end at max_tokens.
-            given = (
-                f"compile.token_counts={list(self.token_counts)}"
-                if self.compile.token_counts is not None
-                else f"compile.max_tokens={self.compile.max_tokens} (token counts {list(self.token_counts)})"
-            )
-            fix = (
-                f"add {chunk} to compile.token_counts"
-                if self.compile.token_counts is not None
-                else f"raise compile.max_tokens to {chunk}"
-            )
-            raise ValueError(
-                f"{given} has no bucket of >= model.config.flow_chunk={chunk} frames, so no flow chunk "
-                f"could run; {fix}"
-            )
         for spec in self.specs:
             if not isinstance(spec, BoundedKVSpec):
                 continue
@@ -132,6 +115,9 @@ class Deployment:
                     f"{spec.config.max_slots}: every request in a batch holds a slot, so such a batch "
                     "never forms; raise max_slots or lower engine.max_batch"
                 )
+        entry = model_entry(self.model)
+        if entry.check is not None:  # what only the model knows it cannot run
+            entry.function("check")(self)
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:
@@ -282,8 +268,10 @@ def _parse_model(source: str, block: Any) -> tuple[str, Any]:
         raise DeploymentError(f"{source}: model: missing 'name'")
     name, settings = block["name"], block.get("config")
     settings = {} if settings is None else settings  # an empty 'config:'; `false` or `[]` is refused below
-    if not isinstance(name, str) or name not in MODELS:
-        raise DeploymentError(f"{source}: model.name: unknown model {name!r}; known models: {sorted(MODELS)}")
+    try:
+        model_entry(name)
+    except ValueError as err:
+        raise DeploymentError(f"{source}: model.name: {err}") from None
     if not isinstance(settings, Mapping):
         raise DeploymentError(
             f"{source}: model.config: must be a mapping of setting to value, got {_brief(settings)}"

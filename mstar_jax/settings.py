@@ -9,6 +9,8 @@ import dataclasses
 import itertools
 from typing import Any
 
+import numpy as np
+
 from mstar_jax.checks import INT32_MAX, brief, check_bool, check_int, check_number
 
 __all__ = [
@@ -155,6 +157,14 @@ class WorkloadSettings:
     min_new_tokens: int = 16
     max_new_tokens: int = 64
     seed: int = 0
+
+    def arrival_times(self, rng: np.random.Generator) -> np.ndarray:
+        """f64[streams]: when each stream arrives, in seconds: a Poisson process of `arrival_rate_hz`
+        from 0, or all at 0 when it is None."""
+        if self.arrival_rate_hz is None:
+            return np.zeros(self.streams)
+        gaps = rng.exponential(1.0 / self.arrival_rate_hz, self.streams - 1)
+        return np.concatenate([[0.0], np.cumsum(gaps)])
 
     def __post_init__(self):
         check_int("streams", self.streams, minimum=1, maximum=MAX_STREAMS)

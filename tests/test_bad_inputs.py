@@ -34,11 +34,12 @@ from mstar_jax.deployment import (
     load_deployment,
     parse_deployment,
 )
-from mstar_jax.engine import Engine, TTSPrograms, TTSRequest, batch, tts_buckets
-from mstar_jax.engine.voices import Voice
-from mstar_jax.models import model_config
+from mstar_jax.engine import batch
+from mstar_jax.models.streaming_tts import Engine, TTSPrograms, TTSRequest, tts_buckets
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
+from mstar_jax.models.streaming_tts.voices import Voice
+from mstar_jax.registry import model_config
 from mstar_jax.resources.kv.bounded.attention import attend, check_layer
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache
 from mstar_jax.resources.kv.bounded.config import (
@@ -490,9 +491,9 @@ CLI_CASES = [
 def _forbid_serving(monkeypatch) -> None:
     """`run` and `serve` fail at once where they would build an engine (a missed refusal must not start
     a server that runs until the test's timeout)."""
-    from mstar_jax.engine import Engine
-    from mstar_jax.engine import run as run_module
-    from mstar_jax.engine import text as text_module
+    from mstar_jax.models.gemma3 import run as text_module
+    from mstar_jax.models.streaming_tts import Engine
+    from mstar_jax.models.streaming_tts import run as run_module
 
     def built(*args, **kwargs):
         raise AssertionError("an engine was built: the refusal came after building")

@@ -13,8 +13,9 @@ import yaml
 from mstar_jax import check_table, cli
 from mstar_jax.cli import SUBCOMMANDS, Subcommand, format_bytes, main
 from mstar_jax.deployment import DEFAULT_CONFIG, load_deployment
-from mstar_jax.memory import host_memory, weight_bytes, workspace_bytes
+from mstar_jax.memory import host_memory
 from mstar_jax.models.streaming_tts import config as tts_config
+from mstar_jax.models.streaming_tts.memory import weight_bytes, workspace_bytes
 from mstar_jax.resources.kv.bounded.config import store_capacity
 
 TPU_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tpu_streaming_tts.yaml"
@@ -239,7 +240,7 @@ def _tpu(**config) -> dict:
 
 def _forbid_building(monkeypatch):
     """Make `run` fail loudly if it gets as far as building the engine."""
-    from mstar_jax.engine import run as run_module
+    from mstar_jax.models.streaming_tts import run as run_module
 
     def run_deployment(*args, **kwargs):
         raise AssertionError("run_deployment was called")
@@ -579,8 +580,8 @@ def test_generate_names_a_gguf_file_it_cannot_read(capsys):
 def test_generate_charges_each_step_the_time_no_step_before_it_took():
     """`generate`'s rates: a pipelined step, dispatched before the one before it was read, is charged only
     from that read-back on; a step after an idle gap from its own start."""
-    from mstar_jax.engine.generate import charged_seconds
     from mstar_jax.engine.records import StepRecord
+    from mstar_jax.models.gemma3.generate import charged_seconds
 
     def record(started: float, done: float) -> StepRecord:
         return StepRecord("walk", None, 1, started, done - started, (0,), 0)

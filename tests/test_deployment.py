@@ -18,7 +18,9 @@ from mstar_jax.deployment import (
     parse_deployment,
 )
 from mstar_jax.memory import resource_costs
-from mstar_jax.models import MODELS, Gemma3DeploymentConfig, StreamingTTSConfig, model_config
+from mstar_jax.models.gemma3.deployment import Gemma3DeploymentConfig
+from mstar_jax.models.streaming_tts import StreamingTTSConfig
+from mstar_jax.registry import known_models, model_config, model_entry
 from mstar_jax.resources.kv.bounded.config import SinkWindow
 from mstar_jax.resources.spec import NodeResourceSpec
 
@@ -211,7 +213,10 @@ def test_explicit_buckets_are_kept():
 
 
 def test_model_registry():
-    assert dict(MODELS) == {"streaming_tts": StreamingTTSConfig, "gemma3": Gemma3DeploymentConfig}
+    assert {name: model_entry(name).config for name in known_models()} == {
+        "streaming_tts": StreamingTTSConfig,
+        "gemma3": Gemma3DeploymentConfig,
+    }
     assert model_config("streaming_tts", {"talker_window": 40, "query_window": 41}).talker_window == 40
     known = r"unknown model 'tts'; known models: \['gemma3', 'streaming_tts'\]"
     with pytest.raises(ValueError, match=known):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import itertools
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -51,7 +52,8 @@ FORBIDDEN = {
     "kernels_pallas": ("mstar_jax",),
     "mstar_jax.resources": ("mstar_jax.models", "mstar_jax.engine"),
     "mstar_jax.serving": ("mstar_jax.models", "mstar_jax.engine"),
-    "mstar_jax.engine": ("mstar_jax.server",),  # the front door sits on the engine, never the reverse
+    # The front door sits on the engine, never the reverse; the engine serves any model and names none.
+    "mstar_jax.engine": ("mstar_jax.server", "mstar_jax.models"),
     # CPU kernels, as `kernels_pallas` is for accelerators: below everything that uses them.
     "mstar_jax.native": (
         "mstar_jax.models",
@@ -61,6 +63,43 @@ FORBIDDEN = {
         "mstar_jax.server",
     ),
 }
+
+
+DESIGN = ROOT / "docs" / "design.md"
+LAYERS_INTRO = "Each layer below imports only from the layers to its left:"
+ROOT_MODULE = "__init__"
+"""How the layer list names the root package's own module (`mstar_jax/__init__.py`)."""
+
+
+def documented_layers(design: Path = DESIGN) -> list[list[str]]:
+    """The layer order docs/design.md states: the indented line after `LAYERS_INTRO`, layers split on
+    `|`, the names in one layer on `,` (`kernels_pallas` is a package; every other name is one of
+    `mstar_jax`, `__init__` its own module)."""
+    lines = design.read_text().splitlines()
+    at = lines.index(LAYERS_INTRO)
+    line = next(text for text in lines[at + 1 :] if text.strip())
+    return [[name.strip() for name in layer.split(",")] for layer in line.split("|")]
+
+
+def layer_index(module: str, layers: list[list[str]]) -> int | None:
+    """The index of the layer holding `module` (its longest documented prefix), None for no layer."""
+    best, index = -1, None
+    for i, layer in enumerate(layers):
+        for name in layer:
+            prefix = "mstar_jax" if name == ROOT_MODULE else name if name in PACKAGES else f"mstar_jax.{name}"
+            exact = name == ROOT_MODULE
+            if (module == prefix if exact else within(module, prefix)) and len(prefix) > best:
+                best, index = len(prefix), i
+    return index
+
+
+def layer_violations(edges: Iterable[Edge], layers: list[list[str]]) -> list[str]:
+    """Each edge from a layer into a layer to its right (type-only included)."""
+    return [
+        f"{e.importer} imports {e.imported} ({'type-only, ' if e.type_only else ''}line {e.line})"
+        for e in edges
+        if layer_index(e.imported, layers) > layer_index(e.importer, layers)
+    ]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -392,3 +431,41 @@ def test_the_allowed_edge_is_there_and_does_close_a_cycle(edges):
 def test_dependencies_point_one_way(edges):
     wrong = layering_violations(edges, FORBIDDEN)
     assert not wrong, "layering broken:\n" + "\n".join(wrong)
+
+
+def test_every_module_sits_in_a_documented_layer_and_imports_only_to_its_left(edges):
+    """The order docs/design.md states is the order enforced: a module in no layer, or an import into a
+    layer to the right, fails here."""
+    layers = documented_layers()
+    unplaced = sorted(m for m in module_files() if layer_index(m, layers) is None)
+    assert not unplaced, f"modules in no layer of {DESIGN.name}'s list: {unplaced}"
+    wrong = layer_violations(edges, layers)
+    assert not wrong, f"imports against {DESIGN.name}'s layer order:\n" + "\n".join(wrong)
+
+
+def test_the_layer_check_reads_the_documented_order_and_names_an_import_to_the_right(tmp_path):
+    design = tmp_path / "design.md"
+    design.write_text(f"{LAYERS_INTRO}\n\n    kernels_pallas | serving, __init__ | engine | models\n")
+    layers = documented_layers(design)
+    assert layers == [["kernels_pallas"], ["serving", "__init__"], ["engine"], ["models"]]
+    assert layer_index("mstar_jax.models.gemma3.run", layers) == 3
+    assert layer_index("mstar_jax", layers) == 1
+    assert layer_index("mstar_jax.cli", layers) is None
+    down = Edge("mstar_jax.models.a", "mstar_jax.engine.b", 1, "", False)
+    up = Edge("mstar_jax.engine.b", "mstar_jax.models.a", 7, "f", True)
+    wrong = ["mstar_jax.engine.b imports mstar_jax.models.a (type-only, line 7)"]
+    assert layer_violations([down, up], layers) == wrong
+
+
+MODEL_WORDS = re.compile(r"\b(tts|gemma\w*|talker|TTS\w*)\b", re.IGNORECASE)
+
+
+def test_the_engine_names_no_model():
+    """`mstar_jax/engine/` serves any model: not even its docs name one of this package's models."""
+    named = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in sorted((ROOT / "mstar_jax" / "engine").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if MODEL_WORDS.search(line)
+    ]
+    assert not named, "the engine names a model:\n" + "\n".join(named)

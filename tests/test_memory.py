@@ -10,7 +10,6 @@ import pytest
 import yaml
 
 from kernels_pallas.sink_window_attention import table as tbl
-from mstar_jax import memory
 from mstar_jax.deployment import DEFAULT_CONFIG, load_deployment, parse_deployment
 from mstar_jax.memory import (
     DeviceMemory,
@@ -22,12 +21,11 @@ from mstar_jax.memory import (
     parse_size,
     serving_budget,
     tree_bytes,
-    weight_bytes,
-    weight_count,
-    workspace_bytes,
 )
+from mstar_jax.models.streaming_tts import memory as tts_memory
 from mstar_jax.models.streaming_tts import model as model_module
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
+from mstar_jax.models.streaming_tts.memory import weight_bytes, weight_count, workspace_bytes
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
 from mstar_jax.resources.kv.bounded.cache import BoundedKVCache, BoundedKVPlan, SourceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, SinkWindow
@@ -53,7 +51,7 @@ def test_weights_equal_the_models_parameters(config):
     leaves = jax.tree.leaves((model.talker_params, model.flow_params))
     assert weight_count(config) == sum(leaf.size for leaf in leaves)
     assert weight_bytes(config) == sum(leaf.nbytes for leaf in leaves)
-    assert memory.SAMPLES_PER_FRAME == model_module.SAMPLES_PER_FRAME
+    assert tts_memory.SAMPLES_PER_FRAME == model_module.SAMPLES_PER_FRAME
 
 
 def test_default_weights_by_hand():
@@ -110,8 +108,8 @@ def test_on_a_mesh_each_cache_part_is_one_devices_share():
 
 
 def test_num_sources_is_what_the_engine_gives_each_bank(monkeypatch):
-    from mstar_jax.engine import build
-    from mstar_jax.engine.tts import Engine
+    from mstar_jax.models.streaming_tts import build
+    from mstar_jax.models.streaming_tts.serving import Engine
 
     seen = []
 
@@ -146,7 +144,7 @@ def _compiled_temp_bytes(deployment) -> dict[str, int]:
     flow = (abstract(model.flow_params), BoundedKVCache.abstract(flow_kv), SourceBank.abstract(flow_kv, n))
     plan = lambda rows: BoundedKVPlan(s((rows, tbl.ROW_INTS), jnp.int32))  # noqa: E731
     i32, u32 = jnp.int32, jnp.uint32
-    b, t, tf = deployment.engine.max_batch, max(deployment.token_counts), memory._flow_tokens(deployment)
+    b, t, tf = deployment.engine.max_batch, max(deployment.token_counts), tts_memory._flow_tokens(deployment)
     programs = {
         "prefill": (model.talker_step, (*talker, plan(b), s((b, t), i32), s((b,), i32), s((b,), u32))),
         "flow": (model.flow_step, (*flow, plan(b), s((b, tf), i32), s((b,), u32))),

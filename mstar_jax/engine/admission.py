@@ -107,7 +107,7 @@ class Admission:
         if self._mesh is not None:  # a shard's rows beyond the bucket (or of another walk) wait
             largest = min(self._buckets.max_batch(walk) for walk in self._buckets.walks)
             most = largest if bucket is None else bucket.bs
-            rows, width, _ = batch.fit_placed(node.manager, rows, most, bucket)
+            rows, width, _ = batch.fit_placed(node.manager, rows, most, bucket, node.row_walks)
         if bucket is None:
             bucket = self._served.choose_bucket(node, rows, rows_per_shard=width)
         return batch.declare(

@@ -207,7 +207,7 @@ class ServingEngine:
         """Queue a request; its stream fills as steps run.
 
         Args:
-          request: the model's request (`TTSRequest`, `TextRequest`, ...).
+          request: the model's request, of the type its `new_stream` takes.
           on_output: called with each output as it is delivered (from the engine's thread).
 
         Raises:

@@ -1,7 +1,7 @@
 """Injected device faults, for testing what a serving stack does when a step fails (docs/design.md §11).
 
-`inject_faults(engine, node, schedule)` wraps the captured programs of one of the engine's nodes (the
-TTS model's "talker" or "flow", Gemma's "gemma3"): before each of its steps it asks `schedule(n)` (n
+`inject_faults(engine, node, schedule)` wraps the captured programs of one of the engine's nodes (by
+its `Node.name`): before each of its steps it asks `schedule(n)` (n
 counts that node's steps from 1) what to do:
 
 - `None`: run normally;

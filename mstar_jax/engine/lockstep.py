@@ -3,14 +3,14 @@ requests (docs/design.md §10).
 
 In a multi-process deployment (a TPU pod's hosts) every process runs a `ServingEngine` over the one
 global mesh, and a compiled step is a program all of them must enter together. Each process admits its
-own requests into its own data shards; before each of a round's programs (e.g. the TTS model's talker
-decode, talker prefill, flow) the processes agree, over `distributed.most_of_all`, on its bucket: the
-most rows any data shard of any process brings (for the TTS talker's combined walk also the most prefill
-rows, and whether any decode rows, so all pick the same walk). A process with nothing to run enters the
-program with every row of its shards empty. The loop's end is agreed the same way: a process keeps
-stepping while any process has work. A pipelined engine agrees the same way: what a process brings is
-known at dispatch (`ServedModel.dispatched`), and reading a step back touches only its own rows, so no
-read waits on another process.
+own requests into its own data shards; before each of a round's programs (e.g. a decoder's decode and
+prefill, then a chunk node's) the processes agree, over `distributed.most_of_all`, on its bucket: the
+most rows any data shard of any process brings (where the rows say their walk, `Node.row_walks`, also
+the most prefill rows, and whether any decode rows, so all pick the same walk). A process with nothing
+to run enters the program with every row of its shards empty. The loop's end is agreed the same way: a
+process keeps stepping while any process has work. A pipelined engine agrees the same way: what a
+process brings is known at dispatch (`ServedModel.dispatched`), and reading a step back touches only its
+own rows, so no read waits on another process.
 
 Snapshots are taken by every process at once (the engine agrees, with `anywhere`, on which steps ran
 and whether any cache is lost, so every process copies its caches at the same steps), each of its own
@@ -77,7 +77,7 @@ class Lockstep:
     def agreed_bucket(self, node: Node, rows: list, walk: str | None) -> BucketKey | None:
         """The bucket every process runs `walk` in next (None: no process has rows for it).
 
-        `walk` None: the rows say their walk (the TTS talker's decode and prefill rows, on the combined
+        `walk` None: the rows say their walk (`node.row_walks`: decode and prefill rows, on the combined
         walk where any process has both kinds): the processes agree on the most rows, the most prefill
         rows and whether any decode rows any data shard brings, so all pick the same walk and bucket.
         """
@@ -85,7 +85,7 @@ class Lockstep:
         largest = buckets.max_batch(walk) if walk is not None else min(map(buckets.max_batch, buckets.walks))
         kept, width = [], 0
         if rows:
-            kept, width, placed = batch.fit_placed(node.manager, rows, largest)
+            kept, width, placed = batch.fit_placed(node.manager, rows, largest, walks=node.row_walks)
         most = distributed.most_of_all(width)
         if not most:
             return None
@@ -95,7 +95,7 @@ class Lockstep:
         _, prefill_width = batch.fit_shards(prefill, placed, largest) if prefill else (None, 0)
         prefill_most = distributed.most_of_all(prefill_width)
         decode_anywhere = bool(distributed.most_of_all(int(len(prefill) < len(kept))))
-        return batch.talker_bucket(buckets, most, prefill_most, decode=decode_anywhere)
+        return batch.agreed_rows_bucket(buckets, node.row_walks, most, prefill_most, decode=decode_anywhere)
 
     def anywhere(self, flag: bool) -> bool:
         """Whether any process says `flag` (`flag` itself in one process): that it has work (loops that

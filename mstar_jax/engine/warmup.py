@@ -26,9 +26,9 @@ def warm_up(
     snapshot: Callable[[], Any] | None,
 ) -> int:
     """Compile what serving calls besides the captured steps: what the model registers for it
-    (`ServedModel.warming_up`: the TTS model's voices), offload, reload, snapshots (`snapshot`, when the
-    engine takes them), the agreement between processes. Borrows a slot of every cache of every node and
-    gives it back; returns the compilations it caused.
+    (`ServedModel.warming_up`: e.g. a voice a speech model's requests read), offload, reload, snapshots
+    (`snapshot`, when the engine takes them), the agreement between processes. Borrows a slot of every
+    cache of every node and gives it back; returns the compilations it caused.
     """
     with count_compilations() as counter, served.warming_up():
         rid = WARM_UP_ID

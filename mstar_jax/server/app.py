@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mstar_jax.engine.engine import ServingEngine
-from mstar_jax.engine.tts import Engine
+from mstar_jax.models.streaming_tts.serving import Engine
 from mstar_jax.server.errors import ClientError
 from mstar_jax.server.host import EngineHost
 from mstar_jax.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -100,8 +100,8 @@ def create_app(
         service = SpeechService(host, settings, model_name, dict(voices), bytes_, metrics)
         app.include_router(speech_router(service))
     else:
+        from mstar_jax.models.gemma3.chat import TextTokenizer
         from mstar_jax.server.text import TextService, text_router
-        from mstar_jax.server.tokenizer import TextTokenizer
 
         if not isinstance(tokenizer, TextTokenizer):
             raise TypeError(f"tokenizer={tokenizer!r} must be a TextTokenizer for a text engine")

@@ -119,6 +119,7 @@ def run(
     settings = settings_from_args(args, error)
     import uvicorn
 
+    from mstar_jax.registry import model_entry
     from mstar_jax.server.app import create_app
 
     vocab = getattr(deployment.model_config, "text_vocab_size", None)
@@ -132,31 +133,9 @@ def run(
         prepare()
         progress = not args.no_progress
         name = args.model_name or deployment.model
-        if deployment.model == "gemma3":
-            from mstar_jax.engine.text import build_text_engine
-            from mstar_jax.server.tokenizer import TextTokenizer
-
-            engine = build_text_engine(deployment, progress=progress)
-            app = create_app(
-                engine,
-                settings,
-                model_name=name,
-                tokenizer=TextTokenizer.from_gguf(deployment.model_config.path),
-            )
-        else:
-            from mstar_jax.engine.tts import Engine
-            from mstar_jax.engine.workload import register_voices
-            from mstar_jax.memory import num_sources
-
-            count = args.voices or deployment.workload.voices
-            engine = Engine.from_deployment(
-                deployment, progress=progress, num_voices=max(count, num_sources(deployment)),
-                history=settings.history,
-            )  # fmt: skip
-            voices = register_voices(engine, count, seed=deployment.workload.seed)
-            app = create_app(
-                engine, settings, model_name=name, voices={f"voice-{v.index}": v for v in voices}
-            )
+        build = model_entry(deployment.model).function("build")
+        engine, options = build(deployment, progress=progress, history=settings.history, voices=args.voices)
+        app = create_app(engine, settings, model_name=name, **options)
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
             ws="websockets-sansio", timeout_graceful_shutdown=settings.shutdown_grace_s + 5.0,

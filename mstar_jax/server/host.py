@@ -40,7 +40,7 @@ from typing import Any
 
 from mstar_jax.checks import check_int, check_number
 from mstar_jax.engine.engine import ServingEngine
-from mstar_jax.engine.tts import Engine
+from mstar_jax.models.streaming_tts.serving import Engine
 from mstar_jax.server.errors import (
     BadRequestError,
     HostNotStartedError,

@@ -31,8 +31,8 @@ from fastapi import APIRouter, Request, WebSocket
 from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocketDisconnect
 
-from mstar_jax.engine.request import AudioChunk, TTSRequest
-from mstar_jax.engine.voices import Voice
+from mstar_jax.models.streaming_tts.request import AudioChunk, TTSRequest
+from mstar_jax.models.streaming_tts.voices import Voice
 from mstar_jax.server.admission import check_resources, submit_counted
 from mstar_jax.server.audio import SAMPLE_RATE, pcm16, wav_header
 from mstar_jax.server.errors import (

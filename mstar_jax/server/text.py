@@ -3,8 +3,8 @@
 - `POST /v1/completions`: `model`, `prompt` (a string, or a list of token ids, as OpenAI's API takes
   it), `max_tokens`, `stop` (up to 4 strings), `temperature`, `seed`, `stream`.
 - `POST /v1/chat/completions`: `messages` (`system`, `user`, `assistant`; content a string or a list of
-  text parts) in Gemma's chat template (`tokenizer.TextTokenizer.chat`), the same options, with
-  `max_completion_tokens` (OpenAI's newer name) taken for `max_tokens`.
+  text parts) in Gemma's chat template (`mstar_jax.models.gemma3.chat.TextTokenizer.chat`), the same
+  options, with `max_completion_tokens` (OpenAI's newer name) taken for `max_tokens`.
 - `GET /v1/models`: the model served (for every deployment).
 
 Streams are SSE: one chunk per token (its text and, as an extension, its id in `token_ids`), a last
@@ -26,6 +26,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from mstar_jax.checks import brief
+from mstar_jax.models.gemma3.chat import IncrementalDecoder, TextTokenizer
 from mstar_jax.models.gemma3.serving import TextRequest
 from mstar_jax.server.admission import check_resources, submit_counted
 from mstar_jax.server.errors import BadRequestError
@@ -43,7 +44,6 @@ from mstar_jax.server.responses import (
     until_gone,
 )
 from mstar_jax.server.settings import ServerSettings
-from mstar_jax.server.tokenizer import IncrementalDecoder, TextTokenizer
 
 __all__ = ["StopMatcher", "TextService", "text_router"]
 

@@ -25,14 +25,24 @@ import abc
 import contextlib
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from mstar_jax.resources.kv.bounded.config import StreamPosition
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import BucketKey
 from mstar_jax.serving.stream import RequestError, Stream
 
-__all__ = ["InFlight", "Node", "ServedModel", "StreamOps", "notify"]
+__all__ = ["InFlight", "Node", "RowWalks", "ServedModel", "StreamOps", "notify"]
+
+
+class RowWalks(NamedTuple):
+    """The walks of a decoder node whose rows say their walk (`row.decode`), for the engine to agree on
+    across processes and to fit a mesh's shards: decode rows run `decode`, prefill rows `prefill`, and
+    both at once `combined` (None: the node has no combined walk)."""
+
+    decode: str
+    prefill: str
+    combined: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -48,6 +58,8 @@ class Node:
       walks: the graph walks its programs run.
       feeds: each step's outputs feed the next step of this node on the device (module doc).
       no_feed: what a feeding node's program reads as the previous outputs when none are in flight.
+      row_walks: where a program's rows say their walk (`ServedModel.rows` answers walk None for them):
+        the walks they run.
     """
 
     name: str
@@ -57,6 +69,7 @@ class Node:
     walks: tuple[str, ...]
     feeds: bool = False
     no_feed: Any = None
+    row_walks: RowWalks | None = None
 
     @property
     def key(self) -> str:

@@ -9,8 +9,8 @@ import os
 import pytest
 
 from mstar_jax.compile import ExecutableStore, disable_persistent_cache, enable_persistent_cache
-from mstar_jax.engine import TTSPrograms, tts_buckets
 from mstar_jax.engine.build import EXECUTABLES
+from mstar_jax.models.streaming_tts import TTSPrograms, tts_buckets
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
 from tests.engine.support import BATCH_SIZES, CONFIG, TOKEN_COUNTS, managers
 

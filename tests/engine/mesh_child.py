@@ -17,9 +17,9 @@ import numpy as np
 
 from mstar_jax.compile import assert_no_compilations
 from mstar_jax.deployment import parse_deployment
-from mstar_jax.engine import Engine, TTSRequest
 from mstar_jax.engine.faults import inject_faults
-from mstar_jax.engine.report import summarize
+from mstar_jax.models.streaming_tts import Engine, TTSRequest
+from mstar_jax.models.streaming_tts.report import summarize
 
 # Eight KV heads in both caches and eight slots, so every split of 8 devices divides them.
 MODEL = {

@@ -27,7 +27,7 @@ def main() -> dict:
     # Imported after joining: nothing may start a JAX backend before `initialize`.
     import jax
 
-    from mstar_jax.engine.report import summarize
+    from mstar_jax.models.streaming_tts.report import summarize
     from tests.engine.mesh_child import MODEL
     from tests.engine.mesh_child import serve as serve_on_mesh
 

@@ -9,10 +9,11 @@ import hashlib
 
 import numpy as np
 
-from mstar_jax.engine import Engine, Phase, TTSRequest
-from mstar_jax.engine.voices import Voice
+from mstar_jax.engine import Phase
+from mstar_jax.models.streaming_tts import Engine, TTSRequest
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.model import SAMPLES_PER_FRAME
+from mstar_jax.models.streaming_tts.voices import Voice
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.settings import EngineSettings
 

@@ -10,12 +10,14 @@ import pytest
 
 from mstar_jax.compile import CombinedRows
 from mstar_jax.engine import batch
+from mstar_jax.models.streaming_tts.batch import step_inputs
 from mstar_jax.models.streaming_tts.model import TALKER_DECODE, TALKER_MIXED, TALKER_PREFILL
 from mstar_jax.resources.kv.bounded.config import BoundedKVConfig, BoundedKVSpec, BoundedKVStep, SinkWindow
 from mstar_jax.resources.kv.bounded.config import StreamPosition as Pos
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.step import BucketKey, Segment, SlotLease, StepContext
 from mstar_jax.serving.decoder import DecodeRow
+from mstar_jax.serving.model import RowWalks
 
 SLOTS_CFG = BoundedKVConfig(
     num_layers=1, num_heads=1, head_dim=8, rows_per_request=1, max_source_len=0,
@@ -57,6 +59,7 @@ def talker_row(rid: str, tokens: tuple[int, ...], *, decode: bool, feed: int = -
 
 
 MIXED = BucketKey(TALKER_MIXED, 2, 4, cg_key_info=CombinedRows(decode_rows=2, prefill_rows=1))
+WALKS = RowWalks(TALKER_DECODE, TALKER_PREFILL, TALKER_MIXED)
 
 
 def test_a_combined_steps_inputs_on_a_mesh_hold_each_shards_rows_of_each_group():
@@ -65,7 +68,7 @@ def test_a_combined_steps_inputs_on_a_mesh_hold_each_shards_rows_of_each_group()
     a, b, c = (talker_row(r, (7,), decode=True, feed=f) for r, f in (("a", 3), ("b", -1), ("c", 5)))
     p, q = talker_row("p", (1, 2, 3), decode=False), talker_row("q", (4,), decode=False)
     layout = (6, {"a": 0, "p": 2, "b": 3, "c": 4, "q": 5})
-    feed, ids, lengths, p_ids, p_lengths, seeds = batch.step_inputs(MIXED, [a, p, b, c, q], layout)
+    feed, ids, lengths, p_ids, p_lengths, seeds = step_inputs(MIXED, [a, p, b, c, q], layout)
     np.testing.assert_array_equal(feed, [3, -1, -1, 5])
     np.testing.assert_array_equal(ids[:, 0], [7, 0, 7, 7])
     np.testing.assert_array_equal(lengths, [1, 0, 1, 1])
@@ -77,7 +80,7 @@ def test_a_combined_steps_inputs_on_a_mesh_hold_each_shards_rows_of_each_group()
 
 def test_one_device_lays_a_combined_step_out_as_its_groups():
     a, p = talker_row("a", (7,), decode=True), talker_row("p", (1, 2), decode=False)
-    _, _, lengths, _, p_lengths, seeds = batch.step_inputs(MIXED, [a, p])
+    _, _, lengths, _, p_lengths, seeds = step_inputs(MIXED, [a, p])
     np.testing.assert_array_equal(lengths, [1, 0])
     np.testing.assert_array_equal(p_lengths, [2])
     np.testing.assert_array_equal(seeds, [100 + ord("a"), 0, 100 + ord("p")])
@@ -88,26 +91,28 @@ def test_an_agreed_bucket_keeps_the_rows_of_its_walk_and_each_groups_rows_per_sh
     d1, d2, d3 = (talker_row(r, (0,), decode=True) for r in ("d1", "d2", "d3"))
     p1, p2 = (talker_row(r, (1, 2), decode=False) for r in ("p1", "p2"))
     placement = {"d1": 0, "d2": 0, "d3": 0, "p1": 1, "p2": 1}
-    kept = batch.fit_bucket(MIXED, [d1, p1, d2, d3, p2], placement)
+    kept = batch.fit_bucket(MIXED, [d1, p1, d2, d3, p2], placement, WALKS)
     assert [r.stream.request_id for r in kept] == ["d1", "d2", "p1"]  # d3, p2 beyond their groups' rows
     decode = BucketKey(TALKER_DECODE, 2, 1)
-    assert [r.stream.request_id for r in batch.fit_bucket(decode, [d1, p1, d2], placement)] == ["d1", "d2"]
+    kept = batch.fit_bucket(decode, [d1, p1, d2], placement, WALKS)
+    assert [r.stream.request_id for r in kept] == ["d1", "d2"]
     prefill = BucketKey(TALKER_PREFILL, 2, 4)
-    assert [r.stream.request_id for r in batch.fit_bucket(prefill, [d1, p1, p2], placement)] == ["p1", "p2"]
+    kept = batch.fit_bucket(prefill, [d1, p1, p2], placement, WALKS)
+    assert [r.stream.request_id for r in kept] == ["p1", "p2"]
 
 
 def test_processes_agree_on_the_combined_walk_only_where_both_kinds_meet():
-    from mstar_jax.engine import tts_buckets
+    from mstar_jax.models.streaming_tts import tts_buckets
 
     buckets = tts_buckets(batch_sizes=(1, 2), token_counts=(1, 4), flow_chunk=4)
-    assert batch.talker_bucket(buckets, 2, 1, decode=True).graph_walk == TALKER_MIXED
-    assert batch.talker_bucket(buckets, 2, 0, decode=True) == BucketKey(TALKER_DECODE, 2, 1)
-    assert batch.talker_bucket(buckets, 1, 1, decode=False) == BucketKey(TALKER_PREFILL, 1, 4)
+    assert batch.agreed_rows_bucket(buckets, WALKS, 2, 1, decode=True).graph_walk == TALKER_MIXED
+    assert batch.agreed_rows_bucket(buckets, WALKS, 2, 0, decode=True) == BucketKey(TALKER_DECODE, 2, 1)
+    assert batch.agreed_rows_bucket(buckets, WALKS, 1, 1, decode=False) == BucketKey(TALKER_PREFILL, 1, 4)
     # A process of prefill rows alone brings more than a combined step's room (1) beside another's
     # decode rows: the step runs as many as its room holds.
-    beside = batch.talker_bucket(buckets, 2, 2, decode=True)
+    beside = batch.agreed_rows_bucket(buckets, WALKS, 2, 2, decode=True)
     assert (beside.graph_walk, beside.bs, beside.cg_key_info.prefill_rows) == (TALKER_MIXED, 2, 1)
-    assert batch.talker_bucket(buckets, 2, 2, decode=False) == BucketKey(TALKER_PREFILL, 2, 4)
+    assert batch.agreed_rows_bucket(buckets, WALKS, 2, 2, decode=False) == BucketKey(TALKER_PREFILL, 2, 4)
     with pytest.raises(ValueError, match=r"^max_prefill_rows_in_combined=-1 must be None or an int >= 0"):
         tts_buckets(batch_sizes=(1, 2), token_counts=(1, 4), flow_chunk=4, max_prefill_rows_in_combined=-1)
 

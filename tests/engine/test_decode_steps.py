@@ -17,10 +17,11 @@ import pytest
 
 from benchmarks.soak import FakeClock
 from mstar_jax.compile import ExecutableStore
-from mstar_jax.engine import Engine, Phase, TTSPrograms, tts_buckets
+from mstar_jax.engine import Phase
 from mstar_jax.engine.admission import Admission
 from mstar_jax.engine.build import EXECUTABLES
 from mstar_jax.engine.faults import inject_faults
+from mstar_jax.models.streaming_tts import Engine, TTSPrograms, tts_buckets
 from mstar_jax.models.streaming_tts.model import TALKER_DECODE
 from mstar_jax.settings import EngineSettings
 from tests.engine.support import (

@@ -23,11 +23,12 @@ from mstar_jax.compile import (
     RecompileWarning,
     assert_no_compilations,
 )
-from mstar_jax.engine import Engine, Phase, TTSPrograms, TTSRequest
-from mstar_jax.engine.programs import SettingsMismatchError
-from mstar_jax.engine.request import RequestError
-from mstar_jax.engine.voices import Voice
+from mstar_jax.engine import Phase
+from mstar_jax.models.streaming_tts import Engine, TTSPrograms, TTSRequest
 from mstar_jax.models.streaming_tts.model import TALKER_DECODE, StreamingTTSModel
+from mstar_jax.models.streaming_tts.programs import SettingsMismatchError
+from mstar_jax.models.streaming_tts.request import RequestError
+from mstar_jax.models.streaming_tts.voices import Voice
 from mstar_jax.resources.step import UnknownRequestError
 from tests.engine.support import (
     BATCH_SIZES,
@@ -118,7 +119,7 @@ def test_from_deployment_refuses_a_bad_setting_before_building_anything(monkeypa
     """Once, `history=0` was refused after every bucket compiled, `num_voices=0` meant "the default"
     and `num_voices=-1` was refused as `num_sources`."""
     from mstar_jax.deployment import parse_deployment
-    from mstar_jax.engine import build
+    from mstar_jax.models.streaming_tts import build
 
     def no_manager(*args, **kwargs):
         raise AssertionError("a cache was built before the settings were checked")

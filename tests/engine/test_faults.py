@@ -12,10 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mstar_jax.engine import Phase, Stream, TTSRequest
+from mstar_jax.engine import Phase
 from mstar_jax.engine.faults import inject_faults
 from mstar_jax.engine.recovery import MAX_STEP_FAULTS
-from mstar_jax.engine.request import StateLostError, StepFailedError
+from mstar_jax.models.streaming_tts import Stream, TTSRequest
+from mstar_jax.models.streaming_tts.request import StateLostError, StepFailedError
 from tests.engine.support import CONFIG, assert_complete, make_engine, request
 
 

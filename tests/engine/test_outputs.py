@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from benchmarks.soak import FakeClock
-from mstar_jax.engine import Engine, Phase, Stream, TTSRequest
-from mstar_jax.engine.voices import Voice
+from mstar_jax.engine import Phase
+from mstar_jax.models.streaming_tts import Engine, Stream, TTSRequest
+from mstar_jax.models.streaming_tts.voices import Voice
 from tests.engine.support import CONFIG, assert_complete, make_engine, request, stable_seed
 from tests.models.reference import (
     SLACK,

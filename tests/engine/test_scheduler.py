@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mstar_jax.engine.request import Stream, TTSRequest
-from mstar_jax.engine.scheduler import FlowRow, TalkerRow, flow_rows, talker_rows
-from mstar_jax.engine.voices import Voice
+from mstar_jax.models.streaming_tts.request import Stream, TTSRequest
+from mstar_jax.models.streaming_tts.scheduler import FlowRow, TalkerRow, flow_rows, talker_rows
+from mstar_jax.models.streaming_tts.voices import Voice
 from mstar_jax.serving.stream import DECODE, FLUSH, PREFILL, Phase
 
 NOW, BOS, TEXT_VOCAB, IN_FLIGHT = 10.0, 3, 100, 7

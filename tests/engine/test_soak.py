@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks import soak
 from mstar_jax.deployment import DEFAULT_CONFIG, load_deployment
-from mstar_jax.engine import Engine
+from mstar_jax.models.streaming_tts import Engine
 
 pytestmark = pytest.mark.slow
 

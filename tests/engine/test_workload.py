@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from mstar_jax.engine import workload
-from mstar_jax.engine.workload import Arrival, drive
+from mstar_jax.models.streaming_tts import workload
+from mstar_jax.models.streaming_tts.workload import Arrival, drive
 from tests.engine.support import assert_complete, make_engine, request
 
 

@@ -14,9 +14,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from mstar_jax.engine.voices import VoiceBank
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
+from mstar_jax.models.streaming_tts.voices import VoiceBank
 from mstar_jax.resources.kv.bounded import sharding as sh
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mstar_jax.engine.voices import VoiceBank
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.models.streaming_tts.model import StreamingTTSModel
+from mstar_jax.models.streaming_tts.voices import VoiceBank
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.step import BucketKey, Segment, SlotLease, StepContext

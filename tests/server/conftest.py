@@ -11,8 +11,8 @@ extras.skip_module_without("serve")  # before the server modules import FastAPI
 
 from mstar_jax.compile import disable_persistent_cache
 from mstar_jax.deployment import load_deployment
-from mstar_jax.engine.tts import Engine
-from mstar_jax.engine.workload import register_voices
+from mstar_jax.models.streaming_tts.serving import Engine
+from mstar_jax.models.streaming_tts.workload import register_voices
 from tests.server.support import TTS_YAML
 
 

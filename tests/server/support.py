@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import uvicorn
 
-from mstar_jax.engine.request import TTSRequest
+from mstar_jax.models.streaming_tts.request import TTSRequest
 from mstar_jax.server import ServerSettings
 from mstar_jax.server.audio import pcm16
 from mstar_jax.server.command import _server

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from mstar_jax.cli import main
-from mstar_jax.engine.request import TTSRequest
+from mstar_jax.models.streaming_tts.request import TTSRequest
 from mstar_jax.server import EngineHost, ServerSettings, create_app
 from mstar_jax.server.audio import pcm16
 from mstar_jax.server.tokenizer import ByteTokenizer

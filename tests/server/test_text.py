@@ -20,11 +20,11 @@ extras.skip_module_without("serve", "gemma")
 pytestmark = [pytest.mark.serve, pytest.mark.gemma]
 
 from mstar_jax.deployment import parse_deployment
-from mstar_jax.engine.text import build_text_engine
 from mstar_jax.models.gemma3 import load_gguf
+from mstar_jax.models.gemma3.chat import TextTokenizer
 from mstar_jax.models.gemma3.model import Gemma3
+from mstar_jax.models.gemma3.run import build_text_engine
 from mstar_jax.models.gemma3.stream import Gemma3Streams
-from mstar_jax.server.tokenizer import TextTokenizer
 from tests.models.gemma3.test_deployment import write_gguf
 from tests.models.gemma3.test_model import CONFIG
 

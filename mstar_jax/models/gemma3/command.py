@@ -2,7 +2,7 @@
 
 The arguments are added here with nothing heavier than argparse imported, so `mstar-jax -h` works
 without the `gemma` extra. The command runs through the engine, so it is served one layer up
-(`mstar_jax.engine.generate.run`: a model never imports the engine).
+(`mstar_jax.models.gemma3.generate.run`: a model never imports the engine).
 """
 
 from __future__ import annotations

@@ -17,10 +17,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from mstar_jax.checks import INT32_MAX, check_bool, check_choice, check_int
 
 if TYPE_CHECKING:
+    from mstar_jax.deployment import Deployment
+    from mstar_jax.devices import DeviceMemory
+    from mstar_jax.memory import MemoryBudget
     from mstar_jax.models.gemma3.gguf import Gemma3Config
     from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, SinkWindow
 
-__all__ = ["DTYPES", "GEMMA3_NODE", "Gemma3DeploymentConfig"]
+__all__ = ["DTYPES", "GEMMA3_NODE", "Gemma3DeploymentConfig", "memory_budget"]
 
 GEMMA3_NODE = "gemma3"
 """The graph node both caches belong to."""
@@ -134,6 +137,14 @@ class Gemma3DeploymentConfig:
         if self.greedy_screen:
             return params, screen.abstract_arrays(geometry.vocab_size, geometry.d_model)
         return params
+
+
+def memory_budget(deployment: Deployment, device: DeviceMemory) -> MemoryBudget:
+    """What a Gemma 3 `deployment` allocates on one device, counted from its abstract parameters and its
+    caches' specs (`mstar_jax.memory.params_budget`)."""
+    from mstar_jax.memory import params_budget
+
+    return params_budget(deployment, deployment.model_config.abstract_params(), device)
 
 
 @functools.lru_cache(maxsize=8)

@@ -45,7 +45,7 @@ def deployment_engine():
     import tempfile
 
     from mstar_jax.deployment import parse_deployment
-    from mstar_jax.engine.text import build_text_engine
+    from mstar_jax.models.gemma3.run import build_text_engine
     from tests.models.gemma3.test_deployment import mapping, write_gguf
 
     path = Path(tempfile.mkdtemp()) / "tiny.gguf"
@@ -58,8 +58,8 @@ def deployment_engine():
 
 def direct_engine(*, pipelined: bool):
     """The engine of a `Gemma3Streams` built on the mesh (`text_engine`)."""
-    from mstar_jax.engine.text import text_engine
     from mstar_jax.models.gemma3.model import Gemma3
+    from mstar_jax.models.gemma3.run import text_engine
     from mstar_jax.models.gemma3.stream import Gemma3Streams
     from mstar_jax.resources.kv.bounded.sharding import make_mesh
     from mstar_jax.settings import EngineSettings

@@ -131,9 +131,9 @@ def test_on_a_mesh_the_budget_counts_one_devices_share_of_the_slots_and_heads(mo
 @pytest.mark.slow
 @pytest.mark.parametrize("screen", [False, True], ids=["float32", "greedy screen"])
 def test_mstar_jax_run_serves_the_workload_with_greedys_tokens(model_file, tmp_path, capsys, screen):
-    from mstar_jax.engine.text import build_text_engine, drive_text, text_workload
     from mstar_jax.models.gemma3 import load_gguf
     from mstar_jax.models.gemma3.model import Gemma3
+    from mstar_jax.models.gemma3.run import build_text_engine, drive_text, text_workload
     from mstar_jax.models.gemma3.stream import Gemma3Streams
 
     path = tmp_path / "gemma.yaml"

@@ -18,9 +18,9 @@ extras.skip_module_without("gemma")
 pytestmark = pytest.mark.gemma
 
 from mstar_jax import cli, native  # noqa: E402
-from mstar_jax.engine.generate import _Printer  # noqa: E402
 from mstar_jax.memory import format_bytes  # noqa: E402
 from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, open_gguf, read_config  # noqa: E402
+from mstar_jax.models.gemma3.generate import _Printer  # noqa: E402
 from mstar_jax.models.gemma3.stream import cache_configs  # noqa: E402
 from mstar_jax.resources.kv.bounded.config import SinkWindow  # noqa: E402
 

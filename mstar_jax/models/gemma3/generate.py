@@ -176,11 +176,11 @@ def run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
 
     from mstar_jax.compile import ExecutableStore
     from mstar_jax.compile.store import check_directory
-    from mstar_jax.engine.text import text_engine
     from mstar_jax.memory import format_bytes
     from mstar_jax.models.gemma3 import Gemma3Tokenizer, default_gguf_path, load_gguf, open_gguf, read_config
     from mstar_jax.models.gemma3.gguf import tensor_shapes
     from mstar_jax.models.gemma3.model import Gemma3, check_tensors
+    from mstar_jax.models.gemma3.run import text_engine
     from mstar_jax.models.gemma3.serving import TextRequest
     from mstar_jax.models.gemma3.stream import Gemma3Streams
     from mstar_jax.resources.kv.bounded.config import SinkWindow

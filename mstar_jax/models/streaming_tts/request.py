@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mstar_jax.checks import INT32_MAX, brief, check_int
-from mstar_jax.engine.voices import Voice
+from mstar_jax.models.streaming_tts.voices import Voice
 from mstar_jax.serving.stream import (
     Phase,
     ReplayMismatchError,

@@ -20,10 +20,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from mstar_jax.compile import ExecutableStore, cap_batch_sizes, configure_persistent_cache
-from mstar_jax.engine import report as tts_report
+from mstar_jax.engine import report as engine_report
 from mstar_jax.engine.build import EXECUTABLES, deployment_mesh
 from mstar_jax.engine.engine import ServingEngine
-from mstar_jax.engine.workload import arrival_times
 from mstar_jax.errors import DeploymentError
 from mstar_jax.models.gemma3.serving import Gemma3Programs, Gemma3Serving, TextRequest, TextStream
 from mstar_jax.models.gemma3.stream import Gemma3Streams
@@ -34,6 +33,7 @@ __all__ = [
     "TextArrival",
     "build_text_engine",
     "run_text_deployment",
+    "serve_engine",
     "summarize_text",
     "text_engine",
     "text_workload",
@@ -107,7 +107,7 @@ class TextArrival:
 def text_workload(settings: Any, *, vocab_size: int) -> list[TextArrival]:
     """Draw the requests of a `WorkloadSettings` for a text model (module doc), in time order."""
     rng = np.random.default_rng(settings.seed)
-    n, times = settings.streams, arrival_times(settings, rng)
+    n, times = settings.streams, settings.arrival_times(rng)
     lengths = rng.integers(settings.min_text_tokens, settings.max_text_tokens + 1, n)
     new = rng.integers(settings.min_new_tokens, settings.max_new_tokens + 1, n)
     return [
@@ -162,15 +162,15 @@ def summarize_text(
         "prompt_tokens": sum(s.prefilled for s in streams),
         "wall_seconds": wall_secs,
         "tokens_per_second": tokens / wall_secs if wall_secs else None,
-        "time_to_first_token_ms": tts_report.percentiles(ttft, 1e3),
-        "step_latency_ms": tts_report.percentiles(latencies, 1e3),
-        "step_latency_ms_by_walk": tts_report.latency_by_walk(engine.records),
+        "time_to_first_token_ms": engine_report.percentiles(ttft, 1e3),
+        "step_latency_ms": engine_report.percentiles(latencies, 1e3),
+        "step_latency_ms_by_walk": engine_report.latency_by_walk(engine.records),
         "steps": len(engine.records),
         "memory": {
             "bytes_per_stream": sum(m.config.slot_bytes for m in managers),
             **{f"{m.spec.resource_key}_slot_tokens": m.config.slot_tokens for m in managers},
         },
-        **tts_report.serving_report(
+        **engine_report.serving_report(
             engine, capture_secs=capture_secs, warmup_compilations=warmup_compilations
         ),
     }
@@ -178,7 +178,7 @@ def summarize_text(
 
 def format_text_summary(report: dict[str, Any]) -> str:
     """The summary `mstar-jax run` prints for a text model."""
-    ms = tts_report.format_ms
+    ms = engine_report.format_ms
     s, m, c = report["streams"], report["memory"], report["compile"]
     ttft, lat, rate = report["time_to_first_token_ms"], report["step_latency_ms"], report["tokens_per_second"]
     lines = [
@@ -196,7 +196,7 @@ def format_text_summary(report: dict[str, Any]) -> str:
         )
     pipeline = report["pipeline"]
     lines += [
-        f"memory per stream    {tts_report.format_mib(m['bytes_per_stream'])} (both caches' slots), fixed",
+        f"memory per stream    {engine_report.format_mib(m['bytes_per_stream'])} (both caches' slots), fixed",
         f"compilation          {c['buckets']} buckets captured in {c['capture_wall_seconds']:.1f} s "
         f"({c['loaded_from_store']} loaded from the executable store); "
         f"{c['compilations_after_warmup']} compilations after warm-up",
@@ -230,7 +230,19 @@ def run_text_deployment(
     report = summarize_text(
         engine, wall_secs=wall, capture_secs=capture_secs, warmup_compilations=engine.warmup_compilations
     )
-    json_path, png_path = tts_report.write_report(report, engine, output)
+    json_path, png_path = engine_report.write_report(report, engine, output)
     print_fn(format_text_summary(report))
     print_fn(f"wrote {json_path} and {png_path}")
     return report
+
+
+def serve_engine(
+    deployment: Any, *, progress: bool = True, history: int | None = None, voices: int | None = None
+) -> tuple[ServingEngine, dict[str, Any]]:
+    """The warmed-up engine `mstar-jax serve` serves, and the app's options for it: the model file's
+    tokenizer. A text model has no voices (`serve` refuses `--voices` for it) and keeps the engine's
+    default history."""
+    from mstar_jax.models.gemma3.chat import TextTokenizer
+
+    engine = build_text_engine(deployment, progress=progress)
+    return engine, {"tokenizer": TextTokenizer.from_gguf(deployment.model_config.path)}

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm.auto import tqdm
 
-from mstar_jax.engine.request import Stream, TTSRequest
-from mstar_jax.engine.tts import Engine
-from mstar_jax.engine.voices import Voice
+from mstar_jax.models.streaming_tts.request import Stream, TTSRequest
+from mstar_jax.models.streaming_tts.serving import Engine
+from mstar_jax.models.streaming_tts.voices import Voice
 
 if TYPE_CHECKING:
     from mstar_jax.deployment import WorkloadSettings
 
-__all__ = ["Arrival", "arrival_times", "drive", "register_voices", "synthetic_workload"]
+__all__ = ["Arrival", "drive", "register_voices", "synthetic_workload"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,15 +42,6 @@ def register_voices(engine: Engine, count: int, *, seed: int) -> list[Voice]:
     return [engine.add_voice(i, frames=int(f), seed=seed * 1000 + i) for i, f in enumerate(frames)]
 
 
-def arrival_times(settings: WorkloadSettings, rng: np.random.Generator) -> np.ndarray:
-    """f64[streams]: when each stream arrives, in seconds: a Poisson process of `arrival_rate_hz` from
-    0, or all at 0 when it is None."""
-    n = settings.streams
-    if settings.arrival_rate_hz is None:
-        return np.zeros(n)
-    return np.concatenate([[0.0], np.cumsum(rng.exponential(1.0 / settings.arrival_rate_hz, n - 1))])
-
-
 def synthetic_workload(
     settings: WorkloadSettings, voices: Sequence[Voice], *, text_vocab: int
 ) -> list[Arrival]:
@@ -65,7 +56,7 @@ def synthetic_workload(
       The arrivals, in time order.
     """
     rng = np.random.default_rng(settings.seed)
-    n, times = settings.streams, arrival_times(settings, rng)
+    n, times = settings.streams, settings.arrival_times(rng)
     text_lens = rng.integers(settings.min_text_tokens, settings.max_text_tokens + 1, n)
     frames = rng.integers(settings.min_frames, settings.max_frames + 1, n)
     picks = rng.integers(0, len(voices), n)

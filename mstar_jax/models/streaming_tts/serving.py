@@ -28,12 +28,9 @@ from jax.sharding import PartitionSpec as P
 
 from mstar_jax.compile import count_compilations
 from mstar_jax.engine import batch
-from mstar_jax.engine.build import build_from_deployment
 from mstar_jax.engine.engine import ServingEngine
-from mstar_jax.engine.programs import TTSPrograms
-from mstar_jax.engine.request import AudioChunk, ReplayMismatchError, Stream, TTSRequest
-from mstar_jax.engine.scheduler import FlowRow, flow_rows, talker_rows
-from mstar_jax.engine.voices import Voice, VoiceBank
+from mstar_jax.models.streaming_tts.batch import step_inputs
+from mstar_jax.models.streaming_tts.build import build_from_deployment
 from mstar_jax.models.streaming_tts.model import (
     FLOW_CHUNK,
     SAMPLES_PER_FRAME,
@@ -42,11 +39,15 @@ from mstar_jax.models.streaming_tts.model import (
     TALKER_PREFILL,
     StreamingTTSModel,
 )
+from mstar_jax.models.streaming_tts.programs import TTSPrograms
+from mstar_jax.models.streaming_tts.request import AudioChunk, ReplayMismatchError, Stream, TTSRequest
 from mstar_jax.models.streaming_tts.resource_keys import FLOW_KV, TALKER_KV
+from mstar_jax.models.streaming_tts.scheduler import FlowRow, flow_rows, talker_rows
+from mstar_jax.models.streaming_tts.voices import Voice, VoiceBank
 from mstar_jax.resources.kv.bounded.config import StreamPosition
 from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
 from mstar_jax.resources.runner import ResourceRunner
-from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps, notify
+from mstar_jax.serving.model import InFlight, Node, RowWalks, ServedModel, StreamOps, notify
 from mstar_jax.serving.stream import DECODE, FLUSH, PREFILL, Phase
 from mstar_jax.settings import EngineSettings
 
@@ -91,7 +92,7 @@ class TTSServing(ServedModel):
         self.nodes = (
             Node(
                 TALKER, ResourceRunner({TALKER_KV: talker}), (TALKER_KV,), model.talker_params, talker_walks,
-                feeds=True, no_feed=no_codes,
+                feeds=True, no_feed=no_codes, row_walks=RowWalks(TALKER_DECODE, TALKER_PREFILL, TALKER_MIXED),
             ),
             Node(FLOW, ResourceRunner({FLOW_KV: flow}), (FLOW_KV,), model.flow_params, (FLOW_CHUNK,)),
         )  # fmt: skip
@@ -144,15 +145,18 @@ class TTSServing(ServedModel):
         return [(decode, TALKER_DECODE), (prefill, TALKER_PREFILL)]
 
     def choose_bucket(self, node: Node, rows: Sequence, *, rows_per_shard: int | None = None):
+        buckets = self.programs.buckets
+        if node.name == FLOW:
+            size = len(rows) if rows_per_shard is None else rows_per_shard
+            return buckets.bucket_for(FLOW_CHUNK, size, max([len(r.codes) for r in rows]))
         room = None  # on a mesh, the most prefill rows any data shard gets: the combined bucket's room
-        if rows_per_shard is not None and node.name != FLOW:
+        if rows_per_shard is not None:
             prefill = [r for r in rows if not r.decode]
             placed = node.manager.placement([r.stream.request_id for r in prefill])
             room = batch.fit_shards(prefill, placed, len(prefill))[1] if prefill else 0
-        _, bucket = batch.choose_bucket(
-            self.programs.buckets, node.name, rows, rows_per_shard=rows_per_shard, prefill_per_shard=room
+        return batch.rows_bucket(
+            buckets, node.row_walks, rows, rows_per_shard=rows_per_shard, prefill_per_shard=room
         )
-        return bucket
 
     def position(self, node: Node, stream: Stream) -> StreamPosition:
         return stream.request.voice.position(stream.written_in(node.name))
@@ -169,7 +173,7 @@ class TTSServing(ServedModel):
         return bucket.num_tokens if bucket.graph_walk == TALKER_DECODE else 1
 
     def inputs(self, node: Node, bucket, rows: Sequence, layout) -> tuple:
-        return batch.step_inputs(bucket, rows, layout)
+        return step_inputs(bucket, rows, layout)
 
     # -- outputs ------------------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""`mstar-jax run`: build the engine of a deployment, serve its synthetic workload, report.
+"""The streaming TTS model's `mstar-jax run` (build the engine of a deployment, serve its synthetic
+workload, report) and the engine `mstar-jax serve` serves.
 
 Capture (every bucket, with progress bars), warm-up, voice registration, then the workload in real
 time with live progress; finally the summary is printed and `report.json` plus `step_latency.png` are
@@ -18,11 +19,13 @@ from typing import Any
 
 import jax
 
-from mstar_jax.engine.report import format_summary, summarize, write_report
-from mstar_jax.engine.tts import Engine
-from mstar_jax.engine.workload import drive, register_voices, synthetic_workload
+from mstar_jax.engine.report import write_report
+from mstar_jax.memory import num_sources
+from mstar_jax.models.streaming_tts.report import format_summary, summarize
+from mstar_jax.models.streaming_tts.serving import Engine
+from mstar_jax.models.streaming_tts.workload import drive, register_voices, synthetic_workload
 
-__all__ = ["run_deployment"]
+__all__ = ["run_deployment", "serve_engine"]
 
 
 def run_deployment(
@@ -36,7 +39,7 @@ def run_deployment(
     """Serve a deployment's workload and report on it.
 
     Args:
-      deployment: a `mstar_jax.deployment.Deployment` (of the `streaming_tts` or the `gemma3` model).
+      deployment: a `mstar_jax.deployment.Deployment` of the `streaming_tts` model.
       output: directory for `report.json` and `step_latency.png` (created).
       progress: show progress bars.
       implementation: the attention implementation.
@@ -45,12 +48,6 @@ def run_deployment(
     Returns:
       The report (as written to `report.json`).
     """
-    if deployment.model == "gemma3":  # a text model: the same engine, its own workload and report
-        from mstar_jax.engine.text import run_text_deployment  # loads the `gemma` extra's modules
-
-        return run_text_deployment(
-            deployment, output=output, progress=progress, implementation=implementation, print_fn=print_fn
-        )
     workload = deployment.workload
     start = time.perf_counter()
     engine = Engine.from_deployment(deployment, progress=progress, implementation=implementation)
@@ -69,3 +66,16 @@ def run_deployment(
     print_fn(format_summary(report))
     print_fn(f"wrote {json_path} and {png_path}")
     return report
+
+
+def serve_engine(
+    deployment: Any, *, progress: bool = True, history: int | None = None, voices: int | None = None
+) -> tuple[Engine, dict[str, Any]]:
+    """The warmed-up engine `mstar-jax serve` serves, with `voices` random voices registered (None: the
+    workload's), and the app's options for it: those voices by name."""
+    count = deployment.workload.voices if voices is None else voices
+    engine = Engine.from_deployment(
+        deployment, progress=progress, num_voices=max(count, num_sources(deployment)), history=history
+    )
+    registered = register_voices(engine, count, seed=deployment.workload.seed)
+    return engine, {"voices": {f"voice-{v.index}": v for v in registered}}

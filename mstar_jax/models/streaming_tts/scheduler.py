@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from mstar_jax.engine.request import Stream
+from mstar_jax.models.streaming_tts.request import Stream
 from mstar_jax.serving.decoder import DecodeRow
 from mstar_jax.serving.stream import DECODE, FLUSH
 
