@@ -109,7 +109,7 @@ def in_process(engine: Engine, voice, times: np.ndarray, frames: int) -> Served:
             def heard(chunk, i=i):
                 first.setdefault(i, time.perf_counter() - start)
 
-            streams[i] = engine.submit(TTSRequest(f"bench-{i}-{start}", text, voice, frames), on_chunk=heard)
+            streams[i] = engine.submit(TTSRequest(f"bench-{i}-{start}", text, voice, frames), on_output=heard)
         if not engine.step() and pending and engine.idle:
             time.sleep(max(0.0, pending[0][1] - (time.perf_counter() - start)))
     wall = time.perf_counter() - start

@@ -1312,8 +1312,8 @@ ENGINE_CASES = [
         r"request='say hello' must be a TTSRequest",
     ),
     _case(
-        "submit-on_chunk-int", lambda p, e: e.submit(request("cb", V0, 4), on_chunk=3), TypeError,
-        r"on_chunk=3 must be callable or None",
+        "submit-on_output-int", lambda p, e: e.submit(request("cb", V0, 4), on_output=3), TypeError,
+        r"on_output=3 must be callable or None",
     ),
     _case(
         "submit-live-id", lambda p, e: e.submit(request("live", V0, 4)), ValueError,

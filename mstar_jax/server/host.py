@@ -40,7 +40,6 @@ from typing import Any
 
 from mstar_jax.checks import check_int, check_number
 from mstar_jax.engine.engine import ServingEngine
-from mstar_jax.models.streaming_tts.serving import Engine
 from mstar_jax.server.errors import (
     BadRequestError,
     HostNotStartedError,
@@ -78,7 +77,7 @@ class EngineHost:
     """Runs `engine` on a thread of its own (module doc).
 
     Args:
-      engine: a warmed-up `ServingEngine` (the TTS `Engine`, or Gemma's); from `start()` on only the
+      engine: a warmed-up `ServingEngine` of any model; from `start()` on only the
         host's thread calls it.
       max_waiting: requests that may wait at once (`ServerSettings.max_waiting`).
       stream_buffer: outputs buffered per stream before it is paused (`ServerSettings.stream_buffer`).
@@ -350,8 +349,7 @@ class EngineHost:
             )
             return
         try:
-            callback = {"on_chunk" if isinstance(self.engine, Engine) else "on_output": handle._deliver}
-            handle.stream = self.engine.submit(handle.request, **callback)
+            handle.stream = self.engine.submit(handle.request, on_output=handle._deliver)
         except (TypeError, ValueError) as error:  # the model's own checks, past the server's
             self._unwait()
             handle._end(BadRequestError(str(error)), "invalid")

@@ -1,16 +1,18 @@
-"""A decoder of one feeding node, as the engine serves it: the protocol's bookkeeping, written once.
+"""A decoder node, as the engine serves it: the protocol's bookkeeping, written once.
 
-`GreedyDecoder` implements `ServedModel` for a model of one graph node whose step returns one token per
-row (its greedy choice, or any choice a replay reproduces) and feeds: a decode row reads its input token
-from the previous step's outputs on the device (`serving/feed.py`). Each round runs a decode row of one
-token for every stream generating, then prompt chunks of `chunk` tokens for the others; a prompt's last
-chunk gives the stream its first token. After a fault, a rewound stream regenerates its delivered tokens
-against `DecoderStream.tokens` (a `generated` counter), which must come out the same and are not
-delivered again.
+`DecoderNode` serves a graph node whose step returns one token per row (its greedy choice, or any choice
+a replay reproduces) and feeds: a decode row reads its input token from the previous step's outputs on
+the device (`serving/feed.py`). Each round runs a decode row of one token (or a block of K) for every
+stream generating, then prompt chunks of `chunk` tokens for the others; a prompt's last chunk gives the
+stream its first token. After a fault, a rewound stream regenerates its tokens against
+`DecoderProgress.tokens` (a `generated` counter), which must come out the same and are not handed on
+again.
 
-A model subclasses it with its request type and its checks, its node (`GreedyDecoder.__init__`) and its
-programs (`capture_decoder`), and says in small hooks what differs: `prompt`, `chunk`, the walks
-(`decode_walk`, `prefill_walk`, `choose_walk`), `stop_tokens` and `extra_inputs`.
+A model says in small hooks what differs (`DecoderHooks`): `prompt`, `chunk`, the walks (`decode_walk`,
+`prefill_walk`, `choose_walk`), `stop_tokens` and `extra_inputs`; its programs come from
+`capture_decoder`. `GreedyDecoder` is a whole model of one such node, whose tokens are its outputs; in a
+model of several nodes (`serving/nodes.py`) a decoder's tokens may feed a later node instead
+(`DecoderNode(final=False)`, read by a `ChunkNode`).
 """
 
 from __future__ import annotations
@@ -33,17 +35,22 @@ from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import BucketKey
 from mstar_jax.serving.abstract import abstract, shaped
 from mstar_jax.serving.feed import fed
-from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps, notify
+from mstar_jax.serving.model import InFlight, Node, StreamOps, notify
+from mstar_jax.serving.nodes import NodeGraph, ServedNode
 from mstar_jax.serving.steps import decode_block
 from mstar_jax.serving.stream import DECODE, FLUSH, PREFILL, Phase, ReplayMismatchError, Stream
 
 __all__ = [
     "MAX_STOP_TOKENS",
     "DecodeRow",
+    "DecoderHooks",
+    "DecoderNode",
     "DecoderPrograms",
+    "DecoderProgress",
     "DecoderStream",
     "GreedyDecoder",
     "capture_decoder",
+    "decoder_node",
     "fed_width",
 ]
 
@@ -51,39 +58,51 @@ MAX_STOP_TOKENS = 16
 """The most stop tokens a request may name: a decode block checks each row's on the device."""
 
 
-@dataclasses.dataclass(eq=False)
-class DecoderStream(Stream):
-    """A decoder request's progress and tokens.
+@dataclasses.dataclass(eq=False, kw_only=True)
+class DecoderProgress:
+    """A stream's progress on a decoder node (`DecoderNode`).
 
     Attributes:
-      tokens: the tokens delivered so far (a fault's replay never takes one back).
-      generated: tokens the stream's steps have generated since its start or its last rewind; behind
-        `len(tokens)` while a replay regenerates delivered tokens, which must come out the same.
-      on_output: called with each new token (from the engine's thread); None: nobody listens.
-      first_token_at: clock stamp of its first token (None until then).
+      tokens: the tokens the node generated and handed on (a fault's replay never takes one back).
+      generated: tokens the node's steps have generated since its start or its last rewind; behind
+        `len(tokens)` while a replay regenerates those, which must come out the same.
       prefilled: prompt tokens read.
       written: entries committed to the node's caches.
       tokens_in_flight: tokens of steps dispatched but not read back yet (a pipelined engine).
       feed: `(step, row)`: where the newest of those tokens sits in that step's device output; None once
         read.
+      finished: its last token is read (the request's `max_new_tokens`, or a stop token).
     """
 
     tokens: list[int] = dataclasses.field(default_factory=list)
     generated: int = 0
-    on_output: Callable[[int], None] | None = None
-    first_token_at: float | None = None
     prefilled: int = 0
     written: int = 0
     tokens_in_flight: int = 0
     feed: tuple[int, int] | None = None
-
-    def written_in(self, node: str) -> int:
-        return self.written
+    finished: bool = False
 
     @property
     def tokens_scheduled(self) -> int:
         """Tokens generated or being generated."""
         return self.generated + self.tokens_in_flight
+
+
+@dataclasses.dataclass(eq=False)
+class DecoderStream(DecoderProgress, Stream):
+    """A stream of a one-node decoder: its own progress on the node (`DecoderProgress`), whose tokens
+    are its outputs.
+
+    Attributes:
+      on_output: called with each new token (from the engine's thread); None: nobody listens.
+      first_token_at: clock stamp of its first token (None until then).
+    """
+
+    on_output: Callable[[int], None] | None = None
+    first_token_at: float | None = None
+
+    def written_in(self, node: str) -> int:
+        return self.written
 
 
 class DecodeRow(NamedTuple):
@@ -218,60 +237,24 @@ def capture_decoder(
     return steps
 
 
-class GreedyDecoder(ServedModel):
-    """A `ServedModel` of one feeding decoder node (module doc).
+class DecoderHooks:
+    """What a decoder node asks its model, with the defaults a model overrides (module doc).
 
-    Args:
-      name: the node's name.
-      runner: its `ResourceRunner`.
-      keys: its caches' keys, in the order its programs take them.
-      params: its weights.
-      programs: its programs (`DecoderPrograms`, or any with `buckets`, `steps` and `width`).
-      mesh: the `(data, model)` mesh its arrays live on, as its programs were captured for (None: one
-        device).
-
-    Class attributes a subclass sets:
-      request_type: the requests it serves (others are refused with a `TypeError`).
-      stream_type: its streams (a `DecoderStream`).
+    Attributes a model sets:
       decode_walk, prefill_walk: the walks of its decode and its prefill rows; the same walk: one program
         runs both (decode rows first).
       chunk: prompt tokens a prefill row reads, at most (an attribute or a property).
     """
 
-    request_type: type = object
-    stream_type: type[DecoderStream] = DecoderStream
     decode_walk: str
     prefill_walk: str
     chunk: int
 
-    def __init__(
-        self, name: str, runner: ResourceRunner, keys: tuple[str, ...], params: Any, programs: Any,
-        mesh: Any = None,
-    ):  # fmt: skip
-        self.programs, self.mesh = programs, mesh
-        self.decode_steps = getattr(programs, "decode_steps", 1)
-        if self.decode_steps > 1 and self.decode_walk == self.prefill_walk:
-            raise ValueError(
-                f"programs run decode blocks of {self.decode_steps} steps on {self.decode_walk!r}, the walk "
-                "prefill rows run too; a decode block needs a walk of its own"
-            )
-        # Nothing in flight: a program reads no token.
-        no_feed = jnp.zeros((programs.width, self.decode_steps), jnp.int32)
-        if mesh is not None:
-            no_feed = jax.device_put(no_feed, NamedSharding(mesh, P()))
-        walks = programs.buckets.walks
-        self.nodes = (Node(name, runner, keys, params, walks, feeds=True, no_feed=no_feed),)
-
-    # -- hooks --------------------------------------------------------------------------------------
-
-    def check(self, request: Any) -> None:
-        """Refuse a request the model cannot serve (`TypeError`, `ValueError` naming the field)."""
-
-    def prompt(self, stream: DecoderStream) -> Sequence[int]:
+    def prompt(self, stream: Stream) -> Sequence[int]:
         """The tokens the stream reads before it generates (default: its request's `prompt`)."""
         return stream.request.prompt
 
-    def stop_tokens(self, stream: DecoderStream) -> Collection[int]:
+    def stop_tokens(self, stream: Stream) -> Collection[int]:
         """Tokens that end the stream, kept as its last (default: its request's `stop_tokens`, if any)."""
         return getattr(stream.request, "stop_tokens", ())
 
@@ -286,70 +269,99 @@ class GreedyDecoder(ServedModel):
         `places[i]` (default none)."""
         return ()
 
-    # -- requests -----------------------------------------------------------------------------------
 
-    def new_stream(self, request: Any, *, on_output: Any, now: float) -> DecoderStream:
-        if not isinstance(request, self.request_type):
-            raise TypeError(f"request={request!r} must be a {self.request_type.__name__}")
-        self.check(request)
-        return self.stream_type(request, on_output=on_output, submitted_at=now)
+class DecoderNode(ServedNode):
+    """A decoder node: a prompt read in chunks, then one token a step, or a block of K, fed on the device.
 
-    def outputs(self, stream: DecoderStream) -> list[int]:
-        return stream.tokens
+    Each round runs a decode row for every stream generating (its input token fed from the step in
+    flight, or its last token from the host), then prompt chunks of `hooks.chunk` tokens for the others;
+    a prompt's last chunk gives the stream its first token. A stream ends at its request's
+    `max_new_tokens` or a stop token. After a fault a rewound stream regenerates its tokens against
+    `DecoderProgress.tokens` (the `generated` counter): they must come out the same, and are not handed
+    on again.
+
+    Args:
+      node: its `Node` (it feeds).
+      hooks: what differs per model (`DecoderHooks`).
+      buckets: its programs' buckets.
+      decode_steps: K, the one-token steps a decode program runs.
+      mesh: the mesh its programs run on (None: one device); there a round is always one decode program
+        and one prefill program.
+      progress: a stream's progress on the node (default: the stream itself, a `DecoderStream`).
+      final: its tokens are the client's outputs (`on_output`) and its end is the stream's; False: a later
+        node reads them, and once the node is done the stream gives its caches back and goes on
+        (`Phase.FLUSH`).
+    """
+
+    def __init__(
+        self, node: Node, hooks: DecoderHooks, *, buckets: Buckets, decode_steps: int = 1, mesh: Any = None,
+        progress: Callable[[Stream], DecoderProgress] | None = None, final: bool = True,
+    ):  # fmt: skip
+        self.node, self.hooks, self.buckets, self.decode_steps = node, hooks, buckets, decode_steps
+        self.mesh, self.final = mesh, final
+        self.progress = progress or (lambda stream: stream)
+        self._own = progress is None  # the stream is its progress: read it directly in the hot loops
+
+    @classmethod
+    def of(
+        cls, hooks: DecoderHooks, name: str, runner: ResourceRunner, keys: tuple[str, ...], params: Any,
+        programs: Any, *, mesh: Any = None, **options: Any,
+    ) -> DecoderNode:  # fmt: skip
+        """The decoder node of `programs` (`DecoderPrograms`), its `Node` made from the rest (`decoder_node`);
+        `options`: `progress`, `final`."""
+        node = decoder_node(name, runner, keys, params, programs, mesh=mesh)
+        steps = getattr(programs, "decode_steps", 1)
+        return cls(node, hooks, buckets=programs.buckets, decode_steps=steps, mesh=mesh, **options)
 
     # -- scheduling ---------------------------------------------------------------------------------
 
     def rows(
-        self,
-        node: Node,
-        streams: Sequence[DecoderStream],
-        *,
-        now: float,
-        max_batch: int,
-        in_flight: int | None,
+        self, streams: Sequence[Stream], *, now: float, max_batch: int, in_flight: int | None
     ) -> list[tuple[list, str | None]]:
-        """A decode row for each stream generating (its token fed from the step in flight, or its last
-        token from the host), a prompt chunk for each other, in programs of at most `max_batch` rows.
-        Every decode row is in the round's first program: a later one's previous outputs are the first's,
-        not the step's that was in flight. On a mesh a round is always one decode program and one prefill
-        program (either may have no rows), so every process of a multi-process mesh enters the same
-        programs in the same order (`engine/lockstep.py`)."""
+        """A decode row for each stream generating, a prompt chunk for each other, in programs of at most
+        `max_batch` rows. Every decode row is in the round's first program: a later one's previous
+        outputs are the first's, not the step's that was in flight. On a mesh a round is always one
+        decode program and one prefill program (either may have no rows), so every process of a
+        multi-process mesh enters the same programs in the same order (`engine/lockstep.py`)."""
+        hooks, own, progress = self.hooks, self._own, self.progress
         decode, prefill = [], []
         for s in streams:
             if s.phase.finished or s.phase is FLUSH or s.paused or s.hold_until > now:
                 continue
+            p = s if own else progress(s)
             if s.phase is not DECODE:
-                chunk = self.prompt(s)[s.prefilled : s.prefilled + self.chunk]
+                chunk = hooks.prompt(s)[p.prefilled : p.prefilled + hooks.chunk]
                 prefill.append(DecodeRow(s, tuple(chunk), decode=False))
                 continue
-            steps = min(self.decode_steps, s.request.max_new_tokens - s.tokens_scheduled)
-            if s.feed is not None and s.feed[0] == in_flight:
-                decode.append(DecodeRow(s, (0,), decode=True, feed=s.feed[1], steps=steps))
+            steps = min(self.decode_steps, s.request.max_new_tokens - p.tokens_scheduled)
+            if p.feed is not None and p.feed[0] == in_flight:
+                decode.append(DecodeRow(s, (0,), decode=True, feed=p.feed[1], steps=steps))
             else:
-                decode.append(DecodeRow(s, (s.tokens[s.generated - 1],), decode=True, steps=steps))
+                decode.append(DecodeRow(s, (p.tokens[p.generated - 1],), decode=True, steps=steps))
         decode = decode[:max_batch]  # the rest wait for the next round
         fixed = self.mesh is not None
-        if self.decode_walk == self.prefill_walk:
-            rows, walk = decode + prefill, self.decode_walk
+        if hooks.decode_walk == hooks.prefill_walk:
+            rows, walk = decode + prefill, hooks.decode_walk
             if fixed:
                 return [(rows[:max_batch], walk)]
             return [(rows[i : i + max_batch], walk) for i in range(0, len(rows), max_batch)]
         if fixed:
-            return [(decode, self.decode_walk), (prefill[:max_batch], self.prefill_walk)]
-        chunks = [(prefill[i : i + max_batch], self.prefill_walk) for i in range(0, len(prefill), max_batch)]
-        return [(decode, self.decode_walk), *chunks]
+            return [(decode, hooks.decode_walk), (prefill[:max_batch], hooks.prefill_walk)]
+        chunks = [(prefill[i : i + max_batch], hooks.prefill_walk) for i in range(0, len(prefill), max_batch)]
+        return [(decode, hooks.decode_walk), *chunks]
 
-    def choose_bucket(self, node: Node, rows: Sequence, *, rows_per_shard: int | None = None) -> BucketKey:
+    def choose_bucket(self, rows: Sequence, *, rows_per_shard: int | None = None) -> BucketKey:
         span = max(row.span for row in rows)
-        return self.programs.buckets.bucket_for(self.choose_walk(rows), rows_per_shard or len(rows), span)
+        return self.buckets.bucket_for(self.hooks.choose_walk(rows), rows_per_shard or len(rows), span)
 
     def block_steps(self, bucket: BucketKey) -> int:
-        return bucket.num_tokens if self.decode_steps > 1 and bucket.graph_walk == self.decode_walk else 1
+        block = self.decode_steps > 1 and bucket.graph_walk == self.hooks.decode_walk
+        return bucket.num_tokens if block else 1
 
-    def position(self, node: Node, stream: DecoderStream) -> StreamPosition:
-        return StreamPosition(0, stream.written)
+    def position(self, stream: Stream) -> StreamPosition:
+        return StreamPosition(0, self.progress(stream).written)
 
-    def inputs(self, node: Node, bucket: BucketKey, rows: Sequence[DecodeRow], layout: Any) -> tuple:
+    def inputs(self, bucket: BucketKey, rows: Sequence[DecodeRow], layout: Any) -> tuple:
         """`feed i32[B]`, `tokens i32[B, T]`, `lengths i32[B]`, then `extra_inputs` (and a decode block's
         `stop_tokens i32[B, MAX_STOP_TOKENS]`, -1 where none; its T is 1, one input token a row); with a
         `layout` (a mesh), `B` is its row count and each request's row is where it says."""
@@ -360,78 +372,153 @@ class GreedyDecoder(ServedModel):
         tokens = np.zeros((size, span), np.int32)
         for i, row in zip(places, rows, strict=True):
             feed[i], lengths[i], tokens[i, : len(row.tokens)] = row.feed, len(row.tokens), row.tokens
-        extras = self.extra_inputs(rows, places, size, span)
+        extras = self.hooks.extra_inputs(rows, places, size, span)
         if not block:
             return feed, tokens, lengths, *extras
         stops = np.full((size, MAX_STOP_TOKENS), -1, np.int32)
         for i, row in zip(places, rows, strict=True):
-            ids = tuple(self.stop_tokens(row.stream))[:MAX_STOP_TOKENS]  # the rest are checked at read
+            ids = tuple(self.hooks.stop_tokens(row.stream))[:MAX_STOP_TOKENS]  # the rest are checked at read
             stops[i, : len(ids)] = ids
         return feed, tokens, lengths, *extras, stops
 
     # -- outputs ------------------------------------------------------------------------------------
 
     def dispatched(self, step: InFlight, now: float) -> None:
-        emits, steps = [], self.decode_steps
+        emits, steps, own, progress = [], self.decode_steps, self._own, self.progress
         for row, index in zip(step.rows, step.indices, strict=True):
             stream = row.stream
-            stream.written += row.span
+            p = stream if own else progress(stream)
+            p.written += row.span
             stream.last_step_at = now
             if not row.decode:
-                stream.prefilled += row.span
+                p.prefilled += row.span
                 stream.phase = PREFILL
             # A decode row's block gives a token per step; a prompt's last chunk gives the first token.
-            emits.append(row.steps if row.decode else int(stream.prefilled == len(self.prompt(stream))))
+            emits.append(row.steps if row.decode else int(p.prefilled == len(self.hooks.prompt(stream))))
             if emits[-1]:
-                stream.tokens_in_flight += emits[-1]
-                stream.feed = (step.serial, index * steps + emits[-1] - 1)  # its newest token, flattened
+                p.tokens_in_flight += emits[-1]
+                p.feed = (step.serial, index * steps + emits[-1] - 1)  # its newest token, flattened
                 stream.phase = DECODE
-            if stream.tokens_scheduled >= stream.request.max_new_tokens:
+            if p.tokens_scheduled >= stream.request.max_new_tokens:
                 stream.phase = FLUSH  # its last token is coming: no step needs it as input
         step.emits = tuple(emits)
 
     def read(self, step: InFlight, outputs: Any, now: float, ops: StreamOps) -> None:
+        own, progress = self._own, self.progress
         for row, index, emits in zip(step.rows, step.indices, step.emits, strict=True):
             stream = row.stream
             if stream.phase.finished or not emits:
                 continue
-            if stream.feed == (step.serial, index * self.decode_steps + emits - 1):
-                stream.feed = None
-            stream.tokens_in_flight -= emits
+            p = stream if own else progress(stream)
+            if p.finished:  # a stop token ended it in an earlier step; this one ran on behind it
+                continue
+            if p.feed == (step.serial, index * self.decode_steps + emits - 1):
+                p.feed = None
+            p.tokens_in_flight -= emits
             for token in outputs[index, :emits]:  # in order; a block's row may end at any of them
-                if not self._deliver(stream, int(token), now, ops):
+                if not self._deliver(stream, p, int(token), now, ops):
                     break
 
-    def _deliver(self, stream: DecoderStream, token: int, now: float, ops: StreamOps) -> bool:
-        """Hand `stream` its next generated token; False once the stream has ended (done, failed or
-        cancelled), so the tokens after it are dropped."""
-        at = stream.generated
-        stream.generated += 1
-        if at < len(stream.tokens):  # replayed after a fault: the client has it already
-            if stream.tokens[at] != token:
+    def _deliver(self, stream: Stream, p: DecoderProgress, token: int, now: float, ops: StreamOps) -> bool:
+        """Hand `stream` its next generated token; False once the node is done with it (the stream ended:
+        done, failed or cancelled; or, not `final`, its last token), so the tokens after it are dropped."""
+        at = p.generated
+        p.generated += 1
+        if at < len(p.tokens):  # replayed after a fault: handed on already
+            if p.tokens[at] != token:
                 ops.fail(stream, ReplayMismatchError(
                     f"request {stream.request_id!r}: replaying after a fault generated token {token} "
-                    f"at {at}, where it had generated {stream.tokens[at]}"
+                    f"at {at}, where it had generated {p.tokens[at]}"
                 ))  # fmt: skip
                 return False
-            return True
-        stream.tokens.append(token)
-        if stream.first_token_at is None:
-            stream.first_token_at = now
-        if not notify(stream, stream.on_output, token, ops, name="on_output"):
-            return False  # the callback raised, or cancelled its own stream
-        if stream.generated == stream.request.max_new_tokens or token in self.stop_tokens(stream):
-            ops.done(stream)
+            if self.final:  # a final node's last token ended the stream: it is never replayed
+                return True
+        else:
+            p.tokens.append(token)
+            if self.final:
+                if stream.first_token_at is None:
+                    stream.first_token_at = now
+                if not notify(stream, stream.on_output, token, ops, name="on_output"):
+                    return False  # the callback raised, or cancelled its own stream
+        if p.generated == stream.request.max_new_tokens or token in self.hooks.stop_tokens(stream):
+            p.finished = True
+            if self.final:
+                ops.done(stream)
+            else:  # a later node reads its tokens: its caches are free, the stream goes on
+                stream.phase = FLUSH
+                ops.release(stream, self.node.name)
             return False
         return True
 
     # -- recovery -----------------------------------------------------------------------------------
 
-    def mark(self, stream: DecoderStream) -> tuple:
-        return (stream.phase, stream.prefilled, stream.written, stream.generated)
+    def mark(self, stream: Stream) -> tuple:
+        p = self.progress(stream)
+        return (stream.phase, p.prefilled, p.written, p.generated, p.finished)
 
-    def rewind(self, stream: DecoderStream, node: Node, mark: tuple | None) -> None:
-        phase, prefilled, written, generated = mark or (Phase.WAITING, 0, 0, 0)
-        stream.tokens_in_flight, stream.feed = 0, None  # an engine rewinds only with nothing in flight
-        stream.phase, stream.prefilled = phase, prefilled
-        stream.written, stream.generated = written, generated
+    def rewind(self, stream: Stream, mark: tuple | None) -> None:
+        phase, prefilled, written, generated, finished = mark or (Phase.WAITING, 0, 0, 0, False)
+        p = self.progress(stream)
+        p.tokens_in_flight, p.feed = 0, None  # an engine rewinds only with nothing in flight
+        stream.phase, p.prefilled = phase, prefilled
+        p.written, p.generated, p.finished = written, generated, finished
+
+
+class GreedyDecoder(NodeGraph, DecoderHooks):
+    """A `ServedModel` of one feeding decoder node (`DecoderNode`, module doc), whose tokens are its
+    streams' outputs.
+
+    Args:
+      name: the node's name.
+      runner: its `ResourceRunner`.
+      keys: its caches' keys, in the order its programs take them.
+      params: its weights.
+      programs: its programs (`DecoderPrograms`, or any with `buckets`, `steps` and `width`).
+      mesh: the `(data, model)` mesh its arrays live on, as its programs were captured for (None: one
+        device).
+
+    Class attributes a subclass sets, besides the hooks (`DecoderHooks`):
+      request_type: the requests it serves (others are refused with a `TypeError`).
+      stream_type: its streams (a `DecoderStream`).
+    """
+
+    request_type: type = object
+    stream_type: type[DecoderStream] = DecoderStream
+
+    def __init__(
+        self, name: str, runner: ResourceRunner, keys: tuple[str, ...], params: Any, programs: Any,
+        mesh: Any = None,
+    ):  # fmt: skip
+        served = DecoderNode.of(self, name, runner, keys, params, programs, mesh=mesh)
+        decode_steps = served.decode_steps
+        if decode_steps > 1 and self.decode_walk == self.prefill_walk:
+            raise ValueError(
+                f"programs run decode blocks of {decode_steps} steps on {self.decode_walk!r}, the walk "
+                "prefill rows run too; a decode block needs a walk of its own"
+            )
+        super().__init__((served,), programs=programs, mesh=mesh, decode_steps=decode_steps)
+
+    def check(self, request: Any) -> None:
+        """Refuse a request the model cannot serve (`TypeError`, `ValueError` naming the field)."""
+
+    def new_stream(self, request: Any, *, on_output: Any, now: float) -> DecoderStream:
+        if not isinstance(request, self.request_type):
+            raise TypeError(f"request={request!r} must be a {self.request_type.__name__}")
+        self.check(request)
+        return self.stream_type(request, on_output=on_output, submitted_at=now)
+
+    def outputs(self, stream: DecoderStream) -> list[int]:
+        return stream.tokens
+
+
+def decoder_node(
+    name: str, runner: ResourceRunner, keys: tuple[str, ...], params: Any, programs: Any, *, mesh: Any = None,
+    row_walks: Any = None,
+) -> Node:  # fmt: skip
+    """The `Node` of a decoder whose programs are `programs` (`capture_decoder`'s, padded to its width):
+    it feeds, and with nothing in flight its programs read zeros."""
+    no_feed = jnp.zeros((programs.width, getattr(programs, "decode_steps", 1)), jnp.int32)
+    if mesh is not None:
+        no_feed = jax.device_put(no_feed, NamedSharding(mesh, P()))
+    walks = programs.buckets.walks
+    return Node(name, runner, keys, params, walks, feeds=True, no_feed=no_feed, row_walks=row_walks)

@@ -206,7 +206,7 @@ def test_with_snapshots_a_lost_cache_is_replayed_bit_for_bit(blocks, alone, pipe
         for stream in engine.streams.values():
             if stream.request_id not in heard:
                 heard[stream.request_id] = []
-                stream.on_chunk = lambda chunk, rid=stream.request_id: heard[rid].append(chunk.first_frame)
+                stream.on_output = lambda chunk, rid=stream.request_id: heard[rid].append(chunk.first_frame)
 
     inject_faults(engine, node, lambda n: "after" if n in (3, 7) else None)
     streams = serve(engine, arrivals, listen)

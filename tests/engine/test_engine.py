@@ -174,8 +174,8 @@ def test_malformed_requests_are_refused_at_submit_with_nothing_queued(programs):
         with pytest.raises(error, match=match):
             engine.submit(req)
         assert engine.idle, case
-    with pytest.raises(TypeError, match="on_chunk=3 must be callable"):
-        engine.submit(request("cb", v0, 4), on_chunk=3)
+    with pytest.raises(TypeError, match="on_output=3 must be callable"):
+        engine.submit(request("cb", v0, 4), on_output=3)
     with pytest.raises(ValueError, match=r"Voice frames=16.0 must be an int >= 1"):
         Voice(0, 16.0)
     with pytest.raises(ValueError, match=r"text=\[1.5, 2\] must be integer token ids, got dtype float64"):
@@ -284,7 +284,7 @@ def test_a_dropped_stream_iterator_returns_its_slots(programs):
 
 def test_a_stream_cancelled_from_its_callback_ends_once(programs):
     engine, (v0, _) = make_engine(programs)
-    stream = engine.submit(request("self", v0, 4), on_chunk=lambda chunk: engine.cancel("self"))
+    stream = engine.submit(request("self", v0, 4), on_output=lambda chunk: engine.cancel("self"))
     engine.run_until_idle()
     assert stream.phase is Phase.CANCELLED
     assert (engine.counters["cancelled"], engine.counters["done"]) == (1, 0)

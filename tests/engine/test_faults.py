@@ -48,7 +48,7 @@ def crowd(voices) -> list[TTSRequest]:
 
 def listen(engine, req: TTSRequest, heard: dict) -> Stream:
     heard[req.request_id] = []
-    return engine.submit(req, on_chunk=lambda chunk: heard[req.request_id].append(chunk.first_frame))
+    return engine.submit(req, on_output=lambda chunk: heard[req.request_id].append(chunk.first_frame))
 
 
 def test_a_fault_that_consumes_the_talker_cache_fails_only_its_slot_holders_then_serving_goes_on(

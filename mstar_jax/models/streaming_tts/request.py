@@ -107,7 +107,7 @@ class Stream(ServedStream):
     Attributes:
       codes: the codec frames generated so far.
       chunks: the audio chunks decoded so far, in order.
-      on_chunk: called with each new chunk (from the engine's thread).
+      on_output: called with each new chunk (from the engine's thread).
       first_audio_at: clock stamp of its first chunk (None until then).
       prefilled: prompt tokens (text, then BOS) the talker has read.
       talker_written, flow_written: entries committed to each cache.
@@ -120,7 +120,7 @@ class Stream(ServedStream):
 
     codes: list[int] = dataclasses.field(default_factory=list)
     chunks: list[AudioChunk] = dataclasses.field(default_factory=list)
-    on_chunk: Callable[[AudioChunk], None] | None = None
+    on_output: Callable[[AudioChunk], None] | None = None
     first_audio_at: float | None = None
     prefilled: int = 0
     talker_written: int = 0

@@ -120,7 +120,7 @@ class TTSServing(ServedModel):
                 f"request {rid!r}: voice={request.voice} is not registered; registered (index, frames): "
                 f"{sorted(registered)}"
             )
-        return Stream(request, on_chunk=on_output, submitted_at=now)
+        return Stream(request, on_output=on_output, submitted_at=now)
 
     def outputs(self, stream: Stream) -> list[AudioChunk]:
         return stream.chunks
@@ -281,8 +281,8 @@ class TTSServing(ServedModel):
             stream.chunks.append(chunk)
             if stream.first_audio_at is None:
                 stream.first_audio_at = now
-            if stream.on_chunk is not None and not notify(
-                stream, stream.on_chunk, chunk, ops, name="on_chunk"
+            if stream.on_output is not None and not notify(
+                stream, stream.on_output, chunk, ops, name="on_output"
             ):
                 continue  # the callback raised, or cancelled its own stream
             frames = stream.request.frames
@@ -396,20 +396,6 @@ class Engine(ServingEngine):
             max_workers=max_workers, num_voices=num_voices,
             max_prefill_rows_in_combined=max_prefill_rows_in_combined, history=history,
         )  # fmt: skip
-
-    def submit(self, request: TTSRequest, *, on_chunk: Callable[[AudioChunk], None] | None = None) -> Stream:
-        """Queue a request; its stream fills as steps run.
-
-        Raises:
-          TypeError: `request` is not a `TTSRequest`, or `on_chunk` is not callable.
-          ValueError: a duplicate or reserved request id, text tokens outside the text vocabulary, or a
-            voice that is not registered as given (index and frames); nothing is queued then.
-        """
-        if not isinstance(request, TTSRequest):
-            raise TypeError(f"request={request!r} must be a TTSRequest")
-        if on_chunk is not None and not callable(on_chunk):
-            raise TypeError(f"on_chunk={on_chunk!r} must be callable or None")
-        return super().submit(request, on_output=on_chunk)
 
     def add_voice(self, index: int, *, frames: int, seed: int) -> Voice:
         """Register a random voice prompt (see `VoiceBank.add`); after warm-up this compiles nothing.
