@@ -41,8 +41,8 @@ from mstar_jax.deployment import load_deployment
 from mstar_jax.models.streaming_tts.model import FRAME_RATE_HZ
 from mstar_jax.models.streaming_tts.request import TTSRequest
 from mstar_jax.models.streaming_tts.serving import Engine
+from mstar_jax.models.streaming_tts.tokenizer import ByteTokenizer
 from mstar_jax.models.streaming_tts.workload import register_voices
-from mstar_jax.server.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "The quick brown fox jumps over the lazy dog. "

@@ -40,8 +40,7 @@ from mstar_jax.memory import (
     memory_budget,
     parse_size,
 )
-from mstar_jax.models.gemma3 import command as gemma3_command
-from mstar_jax.registry import model_entry
+from mstar_jax.registry import model_commands, model_entry
 from mstar_jax.server import command as serve_command
 
 __all__ = [
@@ -261,12 +260,6 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from mstar_jax.models.gemma3.generate import run  # imports the engine only when serving
-
-    return run(args, CommandLineError)
-
-
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     serve_command.add_arguments(parser)
     _add_device_memory_argument(parser)
@@ -303,11 +296,6 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         add_arguments=_add_run_arguments,
         run=_run,
     ),
-    "generate": Subcommand(
-        help="stream text from the real Gemma 3 270M, its global layers on a bounded cache",
-        add_arguments=gemma3_command.add_arguments,
-        run=_generate,
-    ),
     "serve": Subcommand(
         help="serve the deployment's engine over HTTP and WebSocket to OpenAI-compatible clients",
         add_arguments=_add_serve_arguments,
@@ -316,13 +304,24 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 }
 
 
+def _model_subcommands() -> dict[str, Subcommand]:
+    """The subcommands the registered models add (`ModelEntry.commands`), after the library's own."""
+    added = {}
+    for name, command in model_commands().items():
+        if name in SUBCOMMANDS:
+            raise ValueError(f"a model adds the command {name!r}, which mstar-jax has already")
+        run = lambda args, command=command: command.run(args, CommandLineError)  # noqa: E731
+        added[name] = Subcommand(help=command.help, add_arguments=command.add_arguments, run=run)
+    return added
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `mstar-jax` parser, one subparser per entry of `SUBCOMMANDS`."""
     parser = argparse.ArgumentParser(
         prog="mstar-jax", description="The resource layer of a streaming inference engine, in JAX."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, subcommand in SUBCOMMANDS.items():
+    for name, subcommand in {**SUBCOMMANDS, **_model_subcommands()}.items():
         sub = commands.add_parser(name, help=subcommand.help, description=subcommand.help)
         subcommand.add_arguments(sub)
         sub.set_defaults(run=subcommand.run)

@@ -22,7 +22,17 @@ import importlib.metadata
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["BUILTIN", "ENTRY_POINTS", "ModelEntry", "known_models", "model_config", "model_entry", "resolve"]
+__all__ = [
+    "BUILTIN",
+    "ENTRY_POINTS",
+    "ModelCommand",
+    "ModelEntry",
+    "known_models",
+    "model_commands",
+    "model_config",
+    "model_entry",
+    "resolve",
+]
 
 ENTRY_POINTS = "mstar_jax.models"
 """The entry-point group an installed package registers its models in."""
@@ -54,6 +64,23 @@ def resolve(reference: str) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelCommand:
+    """A subcommand of `mstar-jax` a model adds (Gemma 3's `generate`).
+
+    Attributes:
+      name: the subcommand.
+      help: the one-line description `mstar-jax -h` lists.
+      add_arguments: `add_arguments(parser)`, its arguments, with nothing heavier than argparse imported.
+      run: `run(args, error) -> exit status`; `error(message)` is the exception a refused argument raises.
+    """
+
+    name: str
+    help: str
+    add_arguments: Callable[..., None]
+    run: Callable[..., int]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelEntry:
     """What `run`, `check`, `serve` and the memory budget know of a model.
 
@@ -65,15 +92,18 @@ class ModelEntry:
         them).
       run: `run(deployment, *, output, progress, implementation, print_fn) -> report`: serve the
         deployment's synthetic workload, print its summary, write its report (`mstar-jax run`).
-      build: `build(deployment, *, progress, history, voices) -> (engine, app_options)`: the warmed-up
-        engine `mstar-jax serve` serves, and the keyword arguments its app takes for the model
-        (`voices` is the server's `--voices`, None where not given).
+      build: `build(deployment, *, progress, history, voices) -> (engine, routes)`: the warmed-up engine
+        `mstar-jax serve` serves and its endpoints (`mstar_jax.server.routes.ModelRoutes`; `voices` is
+        the server's `--voices`, None where not given).
       memory: `memory(deployment, device) -> MemoryBudget`: one device's memory for the deployment.
       check: `check(deployment)`, raising `ValueError` for settings the model cannot run together (run
         when a deployment is made, after every generic check); None: none.
+      serve_check: `serve_check(deployment)`, raising `ValueError` for what the model's endpoints cannot
+        serve (run by `serve` before it binds or writes anything); None: none.
+      commands: the subcommands it adds to `mstar-jax`, each a `ModelCommand`.
 
-    `run`'s report is a JSON-ready dict with at least `streams: {submitted, done}` (`mstar-jax run`
-    exits 1 unless every stream submitted is done).
+    The report `run` returns is a JSON-ready dict with at least `streams: {submitted, done}`
+    (`mstar-jax run` exits 1 unless every stream submitted is done).
     """
 
     name: str
@@ -82,23 +112,31 @@ class ModelEntry:
     build: str
     memory: str
     check: str | None = None
+    serve_check: str | None = None
+    commands: tuple[ModelCommand, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"name={self.name!r} must be a non-empty str")
         if not isinstance(self.config, type) or not dataclasses.is_dataclass(self.config):
             raise TypeError(f"model {self.name!r}: config={self.config!r} must be a dataclass type")
-        for field in ("run", "build", "memory", "check"):
+        for field in ("run", "build", "memory", "check", "serve_check"):
             value = getattr(self, field)
-            if field == "check" and value is None:
+            if field in ("check", "serve_check") and value is None:
                 continue
             if not isinstance(value, str) or value.count(":") != 1:
                 raise TypeError(
                     f"model {self.name!r}: {field}={value!r} must be a 'module:function' reference"
                 )
+        if not isinstance(self.commands, tuple) or not all(
+            isinstance(c, ModelCommand) for c in self.commands
+        ):
+            raise TypeError(
+                f"model {self.name!r}: commands={self.commands!r} must be a tuple of ModelCommand"
+            )
 
     def function(self, part: str) -> Callable[..., Any]:
-        """The function `part` ("run", "build", "memory" or "check") names, imported now."""
+        """The function `part` ("run", "build", "memory", "check" or "serve_check") names, imported now."""
         return resolve(getattr(self, part))
 
 
@@ -136,6 +174,23 @@ def model_entry(name: Any) -> ModelEntry:
     if ":" not in name and entry.name != name:
         raise ValueError(f"model {name!r} names the entry of model {entry.name!r}")
     return entry
+
+
+def model_commands() -> dict[str, ModelCommand]:
+    """Every subcommand this package's models and the installed ones add, by name.
+
+    Raises:
+      ValueError: two models adding one name.
+    """
+    commands: dict[str, tuple[str, ModelCommand]] = {}
+    for name in known_models():
+        for command in model_entry(name).commands:
+            if command.name in commands:
+                raise ValueError(
+                    f"models {commands[command.name][0]!r} and {name!r} both add the command {command.name!r}"
+                )
+            commands[command.name] = (name, command)
+    return {name: command for name, (_, command) in commands.items()}
 
 
 def model_config(name: str, settings: Mapping[str, Any] | None = None) -> Any:

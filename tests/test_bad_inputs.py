@@ -377,7 +377,7 @@ CLI_CASES = [
     _case(
         "unknown-command", ["listen"], True,
         TOP + r"argument COMMAND: invalid choice: 'listen' "
-        r"\(choose from 'check', 'run', 'generate', 'serve'\)",
+        r"\(choose from 'check', 'run', 'serve', 'generate'\)",
     ),
     _case("unknown-option", ["check", "--bogus"], True, TOP + r"unrecognized arguments: --bogus"),
     _case(

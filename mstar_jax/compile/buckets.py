@@ -298,6 +298,21 @@ class Buckets:
         object.__setattr__(self, "sets", sets)
 
     @classmethod
+    def of(cls, batch_sizes: Sequence[int], tokens: Mapping[str, int | Sequence[int]]) -> Buckets:
+        """Plain walks of one set of batch sizes: walk -> its token count, or its token counts.
+
+        Raises:
+          TypeError, ValueError: as `BucketSet` does, naming the walk's field.
+        """
+        if not isinstance(tokens, Mapping):
+            raise TypeError(f"tokens={tokens!r} must be a mapping of walk to token counts")
+        sizes = tuple(batch_sizes)
+        counts = {walk: (t,) if isinstance(t, int) else tuple(t) for walk, t in tokens.items()}
+        return cls(
+            tuple(BucketSet(graph_walk=w, batch_sizes=sizes, token_counts=t) for w, t in counts.items())
+        )
+
+    @classmethod
     def from_settings(
         cls,
         settings: Any,

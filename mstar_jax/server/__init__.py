@@ -1,8 +1,9 @@
 """The front door: `mstar-jax serve`, the engine behind OpenAI-compatible HTTP and WebSocket endpoints.
 
 `EngineHost` (`host.py`) runs a `ServingEngine` on a thread of its own; `create_app` (`app.py`) puts the
-speech (`speech.py`) or text (`text.py`) endpoints, health, readiness and metrics in front of it. Names
-are re-exported lazily: importing the package loads neither FastAPI nor the engine.
+model's endpoints (`ModelRoutes`, `routes.py`: its own, or `stream_routes` for any model), health,
+readiness and metrics in front of it. Names are re-exported lazily: importing the package loads neither
+FastAPI nor the engine.
 """
 
 from __future__ import annotations
@@ -10,13 +11,24 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["EngineHost", "RequestHandle", "ServerSettings", "create_app"]
+__all__ = [
+    "EngineHost",
+    "ModelRoutes",
+    "RequestHandle",
+    "ServerSettings",
+    "StreamCodec",
+    "create_app",
+    "stream_routes",
+]
 
 _HOMES = {
     "EngineHost": "mstar_jax.server.host",
     "RequestHandle": "mstar_jax.server.handle",
     "ServerSettings": "mstar_jax.server.settings",
     "create_app": "mstar_jax.server.app",
+    "ModelRoutes": "mstar_jax.server.routes",
+    "StreamCodec": "mstar_jax.server.routes",
+    "stream_routes": "mstar_jax.server.routes",
 }
 
 

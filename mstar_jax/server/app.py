@@ -1,9 +1,9 @@
-"""`create_app`: the ASGI app in front of one engine, for a speech or a text deployment.
+"""`create_app`: the ASGI app in front of one engine, serving its model's endpoints.
 
 The app owns an `EngineHost` over the engine: its lifespan starts the host thread, and at shutdown
 (after `SIGTERM`, once uvicorn has stopped accepting) closes it: streams still running get until
 `ServerSettings.shutdown_grace_s` to finish and are then cancelled with a typed, retryable error. The
-routes are the model's (`speech.py` or `text.py`), `GET /v1/models`, and the operations ones:
+routes are the model's (`ModelRoutes`, `server/routes.py`), `GET /v1/models`, and the operations ones:
 
 - `GET /health`: 200 while the engine thread runs (alive), else 503;
 - `GET /ready`: 200 once the engine is captured and warmed up and the server accepts requests, else 503;
@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
-from typing import Any
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
@@ -27,10 +25,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mstar_jax.engine.engine import ServingEngine
-from mstar_jax.models.streaming_tts.serving import Engine
 from mstar_jax.server.errors import ClientError
 from mstar_jax.server.host import EngineHost
 from mstar_jax.server.metrics import CONTENT_TYPE, ServerMetrics
+from mstar_jax.server.routes import ModelRoutes, ServerContext
 from mstar_jax.server.settings import ServerSettings
 
 __all__ = ["create_app"]
@@ -41,29 +39,28 @@ def create_app(
     settings: ServerSettings | None = None,
     *,
     model_name: str,
-    voices: Mapping[str, Any] | None = None,
-    tokenizer: Any = None,
+    routes: ModelRoutes,
 ) -> FastAPI:
     """The server of `engine` (module doc); the host thread starts with the app's lifespan.
 
     Args:
-      engine: a warmed-up engine: the TTS `Engine` (then `voices` names its registered voices) or a
-        text model's `ServingEngine` (then `tokenizer` is its `TextTokenizer`).
+      engine: a warmed-up engine.
       settings: the limits (default `ServerSettings()`).
       model_name: the name clients give as `model` and `GET /v1/models` lists.
-      voices: voice name -> registered `Voice`, for a speech engine.
-      tokenizer: a `TextTokenizer`, for a text engine.
+      routes: the model's endpoints (its registry entry's `build` gives them).
 
     Raises:
-      TypeError, ValueError: for an engine, settings, voices or tokenizer of the wrong kind.
+      TypeError, ValueError: for settings or routes of the wrong kind, or routes that cannot serve the
+        engine.
     """
     settings = ServerSettings() if settings is None else settings
     if not isinstance(settings, ServerSettings):
         raise TypeError(f"settings={settings!r} must be a ServerSettings")
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model_name={model_name!r} must be a non-empty str")
-    speech = isinstance(engine, Engine)
-    metrics = ServerMetrics("audio" if speech else "token")
+    if not isinstance(routes, ModelRoutes):
+        raise TypeError(f"routes={routes!r} must be a ModelRoutes (mstar_jax.server.routes)")
+    metrics = ServerMetrics(routes.unit)
     host = EngineHost(
         engine, max_waiting=settings.max_waiting, stream_buffer=settings.stream_buffer,
         retry_after_s=settings.retry_after_s, offload_paused_after_s=settings.offload_paused_after_s,
@@ -87,25 +84,7 @@ def create_app(
         model = {"id": model_name, "object": "model", "created": created, "owned_by": "mstar-jax"}
         return JSONResponse({"object": "list", "data": [model]})
 
-    if speech:
-        from mstar_jax.server.speech import SpeechService, speech_router
-        from mstar_jax.server.tokenizer import ByteTokenizer
-
-        if not voices:
-            raise ValueError("voices must name at least one registered voice for a speech engine")
-        bytes_ = ByteTokenizer(
-            engine.model.config.text_vocab_size, frames_per_byte=settings.frames_per_byte,
-            max_frames=settings.max_frames,
-        )  # fmt: skip
-        service = SpeechService(host, settings, model_name, dict(voices), bytes_, metrics)
-        app.include_router(speech_router(service))
-    else:
-        from mstar_jax.models.gemma3.chat import TextTokenizer
-        from mstar_jax.server.text import TextService, text_router
-
-        if not isinstance(tokenizer, TextTokenizer):
-            raise TypeError(f"tokenizer={tokenizer!r} must be a TextTokenizer for a text engine")
-        app.include_router(text_router(TextService(host, settings, model_name, tokenizer, metrics)))
+    app.include_router(routes.router(ServerContext(host, settings, model_name, metrics)))
 
     @app.get("/health")
     async def health() -> JSONResponse:

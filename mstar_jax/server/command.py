@@ -122,20 +122,20 @@ def run(
     from mstar_jax.registry import model_entry
     from mstar_jax.server.app import create_app
 
-    vocab = getattr(deployment.model_config, "text_vocab_size", None)
-    if vocab is not None and vocab < 256:
-        raise error(
-            f"{deployment.source}: model.config.text_vocab_size={vocab} must be >= 256: the server "
-            "speaks UTF-8 bytes, one text token each"
-        )
+    entry = model_entry(deployment.model)
+    if entry.serve_check is not None:  # what the model's endpoints cannot serve, before anything is bound
+        try:
+            entry.function("serve_check")(deployment)
+        except ValueError as err:
+            raise error(f"{deployment.source}: {err}") from None
     sock = _bind(args.host, args.port, error)  # before the engine is built: a port in use fails fast
     try:
         prepare()
         progress = not args.no_progress
         name = args.model_name or deployment.model
-        build = model_entry(deployment.model).function("build")
-        engine, options = build(deployment, progress=progress, history=settings.history, voices=args.voices)
-        app = create_app(engine, settings, model_name=name, **options)
+        build = entry.function("build")
+        engine, routes = build(deployment, progress=progress, history=settings.history, voices=args.voices)
+        app = create_app(engine, settings, model_name=name, routes=routes)
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
             ws="websockets-sansio", timeout_graceful_shutdown=settings.shutdown_grace_s + 5.0,

@@ -32,7 +32,7 @@ from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import BucketKey
 from mstar_jax.serving.abstract import abstract, shaped
 from mstar_jax.serving.model import InFlight, Node, StreamOps, notify
-from mstar_jax.serving.nodes import ServedNode
+from mstar_jax.serving.nodes import GraphPrograms, ServedNode
 from mstar_jax.serving.stream import ReplayMismatchError, Stream
 
 __all__ = ["ChunkNode", "ChunkOutput", "ChunkProgress", "ChunkRow", "capture_chunks"]
@@ -85,12 +85,12 @@ class ChunkNode(ServedNode):
       source: the node whose tokens it reads (a `DecoderNode`, not `final`).
       buckets: its programs' buckets, of one walk.
       chunk: source tokens a row reads, at most (a row reads fewer only at the source's end).
-      progress: a stream's progress on the node (`ChunkProgress`).
+      progress_of: a stream's progress on the node (`ChunkProgress`).
     """
 
     def __init__(
         self, node: Node, source: Any, *, buckets: Buckets, chunk: int,
-        progress: Callable[[Stream], ChunkProgress],
+        progress_of: Callable[[Stream], ChunkProgress],
     ):  # fmt: skip
         (self.walk,) = buckets.walks
         if not 1 <= chunk <= buckets.max_tokens(self.walk):
@@ -98,7 +98,22 @@ class ChunkNode(ServedNode):
                 f"chunk={chunk} must be in [1, {buckets.max_tokens(self.walk)}], its bucket's tokens"
             )
         self.node, self.source, self.buckets = node, source, buckets
-        self.chunk, self.progress = chunk, progress
+        self.chunk, self.progress_of, self.programs = chunk, progress_of, None
+
+    @classmethod
+    def capture(
+        cls, name: str, step: Callable, manager: Any, params: Any, buckets: Buckets, source: Any, *,
+        chunk: int, progress_of: Callable[[Stream], ChunkProgress], mesh: Any = None, **options: Any,
+    ) -> ChunkNode:  # fmt: skip
+        """The chunk node of `step` over one cache (`manager`, on `mesh` already), its programs captured for
+        `buckets` (`capture_chunks`; `options`: its keywords, `static_kwargs` defaulting to the cache's
+        `config` and the `mesh`, as `layer_attention` takes them) and its weights `params` (placed)."""
+        options.setdefault("static_kwargs", {"config": manager.config, "mesh": mesh})
+        cache, bank = manager.cache, manager.bank
+        steps = capture_chunks(step, buckets, params, cache, bank, name=name, mesh=mesh, **options)
+        runner, keys = ResourceRunner({manager.spec.resource_key: manager}), (manager.spec.resource_key,)
+        programs = GraphPrograms(buckets, steps)
+        return cls.of(name, runner, keys, params, programs, source, chunk=chunk, progress_of=progress_of)
 
     @classmethod
     def of(
@@ -106,20 +121,25 @@ class ChunkNode(ServedNode):
         source: Any, **options: Any,
     ) -> ChunkNode:  # fmt: skip
         """The chunk node of `programs` (with `buckets`, as `GraphPrograms`), its `Node` made from the rest;
-        `options`: `chunk`, `progress`."""
+        `options`: `chunk`, `progress_of`."""
         node = Node(name, runner, keys, params, programs.buckets.walks)
-        return cls(node, source, buckets=programs.buckets, **options)
+        served = cls(node, source, buckets=programs.buckets, **options)
+        served.programs = programs
+        return served
+
+    def new_progress(self) -> ChunkProgress:
+        return ChunkProgress()
 
     def rows(
         self, streams: Sequence[Stream], *, now: float, max_batch: int, in_flight: int | None
     ) -> list[tuple[list, str | None]]:
         """Every stream with a whole chunk of unread source tokens, or its last ones once the source is
         done, first come first served, at most `max_batch`."""
-        rows, chunk, source = [], self.chunk, self.source.progress
+        rows, chunk, source = [], self.chunk, self.source.progress_of
         for stream in streams:
             if stream.phase.finished or stream.paused or stream.hold_until > now:
                 continue
-            p, src = self.progress(stream), source(stream)
+            p, src = self.progress_of(stream), source(stream)
             ready = src.generated - p.written
             if ready >= chunk or (ready > 0 and src.finished):
                 rows.append(
@@ -133,7 +153,7 @@ class ChunkNode(ServedNode):
         return self.buckets.bucket_for(self.walk, rows_per_shard or len(rows), max(row.span for row in rows))
 
     def position(self, stream: Stream) -> StreamPosition:
-        return StreamPosition(0, self.progress(stream).written)
+        return StreamPosition(0, self.progress_of(stream).written)
 
     def inputs(self, bucket: BucketKey, rows: Sequence[ChunkRow], layout: Any) -> tuple:
         """`tokens i32[B, T]`, `lengths i32[B]`; with a `layout` (a mesh), `B` is its row count and each
@@ -147,7 +167,7 @@ class ChunkNode(ServedNode):
 
     def dispatched(self, step: InFlight, now: float) -> None:
         for row in step.rows:
-            self.progress(row.stream).written += row.span
+            self.progress_of(row.stream).written += row.span
             row.stream.last_step_at = now
 
     def read(self, step: InFlight, outputs: Any, now: float, ops: StreamOps) -> None:
@@ -155,7 +175,7 @@ class ChunkNode(ServedNode):
             stream = row.stream
             if stream.phase.finished:  # cancelled by an earlier row's callback, or before it came back
                 continue
-            p = self.progress(stream)
+            p = self.progress_of(stream)
             output = ChunkOutput(
                 row.start, np.asarray(row.tokens, np.int32), np.asarray(outputs[index, : row.span])
             )
@@ -174,15 +194,15 @@ class ChunkNode(ServedNode):
                 stream.first_output_at = now
             if not notify(stream, stream.on_output, output, ops, name="on_output"):
                 continue  # the callback raised, or cancelled its own stream
-            src = self.source.progress(stream)
+            src = self.source.progress_of(stream)
             if src.finished and p.delivered == len(src.tokens):  # every output handed on
                 ops.done(stream)
 
     def mark(self, stream: Stream) -> int:
-        return self.progress(stream).written
+        return self.progress_of(stream).written
 
     def rewind(self, stream: Stream, mark: int | None) -> None:
-        self.progress(stream).written = mark or 0
+        self.progress_of(stream).written = mark or 0
 
 
 def _same(a: ChunkOutput, b: ChunkOutput) -> bool:

@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mstar_jax.checks import brief, check_int, is_int
 from mstar_jax.compile import Buckets, CapturedStep, capture
 from mstar_jax.resources.kv.bounded.cache import BoundedKVPlan
 from mstar_jax.resources.kv.bounded.config import StreamPosition
@@ -240,10 +241,10 @@ def capture_decoder(
 class DecoderHooks:
     """What a decoder node asks its model, with the defaults a model overrides (module doc).
 
-    Attributes a model sets:
-      decode_walk, prefill_walk: the walks of its decode and its prefill rows; the same walk: one program
-        runs both (decode rows first).
-      chunk: prompt tokens a prefill row reads, at most (an attribute or a property).
+    Attributes:
+      decode_walk, prefill_walk: the walks of its decode and its prefill rows, which a model sets; the
+        same walk: one program runs both (decode rows first).
+      chunk: prompt tokens a prefill row reads, at most (an attribute or a property the model sets).
     """
 
     decode_walk: str
@@ -287,7 +288,7 @@ class DecoderNode(ServedNode):
       decode_steps: K, the one-token steps a decode program runs.
       mesh: the mesh its programs run on (None: one device); there a round is always one decode program
         and one prefill program.
-      progress: a stream's progress on the node (default: the stream itself, a `DecoderStream`).
+      progress_of: a stream's progress on the node (default: the stream itself, a `DecoderStream`).
       final: its tokens are the client's outputs (`on_output`) and its end is the stream's; False: a later
         node reads them, and once the node is done the stream gives its caches back and goes on
         (`Phase.FLUSH`).
@@ -295,12 +296,32 @@ class DecoderNode(ServedNode):
 
     def __init__(
         self, node: Node, hooks: DecoderHooks, *, buckets: Buckets, decode_steps: int = 1, mesh: Any = None,
-        progress: Callable[[Stream], DecoderProgress] | None = None, final: bool = True,
+        progress_of: Callable[[Stream], DecoderProgress] | None = None, final: bool = True,
     ):  # fmt: skip
         self.node, self.hooks, self.buckets, self.decode_steps = node, hooks, buckets, decode_steps
-        self.mesh, self.final = mesh, final
-        self.progress = progress or (lambda stream: stream)
-        self._own = progress is None  # the stream is its progress: read it directly in the hot loops
+        self.mesh, self.final, self.programs = mesh, final, None
+        self.progress_of = progress_of or (lambda stream: stream)
+        self._own = progress_of is None  # the stream is its progress: read it directly in the hot loops
+
+    @classmethod
+    def capture(
+        cls, hooks: DecoderHooks, name: str, step: Callable, manager: Any, params: Any, buckets: Buckets, *,
+        mesh: Any = None, decode_walk: str | None = None, progress_of: Any = None, final: bool = True,
+        **options: Any,
+    ) -> DecoderNode:  # fmt: skip
+        """The decoder node of `step` over one cache (`manager`, on `mesh` already: `node_caches`), its
+        programs captured for `buckets` (`capture_decoder`; `options`: its keywords, `static_kwargs`
+        defaulting to the cache's `config` and the `mesh`, as `layer_attention` takes them) and its
+        weights `params` (placed: `on_mesh`)."""
+        options.setdefault("static_kwargs", {"config": manager.config, "mesh": mesh})
+        cache, bank = manager.cache, manager.bank
+        options.update(name=name, mesh=mesh, decode_walk=decode_walk)
+        steps = capture_decoder(step, buckets, params, cache, bank, **options)
+        shards = 1 if mesh is None else mesh.shape[DATA]
+        programs = DecoderPrograms(buckets, steps, shards, decode_walk=decode_walk)
+        runner, keys = ResourceRunner({manager.spec.resource_key: manager}), (manager.spec.resource_key,)
+        options = {"mesh": mesh, "progress_of": progress_of, "final": final}
+        return cls.of(hooks, name, runner, keys, params, programs, **options)
 
     @classmethod
     def of(
@@ -308,10 +329,23 @@ class DecoderNode(ServedNode):
         programs: Any, *, mesh: Any = None, **options: Any,
     ) -> DecoderNode:  # fmt: skip
         """The decoder node of `programs` (`DecoderPrograms`), its `Node` made from the rest (`decoder_node`);
-        `options`: `progress`, `final`."""
+        `options`: `progress_of`, `final`."""
         node = decoder_node(name, runner, keys, params, programs, mesh=mesh)
         steps = getattr(programs, "decode_steps", 1)
-        return cls(node, hooks, buckets=programs.buckets, decode_steps=steps, mesh=mesh, **options)
+        served = cls(node, hooks, buckets=programs.buckets, decode_steps=steps, mesh=mesh, **options)
+        served.programs = programs
+        return served
+
+    def new_progress(self) -> DecoderProgress:
+        return DecoderProgress()
+
+    def check(self, request: Any) -> None:
+        """Refuse a request without an int `max_new_tokens` >= 1, or with stop tokens not ints."""
+        rid = getattr(request, "request_id", None)
+        check_int(f"request {rid!r}: max_new_tokens", getattr(request, "max_new_tokens", None), minimum=1)
+        stops = getattr(request, "stop_tokens", ())
+        if not isinstance(stops, tuple | list) or not all(is_int(t) for t in stops):
+            raise TypeError(f"request {rid!r}: stop_tokens={brief(stops)} must be a tuple of ints")
 
     # -- scheduling ---------------------------------------------------------------------------------
 
@@ -323,12 +357,12 @@ class DecoderNode(ServedNode):
         outputs are the first's, not the step's that was in flight. On a mesh a round is always one
         decode program and one prefill program (either may have no rows), so every process of a
         multi-process mesh enters the same programs in the same order (`engine/lockstep.py`)."""
-        hooks, own, progress = self.hooks, self._own, self.progress
+        hooks, own, progress_of = self.hooks, self._own, self.progress_of
         decode, prefill = [], []
         for s in streams:
             if s.phase.finished or s.phase is FLUSH or s.paused or s.hold_until > now:
                 continue
-            p = s if own else progress(s)
+            p = s if own else progress_of(s)
             if s.phase is not DECODE:
                 chunk = hooks.prompt(s)[p.prefilled : p.prefilled + hooks.chunk]
                 prefill.append(DecodeRow(s, tuple(chunk), decode=False))
@@ -359,7 +393,7 @@ class DecoderNode(ServedNode):
         return bucket.num_tokens if block else 1
 
     def position(self, stream: Stream) -> StreamPosition:
-        return StreamPosition(0, self.progress(stream).written)
+        return StreamPosition(0, self.progress_of(stream).written)
 
     def inputs(self, bucket: BucketKey, rows: Sequence[DecodeRow], layout: Any) -> tuple:
         """`feed i32[B]`, `tokens i32[B, T]`, `lengths i32[B]`, then `extra_inputs` (and a decode block's
@@ -384,10 +418,10 @@ class DecoderNode(ServedNode):
     # -- outputs ------------------------------------------------------------------------------------
 
     def dispatched(self, step: InFlight, now: float) -> None:
-        emits, steps, own, progress = [], self.decode_steps, self._own, self.progress
+        emits, steps, own, progress_of = [], self.decode_steps, self._own, self.progress_of
         for row, index in zip(step.rows, step.indices, strict=True):
             stream = row.stream
-            p = stream if own else progress(stream)
+            p = stream if own else progress_of(stream)
             p.written += row.span
             stream.last_step_at = now
             if not row.decode:
@@ -404,12 +438,12 @@ class DecoderNode(ServedNode):
         step.emits = tuple(emits)
 
     def read(self, step: InFlight, outputs: Any, now: float, ops: StreamOps) -> None:
-        own, progress = self._own, self.progress
+        own, progress_of = self._own, self.progress_of
         for row, index, emits in zip(step.rows, step.indices, step.emits, strict=True):
             stream = row.stream
             if stream.phase.finished or not emits:
                 continue
-            p = stream if own else progress(stream)
+            p = stream if own else progress_of(stream)
             if p.finished:  # a stop token ended it in an earlier step; this one ran on behind it
                 continue
             if p.feed == (step.serial, index * self.decode_steps + emits - 1):
@@ -453,12 +487,12 @@ class DecoderNode(ServedNode):
     # -- recovery -----------------------------------------------------------------------------------
 
     def mark(self, stream: Stream) -> tuple:
-        p = self.progress(stream)
+        p = self.progress_of(stream)
         return (stream.phase, p.prefilled, p.written, p.generated, p.finished)
 
     def rewind(self, stream: Stream, mark: tuple | None) -> None:
         phase, prefilled, written, generated, finished = mark or (Phase.WAITING, 0, 0, 0, False)
-        p = self.progress(stream)
+        p = self.progress_of(stream)
         p.tokens_in_flight, p.feed = 0, None  # an engine rewinds only with nothing in flight
         stream.phase, p.prefilled = phase, prefilled
         p.written, p.generated, p.finished = written, generated, finished
@@ -477,12 +511,12 @@ class GreedyDecoder(NodeGraph, DecoderHooks):
       mesh: the `(data, model)` mesh its arrays live on, as its programs were captured for (None: one
         device).
 
-    Class attributes a subclass sets, besides the hooks (`DecoderHooks`):
-      request_type: the requests it serves (others are refused with a `TypeError`).
+    Attributes:
+      request_type: the requests it serves, which a subclass sets besides the hooks (`DecoderHooks`);
+        others are refused with a `TypeError`, and `check` refuses more.
       stream_type: its streams (a `DecoderStream`).
     """
 
-    request_type: type = object
     stream_type: type[DecoderStream] = DecoderStream
 
     def __init__(
@@ -498,9 +532,6 @@ class GreedyDecoder(NodeGraph, DecoderHooks):
             )
         super().__init__((served,), programs=programs, mesh=mesh, decode_steps=decode_steps)
 
-    def check(self, request: Any) -> None:
-        """Refuse a request the model cannot serve (`TypeError`, `ValueError` naming the field)."""
-
     def new_stream(self, request: Any, *, on_output: Any, now: float) -> DecoderStream:
         if not isinstance(request, self.request_type):
             raise TypeError(f"request={request!r} must be a {self.request_type.__name__}")
@@ -508,7 +539,7 @@ class GreedyDecoder(NodeGraph, DecoderHooks):
         return self.stream_type(request, on_output=on_output, submitted_at=now)
 
     def outputs(self, stream: DecoderStream) -> list[int]:
-        return stream.tokens
+        return stream.tokens  # the stream is its node's progress: its tokens are its outputs
 
 
 def decoder_node(

@@ -18,13 +18,20 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from mstar_jax.compile import Buckets
-from mstar_jax.resources.kv.bounded.config import StreamPosition
+from mstar_jax.distributed import manager_shards
+from mstar_jax.resources.kv.bounded.config import BoundedKVSpec, StreamPosition
+from mstar_jax.resources.kv.bounded.manager import BoundedKVManager
+from mstar_jax.resources.kv.bounded.sharding import place_on_mesh
 from mstar_jax.resources.step import BucketKey
 from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps
 from mstar_jax.serving.stream import Stream
 
-__all__ = ["GraphPrograms", "NodeGraph", "NodeStream", "ServedNode"]
+__all__ = ["GraphPrograms", "NodeGraph", "NodeStream", "ServedNode", "node_caches", "on_mesh"]
 
 
 class ServedNode(abc.ABC):
@@ -32,9 +39,11 @@ class ServedNode(abc.ABC):
 
     Attributes:
       node: its `Node` (runner, caches, weights, walks, whether it feeds).
+      programs: its captured programs (`buckets`, and walk -> `CapturedStep` as `steps`).
     """
 
     node: Node
+    programs: Any
 
     @abc.abstractmethod
     def rows(
@@ -81,6 +90,14 @@ class ServedNode(abc.ABC):
         """A position a warm-up request may borrow a slot of the node at (default: no source)."""
         return StreamPosition(0, 0)
 
+    def check(self, request: Any) -> None:
+        """Refuse a request the node cannot serve (`TypeError`, `ValueError` naming the field); default
+        none."""
+
+    def new_progress(self) -> Any:
+        """A new stream's progress on the node (`NodeGraph.new_stream` keeps it under the node's name)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps its progress on the stream itself")
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class GraphPrograms:
@@ -103,26 +120,50 @@ class GraphPrograms:
 
 
 class NodeGraph(ServedModel):
-    """A `ServedModel` of `ServedNode`s (module doc). A subclass says how a request becomes a stream
-    (`new_stream`) and what its client is handed (`outputs`).
+    """A `ServedModel` of `ServedNode`s (module doc). By default a request of `request_type` that passes
+    `check` becomes a `NodeStream` holding each node's fresh progress, and its client is handed the
+    stream's `outputs`; a subclass overrides any of these.
 
     Args:
       served: its nodes, in the order each engine round runs them.
-      programs: every node's programs (`GraphPrograms`, or one node's own).
+      programs: every node's programs (default: the nodes' own, `GraphPrograms.of` them).
       mesh: the `(data, model)` mesh its arrays live on (None: one device).
-      decode_steps: K, the one-token steps its decode programs run.
+      decode_steps: K, the one-token steps its decode programs run (default: the most any node runs).
     """
 
     def __init__(
-        self, served: Sequence[ServedNode], *, programs: Any, mesh: Any = None, decode_steps: int = 1
-    ):
+        self, served: Sequence[ServedNode], *, programs: Any = None, mesh: Any = None,
+        decode_steps: int | None = None,
+    ):  # fmt: skip
         names = [s.node.name for s in served]
         if len(set(names)) != len(names):
             raise ValueError(f"nodes {names} must have distinct names")
         self.served = {s.node.name: s for s in served}
         self.nodes = tuple(s.node for s in served)
         self._by_walk = {walk: s for s in served for walk in s.node.walks}
+        if programs is None:
+            programs = GraphPrograms.of(*(s.programs for s in served))
+        if decode_steps is None:
+            decode_steps = max(getattr(s, "decode_steps", 1) for s in served)
         self.programs, self.mesh, self.decode_steps = programs, mesh, decode_steps
+
+    request_type: type = object
+    """The requests it serves (others are refused with a `TypeError`)."""
+
+    def check(self, request: Any) -> None:
+        """Refuse a request the model cannot serve (`TypeError`, `ValueError` naming the field)."""
+
+    def new_stream(self, request: Any, *, on_output: Any, now: float) -> Stream:
+        if not isinstance(request, self.request_type):
+            raise TypeError(f"request={request!r} must be a {self.request_type.__name__}")
+        for served in self.served.values():
+            served.check(request)
+        self.check(request)
+        progress = {name: served.new_progress() for name, served in self.served.items()}
+        return NodeStream(request, on_output=on_output, submitted_at=now, progress=progress)
+
+    def outputs(self, stream: Stream) -> Sequence:
+        return stream.outputs
 
     def rows(
         self, node: Node, streams: Sequence[Stream], *, now: float, max_batch: int, in_flight: int | None
@@ -178,3 +219,20 @@ class NodeStream(Stream):
 
     def written_in(self, node: str) -> int:
         return self.progress[node].written
+
+
+def node_caches(
+    specs: Sequence[BoundedKVSpec], *, mesh: Any = None, num_sources: int = 1
+) -> list[BoundedKVManager]:
+    """A `BoundedKVManager` per spec, with `num_sources` source-bank entries; on `mesh` where one is given
+    (its data and model shards, and this process's own data shards on a mesh of many processes)."""
+    shards = {} if mesh is None else manager_shards(mesh)
+    managers = [BoundedKVManager(spec, num_sources=num_sources, **shards) for spec in specs]
+    for manager in managers if mesh is not None else ():
+        place_on_mesh(manager, mesh)
+    return managers
+
+
+def on_mesh(params: Any, mesh: Any) -> Any:
+    """`params` replicated over `mesh` (as they are for None: one device)."""
+    return params if mesh is None else jax.device_put(params, NamedSharding(mesh, P()))

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import uvicorn
 
+from mstar_jax.models.streaming_tts.audio import pcm16
 from mstar_jax.models.streaming_tts.request import TTSRequest
+from mstar_jax.models.streaming_tts.tokenizer import ByteTokenizer
 from mstar_jax.server import ServerSettings
-from mstar_jax.server.audio import pcm16
 from mstar_jax.server.command import _server
-from mstar_jax.server.tokenizer import ByteTokenizer
 
 TTS_YAML = """\
 model:
@@ -134,3 +138,31 @@ def outcomes(url: str) -> dict[str, float]:
             name, value = line.split()
             counts[name.split('"')[1]] = float(value)
     return counts
+
+
+@contextlib.contextmanager
+def serve_process(config: Path, *options: str, log: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`mstar-jax serve --config config *options` in a child process on a free localhost port, its output
+    in `log`; yields (the process, its base URL) once it is ready, and kills it if it is still running."""
+    port = free_port()
+    command = [sys.executable, "-m", "mstar_jax.cli", "serve", "--config", str(config), "--port", str(port),
+               "--no-progress", "--log-level", "warning", *options]  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    with log.open("wb") as out:
+        server = subprocess.Popen(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            assert server.poll() is None, log.read_text()
+            try:
+                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(ready, "the server to be ready", timeout_s=120)
+        yield server, url
+    finally:
+        if server.poll() is None:
+            server.kill()

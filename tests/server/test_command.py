@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -19,11 +16,12 @@ import httpx
 import pytest
 
 from mstar_jax.cli import main
+from mstar_jax.models.streaming_tts.audio import pcm16
 from mstar_jax.models.streaming_tts.request import TTSRequest
+from mstar_jax.models.streaming_tts.routes import speech_routes
+from mstar_jax.models.streaming_tts.tokenizer import ByteTokenizer
 from mstar_jax.server import EngineHost, ServerSettings, create_app
-from mstar_jax.server.audio import pcm16
-from mstar_jax.server.tokenizer import ByteTokenizer
-from tests.server.support import free_port, wait_for
+from tests.server.support import serve_process, wait_for
 
 pytestmark = pytest.mark.serve
 
@@ -156,12 +154,15 @@ def test_the_host_and_the_app_refuse_bad_arguments(tts):
         assert host.delivering == 1  # refused before anything changed
     host.end_delivery()
     assert host.delivering == 0
+    routes = speech_routes(voices)
     with pytest.raises(TypeError, match=r"settings=.* must be a ServerSettings"):
-        create_app(engine, {"max_waiting": 1}, model_name="x", voices=voices)
+        create_app(engine, {"max_waiting": 1}, model_name="x", routes=routes)
     with pytest.raises(ValueError, match="model_name='' must be a non-empty str"):
-        create_app(engine, model_name="", voices=voices)
+        create_app(engine, model_name="", routes=routes)
+    with pytest.raises(TypeError, match=r"routes=\{'voice-0': .*\} must be a ModelRoutes"):
+        create_app(engine, model_name="x", routes=voices)
     with pytest.raises(ValueError, match="voices must name at least one registered voice"):
-        create_app(engine, model_name="x", voices={})
+        speech_routes({})
 
 
 def test_a_running_host_is_the_only_thread_that_drives_its_engine(tts):
@@ -243,27 +244,10 @@ def _speak_over_websocket(url: str, text: str, outcomes: list, answered: threadi
 
 
 def test_sigterm_under_load_finishes_or_fails_each_request_typed_and_exits_0(tts, tts_config, tmp_path):
-    port = free_port()
-    command = [
-        sys.executable, "-m", "mstar_jax.cli", "serve", "--config", str(tts_config), "--port", str(port),
-        "--shutdown-grace-s", "3", "--no-progress", "--log-level", "warning", "--max-frames", "8000",
-        "--max-input-bytes", "4000", "--frames-per-byte", "2",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    options = ("--shutdown-grace-s", "3", "--max-frames", "8000", "--max-input-bytes", "4000")
+    options += ("--frames-per-byte", "2")
     log = tmp_path / "serve.log"
-    with log.open("wb") as out:
-        server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-
-        def ready() -> bool:
-            assert server.poll() is None, log.read_text()
-            try:
-                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(ready, "the server to be ready", timeout_s=120)
+    with serve_process(tts_config, *options, log=log) as (server, url):
         outcomes: list = []
         shorts = [threading.Thread(target=_speak, args=(url, text, outcomes)) for text in ("one", "two")]
         for thread in shorts:  # served before the signal
@@ -291,10 +275,6 @@ def test_sigterm_under_load_finishes_or_fails_each_request_typed_and_exits_0(tts
         for thread in threads:
             thread.join(60)
         assert server.wait(60) == 0, log.read_text()
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
     assert len(outcomes) == 2 + len(texts)
     assert all(kind == "streamed" or (kind, status) == ("refused", 503) for kind, status, _ in outcomes), (
         outcomes

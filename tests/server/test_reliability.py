@@ -19,6 +19,7 @@ import websockets
 from websockets.sync.client import connect
 
 from mstar_jax.engine.faults import inject_faults
+from mstar_jax.models.streaming_tts.routes import speech_routes
 from mstar_jax.server import ServerSettings, create_app
 from tests.server.support import alone, assert_nothing_leaked, live, outcomes, wait_for
 
@@ -34,7 +35,8 @@ def serve(tts):
     programs = engine.programs
 
     def start(grace_s: float | None = None, send_buffer: int | None = None, **settings):
-        app = create_app(engine, ServerSettings(**settings), model_name="streaming_tts", voices=voices)
+        routes = speech_routes(voices)
+        app = create_app(engine, ServerSettings(**settings), model_name="streaming_tts", routes=routes)
         return app, live(app, grace_s=grace_s, send_buffer=send_buffer)
 
     yield start

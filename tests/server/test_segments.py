@@ -14,7 +14,7 @@ from tests import extras
 extras.skip_module_without("serve")
 pytestmark = pytest.mark.serve
 
-from mstar_jax.server.speech import segment_end
+from mstar_jax.models.streaming_tts.routes import segment_end
 
 # 1, 2, 3 and 4 UTF-8 bytes; sentence ends, closers after them, spaces and newlines.
 ALPHABET = ["a", "b", "é", "中", "😀", " ", " ", ".", "!", "?", "\n", '"', ")", "]", "\t"]

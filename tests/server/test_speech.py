@@ -13,8 +13,9 @@ import openai
 import pytest
 import websockets
 
+from mstar_jax.models.streaming_tts.audio import wav_header
+from mstar_jax.models.streaming_tts.routes import speech_routes
 from mstar_jax.server import ServerSettings, create_app
-from mstar_jax.server.audio import wav_header
 from tests.server.support import alone as served_alone
 from tests.server.support import assert_nothing_leaked, live, outcomes
 
@@ -39,7 +40,7 @@ def served(tts):
         (name, text): alone(engine, voice, text) for name, voice in voices.items() for text in TEXTS
     }
     references.update({("voice-0", text): alone(engine, voices["voice-0"], text) for text in LONG_SEGMENTS})
-    app = create_app(engine, SETTINGS, model_name="streaming_tts", voices=voices)
+    app = create_app(engine, SETTINGS, model_name="streaming_tts", routes=speech_routes(voices))
     with live(app) as url:
         yield url, app.state.host, references
 

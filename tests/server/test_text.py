@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
+from mstar_jax.models.gemma3.routes import StopMatcher, text_routes
 from mstar_jax.server import ServerSettings, create_app
-from mstar_jax.server.text import StopMatcher
 from tests import extras
 from tests.server.support import assert_nothing_leaked, live, outcomes
 
@@ -56,7 +56,8 @@ def gemma(tmp_path_factory):
         chunk=8,
     )
     tokenizer = TextTokenizer.from_gguf(path)
-    app = create_app(engine, ServerSettings(max_tokens=32), model_name=MODEL, tokenizer=tokenizer)
+    routes = text_routes(tokenizer)
+    app = create_app(engine, ServerSettings(max_tokens=32), model_name=MODEL, routes=routes)
     with live(app) as url, openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30) as sdk:
         yield url, sdk, app.state.host, alone, tokenizer
 

@@ -31,9 +31,11 @@ def init_params(seed: int, layers: int = 2) -> dict:
     return {"embed": normal(256, DIM) * 16, "head": normal(DIM, 256), "layers": layers}
 
 
-def step(params, cache, bank, plan: kv.BoundedKVPlan, tokens: jax.Array, lengths: jax.Array, *, config):
+def step(
+    params, cache, bank, plan: kv.BoundedKVPlan, tokens: jax.Array, lengths: jax.Array, *, config, mesh=None
+):
     """Every row's next greedy byte: tokens i32[B, T] (row b's first lengths[b] real) -> (cache, i32[B])."""
-    attention = layer_attention(config, bank, plan)
+    attention = layer_attention(config, bank, plan, mesh=mesh)
     norm = lambda x: x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)  # noqa: E731
     freqs = jnp.exp(-math.log(1e4) * jnp.arange(DIM // 2, dtype=jnp.float32) / (DIM // 2))
     angles = plan.positions(tokens.shape[1])[..., None].astype(jnp.float32) * freqs[None, None, :]

@@ -11,7 +11,9 @@ import argparse
 import pathlib
 from collections.abc import Callable
 
-__all__ = ["add_arguments"]
+from mstar_jax.registry import ModelCommand
+
+__all__ = ["GENERATE", "add_arguments"]
 
 
 _MOST = 2**31 - 1  # the programs' token counts and positions are int32
@@ -88,3 +90,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "or the host's RAM on a CPU)",
     )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
+
+
+def _run(args: argparse.Namespace, error: Callable[[str], Exception]) -> int:
+    from mstar_jax.models.gemma3.generate import run  # imports the engine only when serving
+
+    return run(args, error)
+
+
+GENERATE = ModelCommand(
+    name="generate",
+    help="stream text from the real Gemma 3 270M, its global layers on a bounded cache",
+    add_arguments=add_arguments,
+    run=_run,
+)
+"""`mstar-jax generate`, which Gemma 3's registry entry adds."""

@@ -1,5 +1,6 @@
 """Gemma 3's entry in the registry (`mstar_jax.registry`)."""
 
+from mstar_jax.models.gemma3.command import GENERATE
 from mstar_jax.models.gemma3.deployment import Gemma3DeploymentConfig
 from mstar_jax.registry import ModelEntry
 
@@ -11,4 +12,5 @@ ENTRY = ModelEntry(
     run="mstar_jax.models.gemma3.run:run_text_deployment",
     build="mstar_jax.models.gemma3.run:serve_engine",
     memory="mstar_jax.models.gemma3.deployment:memory_budget",
+    commands=(GENERATE,),
 )

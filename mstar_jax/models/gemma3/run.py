@@ -238,11 +238,12 @@ def run_text_deployment(
 
 def serve_engine(
     deployment: Any, *, progress: bool = True, history: int | None = None, voices: int | None = None
-) -> tuple[ServingEngine, dict[str, Any]]:
-    """The warmed-up engine `mstar-jax serve` serves, and the app's options for it: the model file's
-    tokenizer. A text model has no voices (`serve` refuses `--voices` for it) and keeps the engine's
-    default history."""
+) -> tuple[ServingEngine, Any]:
+    """The warmed-up engine `mstar-jax serve` serves, and its completion endpoints (`text_routes`) in
+    the model file's vocabulary. A text model has no voices (`serve` refuses `--voices` for it) and keeps
+    the engine's default history."""
     from mstar_jax.models.gemma3.chat import TextTokenizer
+    from mstar_jax.models.gemma3.routes import text_routes  # the `serve` extra's modules
 
     engine = build_text_engine(deployment, progress=progress)
-    return engine, {"tokenizer": TextTokenizer.from_gguf(deployment.model_config.path)}
+    return engine, text_routes(TextTokenizer.from_gguf(deployment.model_config.path))

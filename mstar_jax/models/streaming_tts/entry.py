@@ -8,7 +8,7 @@ from typing import Any
 from mstar_jax.models.streaming_tts.config import StreamingTTSConfig
 from mstar_jax.registry import ModelEntry
 
-__all__ = ["ENTRY", "check_deployment"]
+__all__ = ["ENTRY", "check_deployment", "check_serving"]
 
 
 def check_deployment(deployment: Any) -> None:
@@ -34,6 +34,20 @@ def check_deployment(deployment: Any) -> None:
     )
 
 
+def check_serving(deployment: Any) -> None:
+    """Refuse a text vocabulary the server cannot speak: it sends UTF-8 bytes, one text token each.
+
+    Raises:
+      ValueError: naming `model.config.text_vocab_size`.
+    """
+    vocab = deployment.model_config.text_vocab_size
+    if vocab < 256:
+        raise ValueError(
+            f"model.config.text_vocab_size={vocab} must be >= 256: the server speaks UTF-8 bytes, one text "
+            "token each"
+        )
+
+
 ENTRY = ModelEntry(
     name="streaming_tts",
     config=StreamingTTSConfig,
@@ -41,4 +55,5 @@ ENTRY = ModelEntry(
     build="mstar_jax.models.streaming_tts.run:serve_engine",
     memory="mstar_jax.models.streaming_tts.memory:memory_budget",
     check="mstar_jax.models.streaming_tts.entry:check_deployment",
+    serve_check="mstar_jax.models.streaming_tts.entry:check_serving",
 )

@@ -70,12 +70,14 @@ def run_deployment(
 
 def serve_engine(
     deployment: Any, *, progress: bool = True, history: int | None = None, voices: int | None = None
-) -> tuple[Engine, dict[str, Any]]:
+) -> tuple[Engine, Any]:
     """The warmed-up engine `mstar-jax serve` serves, with `voices` random voices registered (None: the
-    workload's), and the app's options for it: those voices by name."""
+    workload's), and its endpoints (`speech_routes`) speaking those voices by name."""
     count = deployment.workload.voices if voices is None else voices
     engine = Engine.from_deployment(
         deployment, progress=progress, num_voices=max(count, num_sources(deployment)), history=history
     )
     registered = register_voices(engine, count, seed=deployment.workload.seed)
-    return engine, {"voices": {f"voice-{v.index}": v for v in registered}}
+    from mstar_jax.models.streaming_tts.routes import speech_routes  # the `serve` extra's modules
+
+    return engine, speech_routes({f"voice-{v.index}": v for v in registered})

@@ -43,9 +43,10 @@ from mstar_jax.server.responses import (
     sse_error,
     until_gone,
 )
+from mstar_jax.server.routes import ModelRoutes, ServerContext
 from mstar_jax.server.settings import ServerSettings
 
-__all__ = ["StopMatcher", "TextService", "text_router"]
+__all__ = ["StopMatcher", "TextService", "text_router", "text_routes"]
 
 MAX_STOP_CHARS = 256
 """The longest `stop` string a request may give (each is matched against every token's text)."""
@@ -188,6 +189,22 @@ def _content(name: str, content: Any) -> str:
             )
         texts.append(check_text(f"{field}.text", part["text"]).strip())
     return "".join(texts)
+
+
+def text_routes(tokenizer: TextTokenizer) -> ModelRoutes:
+    """The completion endpoints (module doc) of a text model speaking `tokenizer`'s vocabulary.
+
+    Raises:
+      TypeError: `tokenizer` is not a `TextTokenizer`.
+    """
+    if not isinstance(tokenizer, TextTokenizer):
+        raise TypeError(f"tokenizer={tokenizer!r} must be a TextTokenizer for a text engine")
+
+    def router(context: ServerContext) -> APIRouter:
+        service = TextService(context.host, context.settings, context.model_name, tokenizer, context.metrics)
+        return text_router(service)
+
+    return ModelRoutes("token", router)
 
 
 def text_router(service: TextService) -> APIRouter:

@@ -25,16 +25,19 @@ import dataclasses
 import itertools
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request, WebSocket
 from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocketDisconnect
 
+from mstar_jax.models.streaming_tts.audio import SAMPLE_RATE, pcm16, wav_header
 from mstar_jax.models.streaming_tts.request import AudioChunk, TTSRequest
+from mstar_jax.models.streaming_tts.serving import Engine
+from mstar_jax.models.streaming_tts.tokenizer import ByteTokenizer
 from mstar_jax.models.streaming_tts.voices import Voice
 from mstar_jax.server.admission import check_resources, submit_counted
-from mstar_jax.server.audio import SAMPLE_RATE, pcm16, wav_header
 from mstar_jax.server.errors import (
     WS_CLOSE_BAD_INPUT,
     WS_CLOSE_FAILED,
@@ -52,10 +55,17 @@ from mstar_jax.server.responses import (
     sse,
     sse_error,
 )
+from mstar_jax.server.routes import ModelRoutes, ServerContext
 from mstar_jax.server.settings import ServerSettings
-from mstar_jax.server.tokenizer import ByteTokenizer
 
-__all__ = ["RESPONSE_FORMATS", "STREAM_FORMATS", "SpeechService", "segment_end", "speech_router"]
+__all__ = [
+    "RESPONSE_FORMATS",
+    "STREAM_FORMATS",
+    "SpeechService",
+    "segment_end",
+    "speech_router",
+    "speech_routes",
+]
 
 RESPONSE_FORMATS = ("wav", "pcm")
 STREAM_FORMATS = ("audio", "sse")
@@ -95,6 +105,30 @@ class SpeechService:
 
     def submit(self, request: TTSRequest) -> RequestHandle:
         return submit_counted(self.host, self.metrics, request)
+
+
+def speech_routes(voices: Mapping[str, Voice]) -> ModelRoutes:
+    """The speech endpoints (module doc) of a TTS `Engine` with `voices` registered (name -> `Voice`).
+
+    Raises:
+      ValueError: no voice; TypeError (when mounted): an engine of another model.
+    """
+    voices = dict(voices)
+    if not voices:
+        raise ValueError("voices must name at least one registered voice for a speech engine")
+
+    def router(context: ServerContext) -> APIRouter:
+        engine, settings = context.host.engine, context.settings
+        if not isinstance(engine, Engine):
+            raise TypeError(f"engine={engine!r} must be the streaming TTS model's Engine for speech routes")
+        tokenizer = ByteTokenizer(
+            engine.model.config.text_vocab_size, frames_per_byte=settings.frames_per_byte,
+            max_frames=settings.max_frames,
+        )  # fmt: skip
+        name, metrics = context.model_name, context.metrics
+        return speech_router(SpeechService(context.host, settings, name, voices, tokenizer, metrics))
+
+    return ModelRoutes("audio", router)
 
 
 def speech_router(service: SpeechService) -> APIRouter:
