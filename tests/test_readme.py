@@ -26,7 +26,12 @@ def test_the_readme_and_the_cache_guide_show_python_examples():
     assert python_blocks(CACHE_GUIDE), "the cache guide shows no Python example"
 
 
-@pytest.mark.parametrize("page", [page for page in PAGES if python_blocks(page)], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "page",
+    # The README's first example captures and serves the default deployment: tens of seconds.
+    [pytest.param(p, marks=pytest.mark.slow) if p == README else p for p in PAGES if python_blocks(p)],
+    ids=lambda p: p.name,
+)
 def test_python_blocks_run(page):
     for block in python_blocks(page):
         exec(compile(block, str(page), "exec"), {"__name__": "readme"})
