@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, MutableMapping
-from typing import Any
 
 import jax
 
@@ -35,8 +34,7 @@ class Dispatch:
     """Runs one step and reads steps back (module doc).
 
     Args:
-      served: the model (its inputs, and what a step does at dispatch and at read).
-      programs: the captured programs (`steps`: walk -> `CapturedStep`).
+      served: the model (its captured programs, its inputs, and what a step does at dispatch and read).
       clock: the engine's time source.
       pipelined: read a step back only once the next is dispatched.
       admission: admits the rows (`Admission`).
@@ -57,7 +55,6 @@ class Dispatch:
         self,
         *,
         served: ServedModel,
-        programs: Any,
         clock: Callable[[], float],
         pipelined: bool,
         admission: Admission,
@@ -69,7 +66,7 @@ class Dispatch:
         ops: StreamOps,
         fail: Callable[[Stream, RequestError], None],
     ):
-        self._served, self.programs, self._clock, self._pipelined = served, programs, clock, pipelined
+        self._served, self._clock, self._pipelined = served, clock, pipelined
         self._admission, self._recovery, self._lockstep = admission, recovery, lockstep
         self._records, self._counters, self._overlap = records, counters, overlap
         self._ops, self._fail = ops, fail
@@ -119,7 +116,7 @@ class Dispatch:
                 (x[0] if len(node.keys) == 1 else x)
                 for x in (resources.caches, resources.banks, resources.plans)
             )
-            step = self.programs.steps[bucket.graph_walk]
+            step = self._served.programs.steps[bucket.graph_walk]
             params = self._weights[node.name] if 0 in getattr(step, "frozen_argnums", ()) else node.params
             with warn_on_compilations(f"engine step {bucket}") as counter:
                 caches, outputs = step.replay(bucket, params, caches, banks, plans, *inputs)

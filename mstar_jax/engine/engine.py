@@ -126,7 +126,7 @@ class ServingEngine:
             snapshot_every=settings.snapshot_every, fail=self._fail, hold=self._admission.hold,
         )  # fmt: skip
         self._dispatch = Dispatch(
-            served=served, programs=served.programs, clock=self._now, pipelined=settings.pipelined,
+            served=served, clock=self._now, pipelined=settings.pipelined,
             admission=self._admission, recovery=self._recovery, lockstep=self._lockstep,
             records=self.records, counters=self.counters, overlap=self.overlap, ops=_StreamOps(self),
             fail=self._fail,
@@ -143,22 +143,14 @@ class ServingEngine:
 
     @property
     def programs(self) -> Any:
-        """The captured programs the engine replays (`served.programs` unless replaced, e.g. by
-        `faults.inject_faults`)."""
-        return self._dispatch.programs
-
-    @programs.setter
-    def programs(self, programs: Any) -> None:
-        self._dispatch.programs = programs
+        """The captured programs the engine replays: its model's (`faults.inject_faults` replaces the
+        model's with failing ones)."""
+        return self.served.programs
 
     @property
     def compilations(self) -> int:
         """Programs compiled after warm-up (0 unless something went wrong)."""
         return self._dispatch.compilations
-
-    @compilations.setter
-    def compilations(self, count: int) -> None:
-        self._dispatch.compilations = count
 
     @property
     def warmed_up(self) -> bool:
@@ -168,10 +160,6 @@ class ServingEngine:
     def last_snapshot(self) -> recovery.EngineSnapshot | None:
         """The snapshot a fault restores from (None: none taken yet)."""
         return self._recovery.last_snapshot
-
-    @last_snapshot.setter
-    def last_snapshot(self, snapshot: recovery.EngineSnapshot | None) -> None:
-        self._recovery.last_snapshot = snapshot
 
     def busy_anywhere(self, busy: bool) -> bool:
         """Whether any process has work (`busy` itself in one process): a loop driving the engine ends on
@@ -195,7 +183,7 @@ class ServingEngine:
         snapshot = None if self.snapshot_every is None else self.snapshot
         count = warm_up(served=self.served, nodes=self.nodes, lockstep=self._lockstep, snapshot=snapshot)
         if snapshot is not None:
-            self.last_snapshot, self.counters["snapshots"] = None, 0
+            self._recovery.last_snapshot, self.counters["snapshots"] = None, 0
         self._dispatch.warmed_up = True
         self._dispatch.compilations = 0
         self.warmup_compilations = count
@@ -323,7 +311,7 @@ class ServingEngine:
         self.drain()
         managers = {key: node.runner[key] for node in self.nodes.values() for key in node.keys}
         marks = {s.request_id: (s, self.served.mark(s)) for s in self.streams.values()}
-        self.last_snapshot = recovery.take_snapshot(self.steps_run, managers, marks)
+        self._recovery.last_snapshot = recovery.take_snapshot(self.steps_run, managers, marks)
         self.counters["snapshots"] += 1
         return self.last_snapshot
 

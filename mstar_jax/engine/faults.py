@@ -67,9 +67,9 @@ def inject_faults(engine: Any, node: str, schedule: Callable[[int], Fault | None
     """
     if node not in engine.nodes:
         raise ValueError(f"node={node!r} must be one of the engine's nodes {list(engine.nodes)}")
-    calls = [0]
-    steps = dict(engine.programs.steps)
+    calls, served = [0], engine.served
+    steps = dict(served.programs.steps)
     for walk in engine.nodes[node].walks:
         steps[walk] = _FaultyStep(steps[walk], node, schedule, calls)
-    engine.programs = dataclasses.replace(engine.programs, steps=steps)
+    served.programs = dataclasses.replace(served.programs, steps=steps)  # the model's, which it replays
     return calls

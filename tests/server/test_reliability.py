@@ -40,7 +40,7 @@ def serve(tts):
         return app, live(app, grace_s=grace_s, send_buffer=send_buffer)
 
     yield start
-    engine.programs = programs
+    engine.served.programs = programs
 
 
 def speech(text: str, **extra) -> dict:
