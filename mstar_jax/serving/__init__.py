@@ -6,14 +6,8 @@ decoder shares (`GreedyDecoder`)."""
 
 from mstar_jax.serving.abstract import abstract, shaped
 from mstar_jax.serving.attention import LayerAttention, layer_attention
-from mstar_jax.serving.decoder import (
-    DecodeRow,
-    DecoderPrograms,
-    DecoderStream,
-    GreedyDecoder,
-    capture_decoder,
-    fed_width,
-)
+from mstar_jax.serving.decoder import DecodeRow, DecoderStream, GreedyDecoder
+from mstar_jax.serving.decoder_programs import DecoderPrograms, capture_decoder, fed_width
 from mstar_jax.serving.feed import fed
 from mstar_jax.serving.model import InFlight, Node, ServedModel, StreamOps
 from mstar_jax.serving.sampling import gumbel_noise, sample, sample_or

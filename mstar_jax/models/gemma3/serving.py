@@ -22,14 +22,8 @@ from mstar_jax import distributed
 from mstar_jax.checks import INT32_MAX, check_int, check_number
 from mstar_jax.compile import Buckets
 from mstar_jax.models.gemma3.stream import DECODE, GLOBAL_KV, LOCAL_KV, PREFILL, Gemma3Streams, step_extras
-from mstar_jax.serving.decoder import (
-    MAX_STOP_TOKENS,
-    DecodeRow,
-    DecoderPrograms,
-    DecoderStream,
-    GreedyDecoder,
-    capture_decoder,
-)
+from mstar_jax.serving.decoder import DecodeRow, DecoderStream, GreedyDecoder
+from mstar_jax.serving.decoder_programs import MAX_STOP_TOKENS, DecoderPrograms, capture_decoder
 from mstar_jax.settings import MAX_DECODE_STEPS
 
 __all__ = ["GEMMA3", "Gemma3Programs", "Gemma3Serving", "TextRequest", "TextRow", "TextStream"]
