@@ -33,12 +33,14 @@ only the requests that held a slot there are affected, restored from the last sn
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from mstar_jax.checks import check_int
+from mstar_jax.compile import count_compilations
 from mstar_jax.engine import batch, recovery
 from mstar_jax.engine.admission import Admission
 from mstar_jax.engine.dispatch import Dispatch
@@ -151,6 +153,15 @@ class ServingEngine:
     def compilations(self) -> int:
         """Programs compiled after warm-up (0 unless something went wrong)."""
         return self._dispatch.compilations
+
+    @contextlib.contextmanager
+    def counting_compilations(self) -> Iterator[None]:
+        """Count in `compilations` what compiles inside, once warmed up: a model's own calls on a serving
+        engine (a voice registered at run time) must compile nothing either."""
+        with count_compilations() as counter:
+            yield
+        if self.warmed_up:
+            self._dispatch.compilations += counter.count
 
     @property
     def warmed_up(self) -> bool:

@@ -26,7 +26,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mstar_jax.compile import count_compilations
 from mstar_jax.engine import batch
 from mstar_jax.engine.engine import ServingEngine
 from mstar_jax.models.streaming_tts.batch import step_inputs
@@ -410,8 +409,5 @@ class Engine(ServingEngine):
             raise ValueError(
                 f"voice {index} is named by live request(s) {waiting}; replace it once they finish"
             )
-        with count_compilations() as counter:
-            voice = self.voices.add(index, frames=frames, seed=seed)
-        if self.warmed_up:
-            self.compilations += counter.count
-        return voice
+        with self.counting_compilations():
+            return self.voices.add(index, frames=frames, seed=seed)
