@@ -14,7 +14,6 @@ and finds its outputs; padding rows are then not declared at all.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +23,7 @@ from mstar_jax.compile import Buckets, CombinedRows
 from mstar_jax.resources.kv.bounded.config import BoundedKVStep, PositionColumns, StreamPosition
 from mstar_jax.resources.step import PAD, BucketKey, Segment
 from mstar_jax.serving import transaction
-from mstar_jax.serving.model import RowWalks
+from mstar_jax.serving.model import RowWalks, fit_shards, rows_bucket
 from mstar_jax.serving.stream import Stream
 from mstar_jax.serving.transaction import Declared
 
@@ -46,32 +45,6 @@ Layout = tuple[int, dict[str, int]]
 """A step's rows as the caches plan them on a mesh: how many, and each request's row."""
 
 
-def rows_bucket(
-    buckets: Buckets,
-    walks: RowWalks,
-    rows: Sequence,
-    *,
-    rows_per_shard: int | None = None,
-    prefill_per_shard: int | None = None,
-) -> BucketKey:
-    """The tightest bucket of decoder rows whose `decode` says their walk (`RowWalks`).
-
-    Decode rows run as decode (a block's K steps, or one), prefill rows as chunks, both at once on the
-    combined walk where the node has one. On a mesh, `rows_per_shard` (the most rows any data shard
-    gets) sizes the bucket instead of the row count, and `prefill_per_shard` (the most prefill rows any
-    gets) the combined bucket's room.
-    """
-    size = len(rows) if rows_per_shard is None else rows_per_shard
-    prefill = [r for r in rows if not r.decode]
-    if prefill and len(prefill) < len(rows) and walks.combined is not None:
-        tokens = max([len(r.tokens) for r in prefill])  # a prefill row's span: its tokens
-        room = len(prefill) if prefill_per_shard is None else prefill_per_shard
-        return buckets.bucket_for(walks.combined, size, tokens, prefill_rows=room)
-    if not prefill:  # a block's rows take up to its K steps (K = 1: one step): a decode row's span
-        return buckets.bucket_for(walks.decode, size, max([r.steps for r in rows]))
-    return buckets.bucket_for(walks.prefill, size, max([len(r.tokens) for r in rows]))
-
-
 def agreed_rows_bucket(
     buckets: Buckets, walks: RowWalks, rows_per_shard: int, prefill_per_shard: int, *, decode: bool
 ) -> BucketKey:
@@ -91,18 +64,6 @@ def agreed_rows_bucket(
         return buckets.bucket_for(combined, rows_per_shard, tokens, prefill_rows=prefill_per_shard)
     walk = walks.decode if decode else walks.prefill
     return buckets.bucket_for(walk, rows_per_shard, buckets.max_tokens(walk))
-
-
-def fit_shards(rows: Sequence, placement: dict[str, int], most: int) -> tuple[list, int]:
-    """`rows` with at most `most` per data shard (the first ones, in order), and the most any shard
-    keeps; rows without a placement (admission would refuse them anyway) are kept and counted apart."""
-    kept, per_shard = [], collections.Counter()
-    for row in rows:
-        shard = placement.get(row.stream.request_id)
-        if per_shard[shard] < most:
-            per_shard[shard] += 1
-            kept.append(row)
-    return kept, max((n for shard, n in per_shard.items() if shard is not None), default=1)
 
 
 def fit_placed(

@@ -170,17 +170,22 @@ class ChunkNode(ServedNode):
             self.progress_of(row.stream).written += row.span
             row.stream.last_step_at = now
 
+    def outputs_of(self, step: InFlight, outputs: Any) -> list:
+        """What the client is handed for each of the step's rows, in order: a tuple whose first field is
+        the row's `start` (default: a `ChunkOutput` of the row's entries of `outputs`)."""
+        return [
+            ChunkOutput(row.start, np.asarray(row.tokens, np.int32), np.asarray(outputs[index, : row.span]))
+            for row, index in zip(step.rows, step.indices, strict=True)
+        ]
+
     def read(self, step: InFlight, outputs: Any, now: float, ops: StreamOps) -> None:
-        for row, index in zip(step.rows, step.indices, strict=True):
+        for row, output in zip(step.rows, self.outputs_of(step, outputs), strict=True):
             stream = row.stream
             if stream.phase.finished:  # cancelled by an earlier row's callback, or before it came back
                 continue
             p = self.progress_of(stream)
-            output = ChunkOutput(
-                row.start, np.asarray(row.tokens, np.int32), np.asarray(outputs[index, : row.span])
-            )
             if row.start < p.delivered:  # replayed after a fault: the client has it
-                before = next((o for o in stream.outputs if o.start == row.start), None)
+                before = next((o for o in reversed(stream.outputs) if o[0] == row.start), None)
                 if before is None or not _same(before, output):
                     ops.fail(stream, ReplayMismatchError(
                         f"request {stream.request_id!r}: replaying after a fault, the {self.node.name} "
@@ -205,9 +210,14 @@ class ChunkNode(ServedNode):
         self.progress_of(stream).written = mark or 0
 
 
-def _same(a: ChunkOutput, b: ChunkOutput) -> bool:
-    """Whether two outputs of one chunk agree in every token and every bit of their values."""
-    return np.array_equal(a.tokens, b.tokens) and a.values.tobytes() == b.values.tobytes()
+def _same(a: tuple, b: tuple) -> bool:
+    """Whether two outputs of one chunk agree in every field, to the bit."""
+    return len(a) == len(b) and all(_bits(x) == _bits(y) for x, y in zip(a, b, strict=True))
+
+
+def _bits(value: Any) -> tuple:
+    array = np.asarray(value)
+    return array.dtype, array.shape, array.tobytes()
 
 
 def capture_chunks(

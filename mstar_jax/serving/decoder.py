@@ -30,7 +30,7 @@ from mstar_jax.resources.kv.bounded.sharding import DATA
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import BucketKey
 from mstar_jax.serving.decoder_programs import MAX_STOP_TOKENS, DecoderPrograms, capture_decoder, decoder_node
-from mstar_jax.serving.model import InFlight, Node, StreamOps, notify
+from mstar_jax.serving.model import InFlight, Node, StreamOps, fit_shards, notify, rows_bucket
 from mstar_jax.serving.nodes import NodeGraph, ServedNode
 from mstar_jax.serving.stream import DECODE, FLUSH, PREFILL, Phase, ReplayMismatchError, Stream
 
@@ -121,6 +121,15 @@ class DecoderHooks:
         """The tokens the stream reads before it generates (default: its request's `prompt`)."""
         return stream.request.prompt
 
+    def limit(self, stream: Stream) -> int:
+        """Tokens the stream generates at most (default: its request's `max_new_tokens`)."""
+        return stream.request.max_new_tokens
+
+    def input_token(self, token: int) -> int:
+        """The input token a decode row writes for its last generated `token` (default: itself; the TTS
+        talker's codes follow the text vocabulary). A fed program adds the same on the device."""
+        return token
+
     def stop_tokens(self, stream: Stream) -> Collection[int]:
         """Tokens that end the stream, kept as its last (default: its request's `stop_tokens`, if any)."""
         return getattr(stream.request, "stop_tokens", ())
@@ -158,16 +167,27 @@ class DecoderNode(ServedNode):
       final: its tokens are the client's outputs (`on_output`) and its end is the stream's; False: a later
         node reads them, and once the node is done the stream gives its caches back and goes on
         (`Phase.FLUSH`).
+      one_prefill_program: a round runs at most one prefill program, as on a mesh (False: as many as its
+        prompts need).
+
+    Where the node's rows say their walk (`node.row_walks`) and its buckets hold the combined walk, a
+    round is one program: its decode rows and as many prompt chunks as the combined bucket has room for
+    (all prompt chunks, up to `max_batch`, when no stream decodes).
     """
 
     def __init__(
         self, node: Node, hooks: DecoderHooks, *, buckets: Buckets, decode_steps: int = 1, mesh: Any = None,
         progress_of: Callable[[Stream], DecoderProgress] | None = None, final: bool = True,
+        one_prefill_program: bool = False,
     ):  # fmt: skip
         self.node, self.hooks, self.buckets, self.decode_steps = node, hooks, buckets, decode_steps
         self.mesh, self.final, self.programs = mesh, final, None
         self.progress_of = progress_of or (lambda stream: stream)
         self._own = progress_of is None  # the stream is its progress: read it directly in the hot loops
+        self._fixed = mesh is not None or one_prefill_program
+        walks = node.row_walks
+        combined = walks is not None and walks.combined is not None and walks.combined in buckets
+        self._combined_room = buckets[walks.combined].prefill_rows[-1] if combined else 0
 
     @classmethod
     def capture(
@@ -223,7 +243,8 @@ class DecoderNode(ServedNode):
         outputs are the first's, not the step's that was in flight. On a mesh a round is always one
         decode program and one prefill program (either may have no rows), so every process of a
         multi-process mesh enters the same programs in the same order (`engine/lockstep.py`)."""
-        hooks, own, progress_of = self.hooks, self._own, self.progress_of
+        hooks, own, progress_of, limit = self.hooks, self._own, self.progress_of, self.hooks.limit
+        placeholder = (hooks.input_token(0),)  # a fed row's host token, which its program replaces
         decode, prefill = [], []
         for s in streams:
             if s.phase.finished or s.phase is FLUSH or s.paused or s.hold_until > now:
@@ -233,13 +254,17 @@ class DecoderNode(ServedNode):
                 chunk = hooks.prompt(s)[p.prefilled : p.prefilled + hooks.chunk]
                 prefill.append(DecodeRow(s, tuple(chunk), decode=False))
                 continue
-            steps = min(self.decode_steps, s.request.max_new_tokens - p.tokens_scheduled)
+            steps = min(self.decode_steps, limit(s) - p.tokens_scheduled)
             if p.feed is not None and p.feed[0] == in_flight:
-                decode.append(DecodeRow(s, (0,), decode=True, feed=p.feed[1], steps=steps))
+                decode.append(DecodeRow(s, placeholder, decode=True, feed=p.feed[1], steps=steps))
             else:
-                decode.append(DecodeRow(s, (p.tokens[p.generated - 1],), decode=True, steps=steps))
+                token = hooks.input_token(p.tokens[p.generated - 1])
+                decode.append(DecodeRow(s, (token,), decode=True, steps=steps))
         decode = decode[:max_batch]  # the rest wait for the next round
-        fixed = self.mesh is not None
+        if self._combined_room:  # one program; its rows say their walk
+            room = min(max_batch - len(decode), self._combined_room) if decode else max_batch
+            return [(decode + prefill[:room], None)]
+        fixed = self._fixed
         if hooks.decode_walk == hooks.prefill_walk:
             rows, walk = decode + prefill, hooks.decode_walk
             if fixed:
@@ -251,8 +276,16 @@ class DecoderNode(ServedNode):
         return [(decode, hooks.decode_walk), *chunks]
 
     def choose_bucket(self, rows: Sequence, *, rows_per_shard: int | None = None) -> BucketKey:
-        span = max(row.span for row in rows)
-        return self.buckets.bucket_for(self.hooks.choose_walk(rows), rows_per_shard or len(rows), span)
+        walks = self.node.row_walks
+        if walks is None:
+            span = max(row.span for row in rows)
+            return self.buckets.bucket_for(self.hooks.choose_walk(rows), rows_per_shard or len(rows), span)
+        room = None  # on a mesh, the most prefill rows any data shard gets: a combined bucket's room
+        if rows_per_shard is not None:
+            prefill = [r for r in rows if not r.decode]
+            placed = self.node.manager.placement([r.stream.request_id for r in prefill])
+            room = fit_shards(prefill, placed, len(prefill))[1] if prefill else 0
+        return rows_bucket(self.buckets, walks, rows, rows_per_shard=rows_per_shard, prefill_per_shard=room)
 
     def block_steps(self, bucket: BucketKey) -> int:
         block = self.decode_steps > 1 and bucket.graph_walk == self.hooks.decode_walk
@@ -285,6 +318,7 @@ class DecoderNode(ServedNode):
 
     def dispatched(self, step: InFlight, now: float) -> None:
         emits, steps, own, progress_of = [], self.decode_steps, self._own, self.progress_of
+        limit, prompt = self.hooks.limit, self.hooks.prompt
         for row, index in zip(step.rows, step.indices, strict=True):
             stream = row.stream
             p = stream if own else progress_of(stream)
@@ -294,18 +328,20 @@ class DecoderNode(ServedNode):
                 p.prefilled += row.span
                 stream.phase = PREFILL
             # A decode row's block gives a token per step; a prompt's last chunk gives the first token.
-            emits.append(row.steps if row.decode else int(p.prefilled == len(self.hooks.prompt(stream))))
+            emits.append(row.steps if row.decode else int(p.prefilled == len(prompt(stream))))
             if emits[-1]:
                 p.tokens_in_flight += emits[-1]
                 p.feed = (step.serial, index * steps + emits[-1] - 1)  # its newest token, flattened
                 stream.phase = DECODE
-            if p.tokens_scheduled >= stream.request.max_new_tokens:
+            if p.tokens_scheduled >= limit(stream):
                 stream.phase = FLUSH  # its last token is coming: no step needs it as input
         step.emits = tuple(emits)
 
     def read(self, step: InFlight, outputs: Any, now: float, ops: StreamOps) -> None:
-        own, progress_of = self._own, self.progress_of
-        for row, index, emits in zip(step.rows, step.indices, step.emits, strict=True):
+        own, progress_of, indices = self._own, self.progress_of, step.indices
+        n = len(indices)  # every row's tokens as ints, in one conversion (rows 0 .. n - 1: a slice)
+        blocks = (outputs[:n] if indices == list(range(n)) else outputs[indices]).tolist()
+        for row, index, emits, block in zip(step.rows, indices, step.emits, blocks, strict=True):
             stream = row.stream
             if stream.phase.finished or not emits:
                 continue
@@ -315,8 +351,8 @@ class DecoderNode(ServedNode):
             if p.feed == (step.serial, index * self.decode_steps + emits - 1):
                 p.feed = None
             p.tokens_in_flight -= emits
-            for token in outputs[index, :emits]:  # in order; a block's row may end at any of them
-                if not self._deliver(stream, p, int(token), now, ops):
+            for token in block[:emits]:  # in order; a block's row may end at any of them
+                if not self._deliver(stream, p, token, now, ops):
                     break
 
     def _deliver(self, stream: Stream, p: DecoderProgress, token: int, now: float, ops: StreamOps) -> bool:
@@ -340,7 +376,7 @@ class DecoderNode(ServedNode):
                     stream.first_token_at = now
                 if not notify(stream, stream.on_output, token, ops, name="on_output"):
                     return False  # the callback raised, or cancelled its own stream
-        if p.generated == stream.request.max_new_tokens or token in self.hooks.stop_tokens(stream):
+        if p.generated == self.hooks.limit(stream) or token in self.hooks.stop_tokens(stream):
             p.finished = True
             if self.final:
                 ops.done(stream)

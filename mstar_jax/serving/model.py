@@ -22,17 +22,19 @@ other node's outputs come back with an asynchronous copy and are read, in order,
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
+from mstar_jax.compile import Buckets
 from mstar_jax.resources.kv.bounded.config import StreamPosition
 from mstar_jax.resources.runner import ResourceRunner
 from mstar_jax.resources.step import BucketKey
 from mstar_jax.serving.stream import RequestError, Stream
 
-__all__ = ["InFlight", "Node", "RowWalks", "ServedModel", "StreamOps", "notify"]
+__all__ = ["InFlight", "Node", "RowWalks", "ServedModel", "StreamOps", "fit_shards", "notify", "rows_bucket"]
 
 
 class RowWalks(NamedTuple):
@@ -43,6 +45,44 @@ class RowWalks(NamedTuple):
     decode: str
     prefill: str
     combined: str | None = None
+
+
+def rows_bucket(
+    buckets: Buckets,
+    walks: RowWalks,
+    rows: Sequence,
+    *,
+    rows_per_shard: int | None = None,
+    prefill_per_shard: int | None = None,
+) -> BucketKey:
+    """The tightest bucket of decoder rows whose `decode` says their walk (`RowWalks`).
+
+    Decode rows run as decode (a block's K steps, or one), prefill rows as chunks, both at once on the
+    combined walk where the node has one. On a mesh, `rows_per_shard` (the most rows any data shard
+    gets) sizes the bucket instead of the row count, and `prefill_per_shard` (the most prefill rows any
+    gets) the combined bucket's room.
+    """
+    size = len(rows) if rows_per_shard is None else rows_per_shard
+    prefill = [r for r in rows if not r.decode]
+    if prefill and len(prefill) < len(rows) and walks.combined is not None:
+        tokens = max([len(r.tokens) for r in prefill])  # a prefill row's span: its tokens
+        room = len(prefill) if prefill_per_shard is None else prefill_per_shard
+        return buckets.bucket_for(walks.combined, size, tokens, prefill_rows=room)
+    if not prefill:  # a block's rows take up to its K steps (K = 1: one step): a decode row's span
+        return buckets.bucket_for(walks.decode, size, max([r.steps for r in rows]))
+    return buckets.bucket_for(walks.prefill, size, max([len(r.tokens) for r in rows]))
+
+
+def fit_shards(rows: Sequence, placement: dict[str, int], most: int) -> tuple[list, int]:
+    """`rows` with at most `most` per data shard (the first ones, in order), and the most any shard
+    keeps; rows without a placement (admission would refuse them anyway) are kept and counted apart."""
+    kept, per_shard = [], collections.Counter()
+    for row in rows:
+        shard = placement.get(row.stream.request_id)
+        if per_shard[shard] < most:
+            per_shard[shard] += 1
+            kept.append(row)
+    return kept, max((n for shard, n in per_shard.items() if shard is not None), default=1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

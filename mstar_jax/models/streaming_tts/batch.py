@@ -10,8 +10,8 @@ import numpy as np
 
 from mstar_jax.engine.batch import Layout, row_groups
 from mstar_jax.models.streaming_tts.model import FLOW_CHUNK, TALKER_DECODE, TALKER_MIXED
-from mstar_jax.models.streaming_tts.scheduler import FlowRow
 from mstar_jax.resources.step import BucketKey
+from mstar_jax.serving.chunks import ChunkRow
 
 __all__ = ["step_inputs"]
 
@@ -23,7 +23,7 @@ def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None)
     Talker walks: `feed i32[B], tokens i32[B, T], lengths i32[B], seeds u32[B]` (T = 1 for a decode
     block, whose one input token a row starts K steps); the combined walk: its
     decode rows' feed, tokens and lengths, its prefill rows' tokens and lengths, then every row's seed;
-    the flow: `codes i32[B, T], seeds u32[B]`. `feed` is each row's `TalkerRow.feed` (-1 for padding).
+    the flow: `codes i32[B, T], seeds u32[B]`. `feed` is each row's `DecodeRow.feed` (-1 for padding).
     With a `layout` (a mesh), `B` is its row count and each request's row is where it says; the
     combined walk's decode and prefill arrays then hold each shard's rows of their group, shard-major,
     and its seeds follow the table's rows.
@@ -47,10 +47,7 @@ def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None)
             placed = np.fromiter((layout[1][row.stream.request_id] for row in group), np.int64, len(group))
             shard, within = np.divmod(placed, table_rows_per_shard)
             where = shard * size + within - offset
-        if isinstance(group[0], FlowRow):  # a group's rows are of one kind
-            values = [row.codes for row in group]
-        else:
-            values = [row.tokens for row in group]
+        values = [row.tokens for row in group]
         counts = list(map(len, values))
         if min(counts) == max(counts):  # a block's rows all bring as many tokens: one assignment
             # `fromiter` over the flat values: NumPy reads a list of tuples element by element, checking
@@ -62,7 +59,7 @@ def step_inputs(bucket: BucketKey, rows: Sequence, layout: Layout | None = None)
                 ids[i, : len(row_values)] = row_values
         lengths[where] = counts
         seeds[where] = [row.stream.request.seed for row in group]
-        if not isinstance(group[0], FlowRow):  # a flow step reads no feed
+        if not isinstance(group[0], ChunkRow):  # a flow step reads no feed
             feed[where] = [row.feed for row in group]
         return feed, ids, lengths, seeds
 

@@ -132,7 +132,7 @@ def fed(step, *, width: int, steps: int = 1, sharding=None):
     """`step` (a talker step function) reading fed decode tokens from `prev_codes`, its codes padded to
     `[width, steps]` and placed by `sharding` (on a mesh: replicated, where every program reads them).
 
-    A fed row's token is `text_vocab_size + prev_codes[feed]`, as the scheduler would have written it
+    A fed row's token is `text_vocab_size + prev_codes[feed]`, as the talker node writes it on the host
     (`mstar_jax.serving.feed.fed`).
     """
     return feed.fed(step, width=width, offset=_code_token_offset, steps=steps, sharding=sharding)

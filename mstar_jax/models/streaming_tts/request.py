@@ -15,6 +15,9 @@ import numpy as np
 
 from mstar_jax.checks import INT32_MAX, brief, check_int
 from mstar_jax.models.streaming_tts.voices import Voice
+from mstar_jax.serving.chunks import ChunkProgress
+from mstar_jax.serving.decoder import DecoderProgress
+from mstar_jax.serving.nodes import NodeStream
 from mstar_jax.serving.stream import (
     Phase,
     ReplayMismatchError,
@@ -23,9 +26,10 @@ from mstar_jax.serving.stream import (
     StateLostError,
     StepFailedError,
 )
-from mstar_jax.serving.stream import Stream as ServedStream
 
 __all__ = [
+    "FLOW",
+    "TALKER",
     "AudioChunk",
     "Phase",
     "ReplayMismatchError",
@@ -99,35 +103,65 @@ class AudioChunk(NamedTuple):
     samples: np.ndarray
 
 
+TALKER, FLOW = "talker", "flow"
+"""The model's two nodes: each keeps its progress in a stream under its name."""
+
+
 @dataclasses.dataclass(eq=False)
-class Stream(ServedStream):
+class Stream(NodeStream):
     """A speech request's progress and output; `request` is its `TTSRequest` (`mstar_jax.serving.Stream`
     has the fields every request has: phase, failure, timings, pause, holds, faults).
 
+    Its progress is kept per node (`progress`): the talker's is a `DecoderProgress` (its tokens are the
+    codec frames), the flow decoder's a `ChunkProgress`; the properties below read them.
+
     Attributes:
-      codes: the codec frames generated so far.
-      chunks: the audio chunks decoded so far, in order.
+      prompt: what the talker reads before its first frame: the text, then BOS.
+      outputs: the audio chunks decoded so far, in order (also `chunks`).
       on_output: called with each new chunk (from the engine's thread).
-      first_audio_at: clock stamp of its first chunk (None until then).
-      prefilled: prompt tokens (text, then BOS) the talker has read.
-      talker_written, flow_written: entries committed to each cache.
-      replay_codes: after a fault rewound its talker, the codes it had generated, which the replay
-        must generate again.
-      codes_in_flight: codes of talker steps dispatched but not read back yet (a pipelined engine).
-      feed: `(talker step, row)`: where the newest of those codes sits in that step's device output,
-        which the next talker step reads its input token from; None once read.
     """
 
-    codes: list[int] = dataclasses.field(default_factory=list)
-    chunks: list[AudioChunk] = dataclasses.field(default_factory=list)
+    prompt: tuple[int, ...] = ()
     on_output: Callable[[AudioChunk], None] | None = None
-    first_audio_at: float | None = None
-    prefilled: int = 0
-    talker_written: int = 0
-    flow_written: int = 0
-    replay_codes: tuple[int, ...] = ()
-    codes_in_flight: int = 0
-    feed: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.progress.setdefault(TALKER, DecoderProgress())
+        self.progress.setdefault(FLOW, ChunkProgress())
+
+    @property
+    def talker(self) -> DecoderProgress:
+        return self.progress[TALKER]
+
+    @property
+    def codes(self) -> list[int]:
+        """The codec frames generated so far (a fault's replay never takes one back)."""
+        return self.progress[TALKER].tokens
+
+    @property
+    def chunks(self) -> list[AudioChunk]:
+        """The audio chunks decoded so far, in order."""
+        return self.outputs
+
+    @property
+    def first_audio_at(self) -> float | None:
+        """Clock stamp of its first chunk (None until then)."""
+        return self.first_output_at
+
+    @property
+    def prefilled(self) -> int:
+        """Prompt tokens (text, then BOS) the talker has read."""
+        return self.progress[TALKER].prefilled
+
+    @property
+    def talker_written(self) -> int:
+        """Entries committed to the talker's cache."""
+        return self.progress[TALKER].written
+
+    @property
+    def flow_written(self) -> int:
+        """Entries committed to the flow decoder's cache."""
+        return self.progress[FLOW].written
 
     @property
     def prompt_len(self) -> int:
@@ -137,25 +171,16 @@ class Stream(ServedStream):
     @property
     def talker_done(self) -> bool:
         """Every frame's code is generated and read back."""
-        return len(self.codes) >= self.request.frames
-
-    @property
-    def codes_scheduled(self) -> int:
-        """Codes generated or being generated: read back, or in a talker step still in flight."""
-        return len(self.codes) + self.codes_in_flight
-
-    def written_in(self, node: str) -> int:
-        """Entries committed to the cache of `node` ("talker" or "flow")."""
-        return self.talker_written if node == "talker" else self.flow_written
+        return self.progress[TALKER].finished
 
     @property
     def frames_decoded(self) -> int:
         """Frames whose audio reached `chunks` (a pipelined engine's flow may be further on)."""
-        return self.chunks[-1].first_frame + len(self.chunks[-1].codes) if self.chunks else 0
+        return self.progress[FLOW].delivered
 
     @property
     def audio(self) -> np.ndarray:
         """All samples decoded so far."""
-        if not self.chunks:
+        if not self.outputs:
             return np.zeros(0, np.float32)
-        return np.concatenate([chunk.samples for chunk in self.chunks])
+        return np.concatenate([chunk.samples for chunk in self.outputs])
