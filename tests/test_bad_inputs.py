@@ -1289,7 +1289,7 @@ def served():
 def _engine_state(engine: Engine) -> tuple:
     host = (
         {rid: (s.phase, s.paused, s.request, s.hold_until) for rid, s in engine.streams.items()},
-        sorted(engine.finished), dict(engine.counters), dict(engine.voices.voices),
+        sorted(engine.finished), engine.stats, dict(engine.voices.voices),
         engine.compilations, len(engine.records), engine.steps_run,
         _manager_state(engine.talker)[0], _manager_state(engine.flow)[0],
     )  # fmt: skip

@@ -3,6 +3,7 @@ out. `ServingEngine` serves any `mstar_jax.serving.ServedModel`; models live in 
 nothing here imports them."""
 
 from mstar_jax.engine.engine import ServingEngine, StepRecord
+from mstar_jax.engine.stats import EngineStats
 from mstar_jax.serving.stream import Phase
 
-__all__ = ["Phase", "ServingEngine", "StepRecord"]
+__all__ = ["EngineStats", "Phase", "ServingEngine", "StepRecord"]

@@ -38,10 +38,12 @@ class Admission:
       served: the model (its buckets, bucket choice and stream positions).
       nodes: the engine's nodes, by name.
       streams: the engine's live streams (read; holds and offloads are written to them).
-      counters: the engine's counters (holds, allocation failures, offloads, reloads).
       clock: the engine's time source.
       hold_backoff_s: how long a refused request waits before it is retried.
       fail: ends a stream with a failure (the engine's).
+
+    Attributes:
+      holds, allocation_failed, offloads, reloads: what it counted (`EngineStats`).
     """
 
     def __init__(
@@ -50,12 +52,12 @@ class Admission:
         served: ServedModel,
         nodes: Mapping[str, Node],
         streams: MutableMapping[str, Stream],
-        counters: MutableMapping[str, int],
         clock: Callable[[], float],
         hold_backoff_s: float,
         fail: Callable[[Stream, RequestError], None],
     ):
-        self._served, self._nodes, self._streams, self._counters = served, nodes, streams, counters
+        self._served, self._nodes, self._streams = served, nodes, streams
+        self.holds = self.allocation_failed = self.offloads = self.reloads = 0
         self._clock, self._hold_backoff_s, self._fail = clock, hold_backoff_s, fail
         self._buckets, self._mesh = served.programs.buckets, served.mesh
 
@@ -70,7 +72,7 @@ class Admission:
                 return declared, rows
             reason, rids = full.reason, {r.stream.request_id for r in rows}
             if not full.ok and isinstance(reason, AllocationFailed):
-                self._counters["allocation_failed"] += 1
+                self.allocation_failed += 1
                 if self._evict(node, full.failed_resource, exclude=rids):
                     continue
                 rows = self.hold(rows, self._left_out(node, full.failed_resource, rows, reason.request_id))
@@ -79,7 +81,7 @@ class Admission:
                     self._evict(node, full.failed_resource, exclude=rids)
                     and node.runner.reload(reason.request_id)
                 ):
-                    self._counters["reloads"] += 1
+                    self.reloads += 1
                     continue
                 rows = self.hold(rows, {reason.request_id})
             elif not full.ok and isinstance(reason, AdmitRuntimeError):
@@ -160,7 +162,7 @@ class Admission:
         until = self._clock() + self._hold_backoff_s
         for rid in rids:
             self._streams[rid].hold_until = until
-            self._counters["holds"] += 1
+            self.holds += 1
         return [r for r in rows if r.stream.request_id not in rids]
 
     def _evict(self, node: Node, key: str | None, *, exclude: set[str]) -> bool:
@@ -176,7 +178,7 @@ class Admission:
             return False
         victim = min(victims, key=lambda s: s.last_step_at)
         node.runner.offload(victim.request_id, keys=node.keys)
-        self._counters["offloads"] += 1
+        self.offloads += 1
         return True
 
     def offload_idle(self, now: float, idle_after_s: float) -> None:
@@ -186,4 +188,4 @@ class Admission:
                 for node in self._nodes.values():
                     if node.holds(stream.request_id):
                         node.runner.offload(stream.request_id)
-                        self._counters["offloads"] += 1
+                        self.offloads += 1

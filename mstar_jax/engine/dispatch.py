@@ -10,7 +10,7 @@ state is treated as lost (docs/design.md §11)."""
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 
 import jax
 
@@ -40,7 +40,7 @@ class Dispatch:
       admission: admits the rows (`Admission`).
       recovery: serves on after a step raised (`Recovery`).
       lockstep: keeps the processes in step (`Lockstep`).
-      records, counters, overlap: the engine's step records, counters and overlap counters.
+      records: the engine's step records.
       ops: what the model may do to its streams while a step is read (`StreamOps`).
       fail: ends a stream with a failure (the engine's).
 
@@ -49,6 +49,7 @@ class Dispatch:
       copying: the other nodes' steps whose outputs are on their way to the host, in dispatch order.
       dispatched: steps dispatched so far.
       compilations: programs compiled by steps once `warmed_up`.
+      lockstep_empty_steps, rows_fed_on_device, steps_read_behind: what it counted (`EngineStats`).
     """
 
     def __init__(
@@ -61,14 +62,14 @@ class Dispatch:
         recovery: Recovery,
         lockstep: Lockstep,
         records: collections.deque,
-        counters: MutableMapping[str, int],
-        overlap: MutableMapping[str, int],
         ops: StreamOps,
         fail: Callable[[Stream, RequestError], None],
     ):
         self._served, self._clock, self._pipelined = served, clock, pipelined
         self._admission, self._recovery, self._lockstep = admission, recovery, lockstep
-        self._records, self._counters, self._overlap = records, counters, overlap
+        self._records = records
+        self.lockstep_empty_steps = self.rows_fed_on_device = 0
+        self.steps_read_behind: collections.Counter[str] = collections.Counter()
         self._ops, self._fail = ops, fail
         self.in_flight: dict[str, InFlight | None] = dict.fromkeys(n.name for n in served.nodes if n.feeds)
         # Each node's weights flattened once, for programs that take them frozen (capture's
@@ -133,7 +134,7 @@ class Dispatch:
         if self.warmed_up:
             self.compilations += counter.count
         if not rows:
-            self._counters["lockstep_empty_steps"] += 1
+            self.lockstep_empty_steps += 1
             return True
         self.dispatched += 1
         step = InFlight(
@@ -142,10 +143,10 @@ class Dispatch:
         )  # fmt: skip
         self._served.dispatched(step, self._clock())
         if node.feeds:
-            self._overlap["rows_fed_on_device"] += sum(getattr(row, "feed", -1) >= 0 for row in rows)
+            self.rows_fed_on_device += sum(getattr(row, "feed", -1) >= 0 for row in rows)
             earlier, self.in_flight[node.name] = self.in_flight.get(node.name), step
             if earlier is not None:
-                self._overlap[f"{node.name}_steps_read_behind"] += 1
+                self.steps_read_behind[node.name] += 1
                 self.read(earlier)
         else:
             self.copying.append(step)
@@ -170,7 +171,7 @@ class Dispatch:
         while self.copying and (
             wait or all(x.is_deleted() or x.is_ready() for x in jax.tree.leaves(self.copying[0].outputs))
         ):
-            self._overlap[f"{self.copying[0].node.name}_steps_read_behind"] += self._pipelined and not wait
+            self.steps_read_behind[self.copying[0].node.name] += self._pipelined and not wait
             delivered |= self.read(self.copying[0])
         return delivered
 

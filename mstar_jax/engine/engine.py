@@ -47,6 +47,7 @@ from mstar_jax.engine.dispatch import Dispatch
 from mstar_jax.engine.lockstep import Lockstep
 from mstar_jax.engine.records import StepRecord
 from mstar_jax.engine.recovery import Recovery
+from mstar_jax.engine.stats import EngineStats
 from mstar_jax.engine.warmup import warm_up
 from mstar_jax.resources.step import UnknownRequestError
 from mstar_jax.serving.model import ServedModel
@@ -110,28 +111,27 @@ class ServingEngine:
         self.finished: dict[str, Stream] = {}
         self._ended = 0  # streams ended so far: rows formed before one ends are filtered again
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=history)
-        self.counters: collections.Counter[str] = collections.Counter()
-        # What a pipelined engine overlapped: decode rows whose token stayed on the device, and steps
-        # read back only once the next one was dispatched.
-        self.overlap: collections.Counter[str] = collections.Counter()
+        # Its own counts (`stats` reads them with its parts'): streams ended per phase, offloads asked
+        # for, snapshots taken.
+        self._ended_as: collections.Counter[Phase] = collections.Counter()
+        self._offloads = self._snapshots = 0
         self.warmup_compilations = 0
         # The thread that alone may drive the engine (an `EngineHost`'s, while it runs); None: any.
         self.driver: int | None = None
         self._lockstep = Lockstep(self.mesh, self.nodes, buckets)
         self._lockstep.check()
         self._admission = Admission(
-            served=served, nodes=self.nodes, streams=self.streams, counters=self.counters, clock=self._now,
+            served=served, nodes=self.nodes, streams=self.streams, clock=self._now,
             hold_backoff_s=settings.hold_backoff_s, fail=self._fail,
         )  # fmt: skip
         self._recovery = Recovery(
-            served=served, streams=self.streams, counters=self.counters,
+            served=served, streams=self.streams,
             snapshot_every=settings.snapshot_every, fail=self._fail, hold=self._admission.hold,
         )  # fmt: skip
         self._dispatch = Dispatch(
             served=served, clock=self._now, pipelined=settings.pipelined,
             admission=self._admission, recovery=self._recovery, lockstep=self._lockstep,
-            records=self.records, counters=self.counters, overlap=self.overlap, ops=_StreamOps(self),
-            fail=self._fail,
+            records=self.records, ops=_StreamOps(self), fail=self._fail,
         )  # fmt: skip
 
     def _now(self) -> float:
@@ -142,6 +142,21 @@ class ServingEngine:
     def lockstep(self) -> bool:
         """Whether this engine is one of a multi-process deployment's (`Lockstep`)."""
         return self._lockstep.enabled
+
+    @property
+    def stats(self) -> EngineStats:
+        """What the engine counted so far (a new record each time)."""
+        admission, recovery, dispatch, ended = self._admission, self._recovery, self._dispatch, self._ended_as
+        return EngineStats(
+            done=ended[Phase.DONE], failed=ended[Phase.FAILED], cancelled=ended[Phase.CANCELLED],
+            holds=admission.holds, allocation_failed=admission.allocation_failed,
+            offloads=admission.offloads + self._offloads, reloads=admission.reloads,
+            faults=recovery.faults, requests_lost=recovery.requests_lost,
+            requests_restored=recovery.requests_restored, snapshots=self._snapshots,
+            lockstep_empty_steps=dispatch.lockstep_empty_steps,
+            rows_fed_on_device=dispatch.rows_fed_on_device,
+            steps_read_behind=dict(dispatch.steps_read_behind),
+        )  # fmt: skip
 
     @property
     def programs(self) -> Any:
@@ -194,7 +209,7 @@ class ServingEngine:
         snapshot = None if self.snapshot_every is None else self.snapshot
         count = warm_up(served=self.served, nodes=self.nodes, lockstep=self._lockstep, snapshot=snapshot)
         if snapshot is not None:
-            self._recovery.last_snapshot, self.counters["snapshots"] = None, 0
+            self._recovery.last_snapshot, self._snapshots = None, 0
         self._dispatch.warmed_up = True
         self._dispatch.compilations = 0
         self.warmup_compilations = count
@@ -283,7 +298,7 @@ class ServingEngine:
         self._check_driver("offload")
         self._live(request_id)
         freed = sum(node.runner.offload(request_id) for node in self.nodes.values())
-        self.counters["offloads"] += freed > 0
+        self._offloads += freed > 0
         return freed
 
     def is_offloaded(self, request_id: str) -> bool:
@@ -323,7 +338,7 @@ class ServingEngine:
         managers = {key: node.runner[key] for node in self.nodes.values() for key in node.keys}
         marks = {s.request_id: (s, self.served.mark(s)) for s in self.streams.values()}
         self._recovery.last_snapshot = recovery.take_snapshot(self.steps_run, managers, marks)
-        self.counters["snapshots"] += 1
+        self._snapshots += 1
         return self.last_snapshot
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -343,9 +358,9 @@ class ServingEngine:
                 node, list(self.streams.values()), now=now if turn == 0 else self.clock(),
                 max_batch=self.max_batch, in_flight=None if in_flight is None else in_flight.serial,
             )  # fmt: skip
-            faults, ended = self.counters["faults"], self._ended
+            faults, ended = self._recovery.faults, self._ended
             for rows, walk in programs:
-                if self.counters["faults"] != faults:
+                if self._recovery.faults != faults:
                     rows = []  # formed before a fault failed or rewound their streams: stale
                 if self._ended != ended:  # a client's callback (an earlier program's outputs) ended some
                     rows = [row for row in rows if not row.stream.phase.finished]
@@ -412,7 +427,7 @@ class ServingEngine:
         self.finished[rid] = stream
         if self.history is not None and len(self.finished) > self.history:
             del self.finished[next(iter(self.finished))]
-        self.counters[phase.value] += 1
+        self._ended_as[phase] += 1
 
 
 class _StreamOps:

@@ -14,7 +14,7 @@ rather than delivering them again.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from mstar_jax.resources.kv.bounded.host import BoundedKVSnapshot
@@ -58,7 +58,6 @@ class Recovery:
     Args:
       served: the model (it rewinds its streams).
       streams: the engine's live streams.
-      counters: the engine's counters (faults, requests lost and restored).
       snapshot_every: whether snapshots are taken (None: a lost cache fails its requests).
       fail: ends a stream with a failure (the engine's).
       hold: holds rows for a while, returning the others (`Admission.hold`).
@@ -66,6 +65,7 @@ class Recovery:
     Attributes:
       last_snapshot: what a lost cache is restored from (the engine takes it every `snapshot_every`
         steps).
+      faults, requests_lost, requests_restored: what it counted (`EngineStats`).
     """
 
     def __init__(
@@ -73,19 +73,19 @@ class Recovery:
         *,
         served: ServedModel,
         streams: Mapping[str, Stream],
-        counters: MutableMapping[str, int],
         snapshot_every: int | None,
         fail: Callable[[Stream, RequestError], None],
         hold: Callable[[list, set[str]], list],
     ):
-        self._served, self._streams, self._counters = served, streams, counters
+        self._served, self._streams = served, streams
+        self.faults = self.requests_lost = self.requests_restored = 0
         self._snapshot_every, self._fail, self._hold = snapshot_every, fail, hold
         self.last_snapshot: EngineSnapshot | None = None
 
     def recover(self, node: Node, rows: list, err: Exception, *, lost: bool = False) -> None:
         """Serve on after `node`'s step raised `err` (module doc; docs/design.md §11); `lost`: its caches
         are to be treated as lost even where their buffers survive."""
-        self._counters["faults"] += 1
+        self.faults += 1
         if not lost and not any(m.cache_lost() for m in node.managers):
             for row in rows:
                 row.stream.faults += 1
@@ -100,7 +100,7 @@ class Recovery:
             )
             return
         holders = [s for s in self._streams.values() if node.holds(s.request_id)]
-        self._counters["requests_lost"] += len(holders)
+        self.requests_lost += len(holders)
         if self._snapshot_every is None:
             for m in node.managers:
                 m.recover()
@@ -120,4 +120,4 @@ class Recovery:
         for stream in holders:
             node.runner.ingest_request(stream.request_id)  # those not restored start over
             self._served.rewind(stream, node, marks.get(stream.request_id))
-        self._counters["requests_restored"] += len(holders)
+        self.requests_restored += len(holders)

@@ -54,6 +54,7 @@ def latency_by_walk(records) -> dict[str, dict[str, Any]]:
 
 def serving_report(engine: Any, *, capture_secs: float, warmup_compilations: int) -> dict[str, Any]:
     """What every model's report says of the engine: compilation, admission and the pipeline."""
+    stats = engine.stats
     return {
         "compile": {
             "buckets": sum(len(step) for step in engine.programs.steps.values()),
@@ -62,8 +63,8 @@ def serving_report(engine: Any, *, capture_secs: float, warmup_compilations: int
             "warmup_compilations": warmup_compilations,
             "compilations_after_warmup": engine.compilations,
         },
-        "admission": dict(engine.counters),
-        "pipeline": {"pipelined": engine.pipelined, **engine.overlap},
+        "admission": stats.admission(),
+        "pipeline": {"pipelined": engine.pipelined, **stats.pipeline()},
     }
 
 

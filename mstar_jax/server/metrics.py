@@ -90,7 +90,7 @@ class ServerMetrics(HostObserver):
         self.paused.set(sum(s.paused for s in engine.streams.values()))
         self.offloaded.set(sum(engine.is_offloaded(rid) for rid in streams))
         self.compilations.set(engine.compilations)
-        self.faults.set(engine.counters["faults"])
+        self.faults.set(engine.stats.faults)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -145,7 +145,7 @@ def served_on_meshes(cache: str) -> dict:
             "decode_tokens": sorted(
                 {r.bucket.num_tokens for r in engine.records if r.walk == "talker_decode"}
             ),
-            "overlap": dict(engine.overlap),
+            "overlap": engine.stats.pipeline(),
             "walks": sorted({r.walk for r in engine.records}),
             "collectives": {
                 walk: sorted({json.dumps(collectives(p.as_text())) for p in step.programs.values()})

@@ -63,7 +63,7 @@ def main() -> dict:
         "done": report["streams"]["done"],
         "errors": errors,
         "compilations": engine.compilations,
-        "empty_steps": engine.counters["lockstep_empty_steps"],
+        "empty_steps": engine.stats.lockstep_empty_steps,
         "walks": dict(collections.Counter(r.walk for r in engine.records)),
         "mesh": report["mesh"],
         "blocks": {
@@ -81,7 +81,7 @@ def main() -> dict:
             "served": {rid: [codes, audio.tolist()] for rid, (codes, audio) in piped_served.items()},
             "compilations": piped_engine.compilations,
             "errors": sorted({s.error for s in piped_engine.finished.values() if s.error}),
-            "overlap": dict(piped_engine.overlap),
+            "overlap": piped_engine.stats.pipeline(),
             "in_flight_after": piped_engine.drain(),
         },
         "late": {
@@ -93,15 +93,15 @@ def main() -> dict:
         "offloaded": {
             "served": {rid: [codes, audio.tolist()] for rid, (codes, audio) in moved_served.items()},
             "errors": sorted({s.error for s in moved_engine.finished.values() if s.error}),
-            "offloads": moved_engine.counters["offloads"],
-            "reloads": moved_engine.counters["reloads"],
+            "offloads": moved_engine.stats.offloads,
+            "reloads": moved_engine.stats.reloads,
             "compilations": moved_engine.compilations,
         },
         "faulty": {
             "served": {rid: [codes, audio.tolist()] for rid, (codes, audio) in faulty_served.items()},
             "errors": sorted({s.error for s in faulty_engine.finished.values() if s.error}),
             "counters": {
-                name: faulty_engine.counters[name]
+                name: getattr(faulty_engine.stats, name)
                 for name in ("faults", "snapshots", "requests_lost", "requests_restored")
             },
             "steps_run": faulty_engine.steps_run,

@@ -104,7 +104,7 @@ def test_each_member_of_a_crowd_hears_what_it_hears_alone_at_one_step(blocks, al
     assert engine.compilations == 0
     assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
     if pipelined:
-        assert engine.overlap["rows_fed_on_device"] > 0
+        assert engine.stats.rows_fed_on_device > 0
 
 
 def test_new_streams_at_a_full_cache_are_held_together_after_one_refusal(blocks, alone, monkeypatch):
@@ -114,9 +114,9 @@ def test_new_streams_at_a_full_cache_are_held_together_after_one_refusal(blocks,
     attempts, admit = [], Admission.admit
 
     def counted(self, node, rows, bucket=None):
-        before = self._counters["allocation_failed"]
+        before = self.allocation_failed
         out = admit(self, node, rows, bucket)
-        attempts.append((len(rows), self._counters["allocation_failed"] - before))
+        attempts.append((len(rows), self.allocation_failed - before))
         return out
 
     monkeypatch.setattr(Admission, "admit", counted)
@@ -129,7 +129,7 @@ def test_new_streams_at_a_full_cache_are_held_together_after_one_refusal(blocks,
     engine.run_until_idle()
     assert (2, 1) in attempts  # a step of both new rows at the full cache, refused once
     assert max(refused for _, refused in attempts) == 1
-    assert engine.counters["holds"] >= 2
+    assert engine.stats.holds >= 2
     for stream in running + late:
         assert_complete(stream)
         assert_same_output(stream, alone(stream.request))
@@ -163,7 +163,7 @@ def test_a_stream_offloaded_and_reloaded_between_blocks_hears_what_it_hears_alon
     assert offloaded
     assert offloaded[0] > 0
     # Both caches were offloaded; a talker whose last block was already dispatched never reloads.
-    assert engine.counters["reloads"] in (1, 2)
+    assert engine.stats.reloads in (1, 2)
     for req in (target, other, newcomer):
         assert_complete(streams[req.request_id])
         assert_same_output(streams[req.request_id], alone(req))
@@ -210,8 +210,8 @@ def test_with_snapshots_a_lost_cache_is_replayed_bit_for_bit(blocks, alone, pipe
 
     inject_faults(engine, node, lambda n: "after" if n in (3, 7) else None)
     streams = serve(engine, arrivals, listen)
-    assert engine.counters["faults"] == 2
-    assert engine.counters["requests_restored"] >= 1
+    assert engine.stats.faults == 2
+    assert engine.stats.requests_restored >= 1
     for stream in streams.values():
         assert_complete(stream)
         assert_same_output(stream, alone(stream.request))

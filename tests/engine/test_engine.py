@@ -140,7 +140,7 @@ def test_full_caches_offload_a_paused_stream_then_hold_it_until_a_slot_is_releas
     late = engine.submit(request("late", v0, 10))
     engine.step()
     # Both talker slots were taken: the paused stream was offloaded to admit the new one.
-    assert engine.counters["allocation_failed"] >= 1
+    assert engine.stats.allocation_failed >= 1
     assert engine.is_offloaded("paused")
     assert engine.talker.slot_of("late") is not None
     engine.resume("paused")
@@ -150,8 +150,8 @@ def test_full_caches_offload_a_paused_stream_then_hold_it_until_a_slot_is_releas
         assert_complete(stream)
     # Resumed while both caches were full (nothing paused to offload), it was held, and reloaded only
     # once a stream finished and returned its slots.
-    assert engine.counters["holds"] >= 1
-    assert engine.counters["reloads"] >= 1
+    assert engine.stats.holds >= 1
+    assert engine.stats.reloads >= 1
     first_release = min(other.finished_at, late.finished_at)
     back = min(r.started for r in engine.records if "paused" in r.request_ids and r.started > resumed_at)
     assert back >= first_release
@@ -247,7 +247,7 @@ def test_cancel_refuses_a_request_that_is_not_live_and_changes_nothing(programs)
     ended = engine.submit(request("ended", v0, 3))
     engine.run_until_idle()
     kept = engine.submit(request("kept", v0, 5))
-    counters = dict(engine.counters)
+    stats = engine.stats
     with pytest.raises(UnknownRequestError) as info:
         engine.cancel("never")
     assert str(info.value) == "request_id='never' is not a live request; live: ['kept']"
@@ -258,7 +258,7 @@ def test_cancel_refuses_a_request_that_is_not_live_and_changes_nothing(programs)
     assert ended.failure is None
     assert kept.phase is Phase.WAITING
     assert list(engine.streams) == ["kept"]
-    assert dict(engine.counters) == counters
+    assert engine.stats == stats
     engine.cancel("kept")
     assert kept.phase is Phase.CANCELLED
     assert engine.talker.free_slots == engine.flow.free_slots == CONFIG.max_slots
@@ -287,7 +287,7 @@ def test_a_stream_cancelled_from_its_callback_ends_once(programs):
     stream = engine.submit(request("self", v0, 4), on_output=lambda chunk: engine.cancel("self"))
     engine.run_until_idle()
     assert stream.phase is Phase.CANCELLED
-    assert (engine.counters["cancelled"], engine.counters["done"]) == (1, 0)
+    assert (engine.stats.cancelled, engine.stats.done) == (1, 0)
     assert len(stream.chunks) == 1
 
 
@@ -313,7 +313,7 @@ def test_a_stream_idle_past_the_threshold_moves_to_host_memory(programs):
         now[0] += 0.01
     assert_complete(idle)
     assert_complete(busy)
-    assert engine.counters["reloads"] >= 1
+    assert engine.stats.reloads >= 1
 
 
 def slot_bytes(engine: Engine, rid: str) -> list[np.ndarray]:

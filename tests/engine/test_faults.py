@@ -62,14 +62,14 @@ def test_a_fault_that_consumes_the_talker_cache_fails_only_its_slot_holders_then
     assert engine.offload("parked") > 0  # on the host: the fault cannot reach it
     first = [engine.submit(req) for req in crowd(voices)[:2]]
     inject_faults(engine, "talker", lambda n: "after" if n == 4 else None)
-    while engine.counters["faults"] == 0:
+    while engine.stats.faults == 0:
         engine.step()
     for stream in first:
         assert stream.phase is Phase.FAILED
         assert type(stream.failure) is StateLostError
         assert stream.failure.retryable
         assert "lost request" in stream.error
-    assert engine.counters["requests_lost"] == 2
+    assert engine.stats.requests_lost == 2
     assert engine.talker.free_slots == CONFIG.max_slots  # the rebuilt cache is empty; nothing leaked
     engine.resume("parked")
     late = engine.submit(crowd(voices)[2])
@@ -94,9 +94,9 @@ def test_with_snapshots_a_lost_cache_is_restored_and_replayed_bit_for_bit(progra
         engine.step()
     streams.append(listen(engine, crowd(voices)[2], heard))  # arrives after a snapshot: starts over
     engine.run_until_idle()
-    assert engine.counters["faults"] == 2
-    assert engine.counters["requests_restored"] >= 2
-    assert engine.counters["snapshots"] >= 2
+    assert engine.stats.faults == 2
+    assert engine.stats.requests_restored >= 2
+    assert engine.stats.snapshots >= 2
     for stream in streams:
         assert_same_output(stream, served_alone(programs, stream.request))
         frames = stream.request.frames
@@ -112,7 +112,7 @@ def test_a_poisoned_flow_buffer_is_a_fault_like_any_other(programs, pipelined):
         engine.step()
     engine.flow.cache.k[0].delete()  # what a failed transfer or a bad device leaves behind
     engine.run_until_idle()
-    assert engine.counters["faults"] == 1
+    assert engine.stats.faults == 1
     for stream in streams:
         assert_same_output(stream, served_alone(programs, stream.request))
 
@@ -129,7 +129,7 @@ def test_a_step_whose_outputs_cannot_be_read_back_loses_its_requests_and_serving
     inject_faults(engine, node, lambda n: "unreadable" if n == 3 else None)
     engine.run_until_idle()
     # A pipelined talker's next step, fed the lost codes, fails as well.
-    assert engine.counters["faults"] == (2 if pipelined and node == "talker" else 1)
+    assert engine.stats.faults == (2 if pipelined and node == "talker" else 1)
     for stream in streams:
         assert stream.phase is Phase.FAILED
         assert type(stream.failure) is StateLostError
@@ -147,8 +147,8 @@ def test_a_step_that_fails_before_consuming_its_cache_is_retried(programs, pipel
     streams = [engine.submit(req) for req in crowd(voices)[:2]]
     inject_faults(engine, "talker", lambda n: "before" if n in (2, 3) else None)
     engine.run_until_idle()
-    assert engine.counters["faults"] == 2
-    assert engine.counters["requests_lost"] == 0
+    assert engine.stats.faults == 2
+    assert engine.stats.requests_lost == 0
     for stream in streams:
         assert_same_output(stream, served_alone(programs, stream.request))
 
@@ -161,7 +161,7 @@ def test_faults_that_are_not_in_a_row_never_fail_a_stream_reading_its_prompt(pro
     inject_faults(engine, "talker", lambda n: "before" if n % 2 else None)
     engine.run_until_idle()
     assert stream.phase is Phase.DONE, stream.error
-    assert engine.counters["faults"] > MAX_STEP_FAULTS  # more in all than a stream rides out in a row
+    assert engine.stats.faults > MAX_STEP_FAULTS  # more in all than a stream rides out in a row
     assert_same_output(stream, served_alone(programs, stream.request))
 
 
@@ -191,7 +191,7 @@ def test_a_step_that_raises_keeps_its_own_error_when_aborting_its_admission_rais
     assert type(stream.failure) is StepFailedError
     assert "InjectedFaultError('injected before talker step 3')" in stream.error
     assert "abort broke" not in stream.error
-    assert engine.counters["faults"] == MAX_STEP_FAULTS
+    assert engine.stats.faults == MAX_STEP_FAULTS
 
 
 def test_inject_faults_refuses_what_it_cannot_inject(programs):
@@ -220,10 +220,10 @@ def test_a_stream_offloaded_while_its_lost_step_was_in_flight_fails_retryably(pr
     calls = inject_faults(engine, "talker", lambda n: "unreadable" if n == 6 else None)
     while calls[0] < 6:
         engine.step()
-    assert engine.counters["faults"] == 0  # dispatched, not read yet
+    assert engine.stats.faults == 0  # dispatched, not read yet
     engine.pause(streams[0].request_id)
     assert engine.offload(streams[0].request_id) > 0
-    while engine.counters["faults"] == 0:  # the lost step is read while its stream is on the host
+    while engine.stats.faults == 0:  # the lost step is read while its stream is on the host
         engine.step()
     assert streams[0].phase is Phase.FAILED
     engine.run_until_idle()

@@ -7,7 +7,7 @@ dense full-history reference (tests/models/reference.py) driven the way the engi
 
 Every run here reads a clock that advances a millisecond per read (`FakeClock`), so holds and their
 backoff (and so every batch) are the same in every process; each test also checks from
-`engine.records` or `engine.counters` that the situation it is about really happened.
+`engine.records` or `engine.stats` that the situation it is about really happened.
 """
 
 from __future__ import annotations
@@ -217,8 +217,8 @@ def test_a_stream_offloaded_and_reloaded_mid_stream_hears_what_it_hears_alone(
     streams = serve(engine, {0: [target, other]}, hook)
     streams["newcomer"] = engine.finished["newcomer"]
     assert seen_offloaded == {"talker", "flow"}
-    assert engine.counters["reloads"] == 2  # one per cache
-    assert engine.counters["offloads"] == (1 if how == "explicit" else 2)
+    assert engine.stats.reloads == 2  # one per cache
+    assert engine.stats.offloads == (1 if how == "explicit" else 2)
     for req in (target, other, newcomer):
         assert_complete(streams[req.request_id])
         assert_same_output(streams[req.request_id], alone(req))
@@ -258,7 +258,7 @@ def test_cancelling_crowd_members_mid_stream_leaves_the_others_unchanged(program
         else:
             assert_complete(stream)
             assert_same_output(stream, want)
-    assert engine.counters["cancelled"] == 2
+    assert engine.stats.cancelled == 2
 
 
 def dense_request(model, req: TTSRequest, *, prefill_tokens: int, flow_codes: list[np.ndarray]):

@@ -25,13 +25,13 @@ def test_a_pipelined_crowd_hears_what_each_hears_alone_from_the_synchronous_engi
         assert_same_output(stream, alone(stream.request))
     decode_rows = sum(r.rows for r in engine.records if r.walk == "talker_decode")
     # Every decode row but those after a step that left nothing in flight took its token on the device.
-    assert engine.overlap["rows_fed_on_device"] >= decode_rows // 2
+    assert engine.stats.rows_fed_on_device >= decode_rows // 2
     talker_steps = sum(r.walk.startswith("talker") for r in engine.records)
-    assert engine.overlap["talker_steps_read_behind"] >= talker_steps // 2
+    assert engine.stats.steps_read_behind["talker"] >= talker_steps // 2
     assert not engine.drain()  # nothing left in flight
 
 
 def test_the_synchronous_engine_overlaps_nothing(programs, alone):
     engine = fresh_engine(programs)
     serve(engine, crowd("crowd"))
-    assert sum(engine.overlap.values()) == 0
+    assert engine.stats.rows_fed_on_device == sum(engine.stats.steps_read_behind.values()) == 0

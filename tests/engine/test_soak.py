@@ -30,8 +30,8 @@ def test_a_short_soak_serves_everyone_exactly_and_leaks_nothing():
     report = soak.soak(engine, reference, steps=400, seed=1, rates=soak.Rates(fault=0.02))
 
     assert report.faults_injected >= 4
-    assert engine.counters["faults"] >= 4
-    assert engine.counters["requests_restored"] >= 1
+    assert engine.stats.faults >= 4
+    assert engine.stats.requests_restored >= 1
     assert report.submitted == report.outcomes["done"] + report.outcomes["cancelled"]
     assert not report.failures  # with snapshots no fault costs a request
     assert report.checked == report.outcomes["done"] >= 40

@@ -126,7 +126,7 @@ def test_clients_that_disconnect_mid_stream_free_everything(serve):
     with server as url:
         asyncio.run(asyncio.wait_for(crowd(url), 300))
         assert_nothing_leaked(host)
-        cancelled = host.engine.counters["cancelled"]
+        cancelled = host.engine.stats.cancelled
         assert cancelled >= DISCONNECTING_CLIENTS * 0.9  # a few may have finished before they left
 
 
@@ -136,10 +136,10 @@ def test_a_client_gone_before_its_first_chunk_is_cancelled(serve, tts):
     app, server = serve()
     host = app.state.host
     with server as url:
-        before = engine.counters["cancelled"]
+        before = engine.stats.cancelled
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/v1/audio/speech", json=speech("never heard " * 4), timeout=0.05)
-        wait_for(lambda: engine.counters["cancelled"] > before, "the abandoned request to be cancelled", 10)
+        wait_for(lambda: engine.stats.cancelled > before, "the abandoned request to be cancelled", 10)
         assert_nothing_leaked(host)
 
 
@@ -206,7 +206,7 @@ def test_a_fault_fails_only_the_requests_it_reached_with_a_retryable_error(serve
     fail_at = {"step": 3}  # mid-prefill: state written, no audio yet (a fault at step 1 loses nothing)
     calls = inject_faults(engine, "talker", lambda n: "after" if n == fail_at["step"] else None)
     app, server = serve()
-    faults = engine.counters["faults"]
+    faults = engine.stats.faults
     with server as url:
         # Before the first byte: a 503 whose body says it is retryable.
         response = httpx.post(f"{url}/v1/audio/speech", json=speech("a longer text to speak"), timeout=30)

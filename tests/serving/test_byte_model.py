@@ -5,6 +5,8 @@ those against an independent float64 NumPy forward pass that attends through the
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -105,14 +107,14 @@ def test_a_crowd_gets_the_bytes_each_prompt_gets_alone(params, programs, alone, 
     for stream, want in zip(streams, alone, strict=True):
         assert stream.phase is Phase.DONE, stream.error
         assert stream.tokens == heard[stream.request_id] == want  # each byte once, in order
-    assert engine.counters["holds"] >= 1  # four prompts, two slots: some waited
+    assert engine.stats.holds >= 1  # four prompts, two slots: some waited
     assert engine.compilations == 0
     assert engine.served.manager.free_slots == SLOTS
     if pipelined:
-        assert engine.overlap["rows_fed_on_device"] > 0
-        assert engine.overlap[f"{NODE}_steps_read_behind"] > 0
+        assert engine.stats.rows_fed_on_device > 0
+        assert engine.stats.steps_read_behind[NODE] > 0
     else:
-        assert sum(engine.overlap.values()) == 0
+        assert engine.stats.rows_fed_on_device == sum(engine.stats.steps_read_behind.values()) == 0
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["synchronous", "pipelined"])
@@ -127,13 +129,39 @@ def test_a_fault_is_restored_from_a_snapshot_and_replayed_to_the_same_bytes(
     ]
     inject_faults(engine, NODE, lambda n: "after" if n in (5, 13) else None)
     engine.run_until_idle()
-    assert engine.counters["faults"] == 2
-    assert engine.counters["requests_restored"] >= 2
+    assert engine.stats.faults == 2
+    assert engine.stats.requests_restored >= 2
     for stream, want in zip(streams, alone, strict=True):
         assert stream.phase is Phase.DONE, stream.error
         assert stream.tokens == heard[stream.request_id] == want  # replayed bytes are not delivered again
     assert engine.compilations == 0
     assert engine.served.manager.free_slots == SLOTS
+
+
+def test_the_engines_stats_count_how_its_streams_ended(params, programs):
+    """`engine.stats` against the finished streams themselves: one done, one failed by its callback, one
+    cancelled; the record is frozen, and a new one is made each time."""
+    engine = engine_for(params, programs)
+
+    def gone(token: int) -> None:
+        raise RuntimeError("the listener went away")
+
+    engine.submit(ByteRequest("done", b"hello", NEW))
+    engine.submit(ByteRequest("raises", b"x", NEW), on_output=gone)
+    engine.submit(ByteRequest("cancelled", b"abc", NEW))
+    engine.cancel("cancelled")
+    engine.run_until_idle()
+    ended = collections.Counter(s.phase for s in engine.finished.values())
+    stats = engine.stats
+    assert (stats.done, stats.failed, stats.cancelled) == (1, 1, 1)
+    assert ended == {Phase.DONE: 1, Phase.FAILED: 1, Phase.CANCELLED: 1}
+    assert stats.admission()["failed"] == 1
+    assert stats.faults == 0
+    assert stats.pipeline() == {"rows_fed_on_device": 0}  # synchronous: nothing read behind
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.done = 0
+    assert engine.stats == stats
+    assert engine.stats is not stats
 
 
 @pytest.mark.parametrize(

@@ -133,13 +133,11 @@ def test_the_chunk_oracles_window_matters_past_the_retained_entries(alone):
 def test_a_crowd_gets_what_each_request_gets_alone(served, alone, pipelined):
     engine = engine_for(served, pipelined=pipelined)
     assert_same(serve(engine, requests("c")), alone)
-    assert engine.counters["holds"] >= 1  # four requests, two slots: some waited
+    assert engine.stats.holds >= 1  # four requests, two slots: some waited
     assert engine.compilations == 0
     if pipelined:
-        assert engine.overlap["rows_fed_on_device"] > 0
-        assert (
-            engine.overlap[f"{CHUNKS}_steps_read_behind"] + engine.overlap[f"{BYTES}_steps_read_behind"] > 0
-        )
+        assert engine.stats.rows_fed_on_device > 0
+        assert engine.stats.steps_read_behind[CHUNKS] + engine.stats.steps_read_behind[BYTES] > 0
 
 
 def test_decode_blocks_of_eight_steps_give_the_same_outputs(blocks, alone):
@@ -159,7 +157,7 @@ def test_a_fault_on_either_node_is_replayed_to_the_same_outputs(served, alone, n
         assert_same(serve(engine, requests("f")), alone)  # replayed chunks are not delivered again
     finally:
         served.programs = programs  # the module's other engines serve the same model
-    assert engine.counters["faults"] == 2
+    assert engine.stats.faults == 2
     assert engine.compilations == 0
 
 

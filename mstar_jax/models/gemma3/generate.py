@@ -17,7 +17,7 @@ How the summary counts:
   are still reading their prompts (a stream's position below its prompt's length), else a decode step.
 - compiled while serving: `engine.compilations` (programs compiled by a step after warm-up).
 - admissions that waited for a slot: the streams the caches refused at least once (`hold_until` set);
-  the engine retries a held stream every `hold_backoff_s`, and `counters["allocation_failed"]` counts
+  the engine retries a held stream every `hold_backoff_s`, and `stats.allocation_failed` counts
   every refusal.
 """
 

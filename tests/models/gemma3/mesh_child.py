@@ -92,11 +92,11 @@ def serve(engine, share: tuple[int, int] = (0, 1)) -> dict:
         "tokens": {s.request_id: s.tokens for s in submitted},
         "errors": sorted({s.error for s in submitted if s.error}),
         "compilations": engine.compilations,
-        "empty_steps": engine.counters["lockstep_empty_steps"],
+        "empty_steps": engine.stats.lockstep_empty_steps,
         "placed": [list(m.placed) for m in streams.managers],
         "free_slots": [m.free_slots for m in streams.managers],
         "pipelined": engine.pipelined,
-        "rows_fed_on_device": engine.overlap["rows_fed_on_device"],
+        "rows_fed_on_device": engine.stats.rows_fed_on_device,
     }
 
 

@@ -90,7 +90,7 @@ def test_a_crowd_gets_each_prompts_greedy_tokens(model, programs, prompts, alone
         assert stream.phase is Phase.DONE, stream.error
         assert stream.tokens == want
         assert heard[stream.request_id] == want  # each token once, in order
-    assert engine.counters["holds"] >= 1  # four prompts, three slots: one waited
+    assert engine.stats.holds >= 1  # four prompts, three slots: one waited
     decodes = [r for r in engine.records if r.walk == DECODE]
     assert decodes
     assert {r.bucket.num_tokens for r in decodes} == {programs.decode_steps}
@@ -98,10 +98,10 @@ def test_a_crowd_gets_each_prompts_greedy_tokens(model, programs, prompts, alone
     served = engine.served.streams
     assert served.local.free_slots == served.global_.free_slots == SLOTS
     if pipelined:
-        assert engine.overlap["rows_fed_on_device"] > 0
-        assert engine.overlap["gemma3_steps_read_behind"] > 0
+        assert engine.stats.rows_fed_on_device > 0
+        assert engine.stats.steps_read_behind["gemma3"] > 0
     else:
-        assert sum(engine.overlap.values()) == 0
+        assert engine.stats.rows_fed_on_device == sum(engine.stats.steps_read_behind.values()) == 0
 
 
 def test_the_engines_stream_iterator_yields_the_greedy_tokens(model, programs, prompts, alone):
@@ -142,8 +142,8 @@ def test_with_snapshots_a_lost_cache_is_restored_and_replayed_to_the_same_tokens
         for stream in streams:  # a rewind never takes back a delivered token
             assert len(stream.tokens) >= delivered[stream.request_id]
             delivered[stream.request_id] = len(stream.tokens)
-    assert engine.counters["faults"] == 2
-    assert engine.counters["requests_restored"] >= 2
+    assert engine.stats.faults == 2
+    assert engine.stats.requests_restored >= 2
     for stream, want in zip(streams, alone[:SLOTS], strict=True):
         assert stream.phase is Phase.DONE, stream.error
         assert stream.tokens == want
@@ -159,7 +159,7 @@ def test_faults_that_are_not_in_a_row_never_fail_a_stream_reading_its_prompt(mod
     inject_faults(engine, GEMMA3, lambda n: "before" if n % 2 else None)
     engine.run_until_idle()
     assert stream.phase is Phase.DONE, stream.error
-    assert engine.counters["faults"] > MAX_STEP_FAULTS  # more in all than a stream rides out in a row
+    assert engine.stats.faults > MAX_STEP_FAULTS  # more in all than a stream rides out in a row
     streams = Gemma3Streams(CONFIG, model, global_retention=RETENTION, chunk=8)
     assert stream.tokens == streams.greedy(long_prompt, 4)
     assert engine.served.streams.local.free_slots == SLOTS
@@ -313,7 +313,7 @@ def test_a_paused_stream_is_offloaded_from_both_caches_at_once_and_resumes_exact
     served = engine.served.streams
     assert served.local.slot_of("p0") is None
     assert served.global_.slot_of("p0") is None  # both caches at once: one eviction, not two
-    assert engine.counters["offloads"] == 1
+    assert engine.stats.offloads == 1
     assert engine.is_offloaded("p0")
     engine.resume("p0")
     engine.run_until_idle()
