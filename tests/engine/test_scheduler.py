@@ -1,7 +1,7 @@
 """Batch formation of the TTS model's two nodes against a plain loop that applies their rules as the
 docstrings state them.
 
-The talker (`Talker`, a `DecoderNode`) and the flow decoder (`Flow`, a `ChunkNode`) form rows in tuned
+The talker (`TalkerNode`, a `DecoderNode`) and the flow decoder (`FlowNode`, a `ChunkNode`) form rows in tuned
 loops (inline tests, early caps); the oracle visits every stream and caps at the end. Random states
 cover every phase, pauses, holds at and after the clock, codes in flight, and feeds from the step in
 flight and from an older one, with and without the combined walk, with decode blocks.
@@ -14,7 +14,7 @@ import pytest
 
 from mstar_jax.compile import Buckets, BucketSet
 from mstar_jax.models.streaming_tts.model import FLOW_CHUNK, TALKER_DECODE, TALKER_MIXED, TALKER_PREFILL
-from mstar_jax.models.streaming_tts.nodes import Flow, Talker
+from mstar_jax.models.streaming_tts.nodes import FlowNode, TalkerNode
 from mstar_jax.models.streaming_tts.programs import tts_buckets
 from mstar_jax.models.streaming_tts.request import FLOW, TALKER, Stream, TTSRequest
 from mstar_jax.models.streaming_tts.voices import Voice
@@ -94,18 +94,20 @@ def _oracle_flow(streams, *, max_batch, chunk):
     return [(rows[:max_batch], FLOW_CHUNK)]
 
 
-def _nodes(max_batch: int, room: int, steps: int, prefill_tokens: int, chunk: int) -> tuple[Talker, Flow]:
+def _nodes(
+    max_batch: int, room: int, steps: int, prefill_tokens: int, chunk: int
+) -> tuple[TalkerNode, FlowNode]:
     buckets = tts_buckets(
         batch_sizes=(max_batch,), token_counts=(prefill_tokens,), flow_chunk=1,
         max_prefill_rows_in_combined=room, combined=room > 0, decode_steps=steps,
     )  # fmt: skip
     talker_node = Node(TALKER, None, (), None, buckets.walks, feeds=True, row_walks=WALKS)
-    talker = Talker(
+    talker = TalkerNode(
         talker_node, buckets=buckets, decode_steps=steps, mesh=None, text_vocab=TEXT_VOCAB,
         decode_walk=TALKER_DECODE, prefill_walk=TALKER_PREFILL,
     )  # fmt: skip
     flow_buckets = Buckets((BucketSet(graph_walk=FLOW_CHUNK, batch_sizes=(max_batch,), token_counts=(8,)),))
-    flow = Flow(Node(FLOW, None, (), None, (FLOW_CHUNK,)), talker, buckets=flow_buckets, chunk=chunk)
+    flow = FlowNode(Node(FLOW, None, (), None, (FLOW_CHUNK,)), talker, buckets=flow_buckets, chunk=chunk)
     return talker, flow
 
 

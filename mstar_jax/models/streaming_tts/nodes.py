@@ -1,11 +1,11 @@
 """The streaming TTS model's two nodes, as the library's nodes serve them.
 
-- The talker is a `DecoderNode` (`Talker`): it reads the text, then BOS, in chunks, then generates one
+- The talker is a `DecoderNode` (`TalkerNode`): it reads the text, then BOS, in chunks, then generates one
   codec frame a step (or a block of K), each the next step's input on the device. Its rows say their
   walk: decode rows and prompt chunks run together on the combined walk where it was captured, else as
   a decode program and one prefill program a round. It is not final: once its last frame is read its
   cache is given back and the flow decoder finishes the stream.
-- The flow decoder is a `ChunkNode` (`Flow`): whole chunks of the talker's frames (or its last ones)
+- The flow decoder is a `ChunkNode` (`FlowNode`): whole chunks of the talker's frames (or its last ones)
   become mel and samples, handed to the client as `AudioChunk`s.
 
 Both write after the request's voice, a source prefix shared by every request of that voice; their
@@ -29,7 +29,7 @@ from mstar_jax.serving.chunks import ChunkNode, ChunkRow
 from mstar_jax.serving.decoder import DecoderHooks, DecoderNode
 from mstar_jax.serving.model import InFlight
 
-__all__ = ["Flow", "Talker"]
+__all__ = ["FlowNode", "TalkerNode"]
 
 
 def _positions(streams: Sequence[Stream], node: str) -> np.ndarray:
@@ -39,7 +39,7 @@ def _positions(streams: Sequence[Stream], node: str) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(table), np.int64, 3 * len(table)).reshape(-1, 3)
 
 
-class Talker(DecoderNode, DecoderHooks):
+class TalkerNode(DecoderNode, DecoderHooks):
     """The talker as a decoder node, and its own hooks (module doc).
 
     Args:
@@ -85,7 +85,7 @@ class Talker(DecoderNode, DecoderHooks):
         return step_inputs(bucket, rows, layout)
 
 
-class Flow(ChunkNode):
+class FlowNode(ChunkNode):
     """The flow decoder as a chunk node of the talker's frames (module doc).
 
     Args:
@@ -95,7 +95,7 @@ class Flow(ChunkNode):
       chunk: frames a row reads, at most.
     """
 
-    def __init__(self, node: Any, source: Talker, *, buckets: Any, chunk: int):
+    def __init__(self, node: Any, source: TalkerNode, *, buckets: Any, chunk: int):
         super().__init__(node, source, buckets=buckets, chunk=chunk, progress_of=lambda s: s.progress[FLOW])
 
     def position(self, stream: Stream) -> StreamPosition:

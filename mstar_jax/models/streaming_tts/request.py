@@ -130,10 +130,6 @@ class Stream(NodeStream):
         self.progress.setdefault(FLOW, ChunkProgress())
 
     @property
-    def talker(self) -> DecoderProgress:
-        return self.progress[TALKER]
-
-    @property
     def codes(self) -> list[int]:
         """The codec frames generated so far (a fault's replay never takes one back)."""
         return self.progress[TALKER].tokens

@@ -35,7 +35,7 @@ from mstar_jax.models.streaming_tts.model import (
     TALKER_PREFILL,
     StreamingTTSModel,
 )
-from mstar_jax.models.streaming_tts.nodes import Flow, Talker
+from mstar_jax.models.streaming_tts.nodes import FlowNode, TalkerNode
 from mstar_jax.models.streaming_tts.programs import TTSPrograms
 from mstar_jax.models.streaming_tts.request import FLOW, TALKER, Stream, TTSRequest
 from mstar_jax.models.streaming_tts.resource_keys import FLOW_KV, TALKER_KV
@@ -88,14 +88,14 @@ class TTSServing(NodeGraph):
             TALKER, ResourceRunner({TALKER_KV: talker}), (TALKER_KV,), model.talker_params, talker_walks,
             feeds=True, no_feed=no_codes, row_walks=RowWalks(TALKER_DECODE, TALKER_PREFILL, TALKER_MIXED),
         )  # fmt: skip
-        talker_node = Talker(
+        talker_node = TalkerNode(
             talker_node, buckets=buckets, decode_steps=steps, mesh=mesh, text_vocab=model.text_vocab,
             decode_walk=TALKER_DECODE, prefill_walk=TALKER_PREFILL,
         )  # fmt: skip
         flow_buckets = Buckets(tuple(s for s in buckets.sets if s.graph_walk == FLOW_CHUNK))
         flow_node = Node(FLOW, ResourceRunner({FLOW_KV: flow}), (FLOW_KV,), model.flow_params, (FLOW_CHUNK,))
         chunk = min(model.config.flow_chunk, buckets.max_tokens(FLOW_CHUNK))
-        flow_node = Flow(flow_node, talker_node, buckets=flow_buckets, chunk=chunk)
+        flow_node = FlowNode(flow_node, talker_node, buckets=flow_buckets, chunk=chunk)
         super().__init__((talker_node, flow_node), programs=programs, mesh=mesh, decode_steps=steps)
         self.voices = VoiceBank(model, talker, flow)
         self._warm_up_voice: Voice | None = None
