@@ -32,14 +32,26 @@ from mstar_jax.serving.model import InFlight
 __all__ = ["FlowNode", "TalkerNode"]
 
 
-def _positions(streams: Sequence[Stream], node: str) -> np.ndarray:
-    """`Voice.position` of each stream in `node`'s caches, a batch at once: i64[B, 3] of (source_len,
-    written, source)."""
-    table = [(s.request.voice.frames, s.progress[node].written, s.request.voice.index) for s in streams]
-    return np.fromiter(itertools.chain.from_iterable(table), np.int64, 3 * len(table)).reshape(-1, 3)
+class _AfterVoice:
+    """What both nodes share: a stream writes after its voice (a source prefix) in the node's caches, and
+    the programs take the model's inputs (`step_inputs`: with each row's seed)."""
+
+    node: Any
+
+    def position(self, stream: Stream) -> StreamPosition:
+        return stream.request.voice.position(stream.progress[self.node.name].written)
+
+    def positions(self, streams: Sequence[Stream]) -> np.ndarray:
+        """`Voice.position` of each stream, a batch at once: i64[B, 3] of (source_len, written, source)."""
+        name = self.node.name
+        table = [(s.request.voice.frames, s.progress[name].written, s.request.voice.index) for s in streams]
+        return np.fromiter(itertools.chain.from_iterable(table), np.int64, 3 * len(table)).reshape(-1, 3)
+
+    def inputs(self, bucket: BucketKey, rows: Sequence, layout: Any) -> tuple:
+        return step_inputs(bucket, rows, layout)
 
 
-class TalkerNode(DecoderNode, DecoderHooks):
+class TalkerNode(_AfterVoice, DecoderNode, DecoderHooks):
     """The talker as a decoder node, and its own hooks (module doc).
 
     Args:
@@ -75,17 +87,8 @@ class TalkerNode(DecoderNode, DecoderHooks):
     def check(self, request: Any) -> None:
         """A `TTSRequest` checks its own frames."""
 
-    def position(self, stream: Stream) -> StreamPosition:
-        return stream.request.voice.position(stream.progress[TALKER].written)
 
-    def positions(self, streams: Sequence[Stream]) -> np.ndarray:
-        return _positions(streams, TALKER)
-
-    def inputs(self, bucket: BucketKey, rows: Sequence, layout: Any) -> tuple:
-        return step_inputs(bucket, rows, layout)
-
-
-class FlowNode(ChunkNode):
+class FlowNode(_AfterVoice, ChunkNode):
     """The flow decoder as a chunk node of the talker's frames (module doc).
 
     Args:
@@ -97,15 +100,6 @@ class FlowNode(ChunkNode):
 
     def __init__(self, node: Any, source: TalkerNode, *, buckets: Any, chunk: int):
         super().__init__(node, source, buckets=buckets, chunk=chunk, progress_of=lambda s: s.progress[FLOW])
-
-    def position(self, stream: Stream) -> StreamPosition:
-        return stream.request.voice.position(stream.progress[FLOW].written)
-
-    def positions(self, streams: Sequence[Stream]) -> np.ndarray:
-        return _positions(streams, FLOW)
-
-    def inputs(self, bucket: BucketKey, rows: Sequence, layout: Any) -> tuple:
-        return step_inputs(bucket, rows, layout)
 
     def outputs_of(self, step: InFlight, outputs: tuple) -> list[AudioChunk]:
         """Each row's `AudioChunk`: its frames' codes, mel and samples (views of the step's outputs)."""
