@@ -26,8 +26,8 @@ def rng():
 # files to finish are light ones and no worker sits idle behind a long tail (its own reordering, by test
 # count, sent these last).
 HEAVIEST_FIRST = {
-    "tests/engine/test_mesh_engine.py": 490,
-    "tests/engine/test_multiprocess_engine.py": 460,
+    "tests/engine/test_multiprocess_engine.py": 380,
+    "tests/engine/test_mesh_engine.py": 300,
     "tests/kernels/test_tpu_offline.py": 420,
     "tests/models/gemma3/test_serving.py": 360,
     "tests/kernels/test_score_terms.py": 210,

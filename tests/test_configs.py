@@ -31,7 +31,7 @@ DEVICE_MEMORY = {"tpu_streaming_tts.yaml": "95GiB"}
 
 BUILT_BY = {
     "streaming_tts.yaml": ("tests/engine/test_soak.py", "DEFAULT_CONFIG"),
-    "mesh_cpu8.yaml": ("tests/engine/test_mesh_engine.py", '"configs" / "mesh_cpu8.yaml"'),
+    "mesh_cpu8.yaml": ("tests/engine/test_multiprocess_engine.py", '"configs" / "mesh_cpu8.yaml"'),
     "gemma3_270m.yaml": ("tests/test_configs.py", "test_the_gemma_deployment_builds_and_serves"),
 }
 """Where each deployment is built and served (a test that names it), beside the one a CPU cannot hold."""

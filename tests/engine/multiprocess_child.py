@@ -1,13 +1,12 @@
 """One process of `test_multiprocess_engine.py`'s job: two processes of 4 simulated CPU devices serving one
 workload on one `(data=4, model=2)` mesh, each its own half of the requests (`mesh_child.serve`'s
-workload, request `i` on process `i % 2`): one frame a dispatch (decode and prefill rows together on the
-combined walk when they meet); blocks of 4; blocks of 4 pipelined; one frame a dispatch with snapshots and
-a fault in process 0; with a stream of each process offloaded and reloaded; and with process 1's
-requests submitted only once process 0 decodes. Prints one JSON line: its
-shards, each of its requests' codes and audio, compilations after warm-up, the steps it entered with no
-rows, the walks it ran with rows, its report's mesh, and the same of the other runs (the pipelined one's
-overlap counters, the faulty one's fault and snapshot counters, the offloading one's offloads and
-reloads).
+workload, request `i` on process `i % 2`): one frame a dispatch, process 1's requests submitted only once
+process 0 decodes (decode and prefill rows together on the combined walk when they meet); blocks of 4;
+blocks of 4 pipelined; one frame a dispatch with snapshots and a fault in process 0; and with a stream of
+each process offloaded and reloaded. Prints one JSON line: its shards, each of its requests' codes and
+audio, compilations after warm-up, the steps it entered with no rows, the walks it ran with rows, its
+report's mesh, and the same of the other runs (the pipelined one's overlap counters, the faulty one's
+fault and snapshot counters, the offloading one's offloads and reloads).
 
 Run as `python -m tests.engine.multiprocess_child` with the `MSTAR_*` variables set (the test does).
 """
@@ -49,10 +48,10 @@ def main() -> dict:
     # Each process offloads one of its own streams after 4 steps, through its own shards; it comes
     # back when next admitted.
     moved_engine, moved_served = serve(4, 2, MODEL, share=share, offload_at=4)
-    # Process 1 submits its three requests only after 3 steps, while process 0 decodes: at 4 rows a
-    # step its new rows are all prefill rows, two on one shard, more than a combined step has room for.
-    late_engine, late_served = serve(4, 2, MODEL, share=share, late_after=3, max_batch=4)
-    engine, served = serve(4, 2, MODEL, share=share)
+    # One frame a dispatch, the run the others are compared with. Process 1 submits its three requests
+    # only after 3 steps, while process 0 decodes: at 4 rows a step its new rows are all prefill rows,
+    # two on one shard, more than a combined step has room for.
+    engine, served = serve(4, 2, MODEL, share=share, late_after=3, max_batch=4)
     report = summarize(engine, wall_secs=1.0, capture_secs=1.0, warmup_compilations=0)
     errors = sorted({s.error for s in engine.finished.values() if s.error})
     return {
@@ -83,12 +82,6 @@ def main() -> dict:
             "errors": sorted({s.error for s in piped_engine.finished.values() if s.error}),
             "overlap": piped_engine.stats.pipeline(),
             "in_flight_after": piped_engine.drain(),
-        },
-        "late": {
-            "served": {rid: [codes, audio.tolist()] for rid, (codes, audio) in late_served.items()},
-            "errors": sorted({s.error for s in late_engine.finished.values() if s.error}),
-            "compilations": late_engine.compilations,
-            "walks": dict(collections.Counter(r.walk for r in late_engine.records)),
         },
         "offloaded": {
             "served": {rid: [codes, audio.tolist()] for rid, (codes, audio) in moved_served.items()},

@@ -5,20 +5,17 @@ combined walk (each shard's decode rows, then its prefill rows), nothing compile
 each device holds an even share of every cache.
 
 The meshes need the device-count flag set before jax starts, so they run in a child process
-(`mesh_child.py`), which prints its findings as JSON.
+(`mesh_child.py`), which prints its findings as JSON. `mstar-jax run` on `configs/mesh_cpu8.yaml` runs in
+test_multiprocess_engine.py, over the same 8 devices in two processes.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.engine.mesh_child import BLOCKS, MESHES, PIPELINED, REQUESTS
+from tests.engine.mesh_child import MESHES, PIPELINED, REQUESTS
 from tests.simulated_devices import run_child
 
 pytestmark = pytest.mark.slow
@@ -56,13 +53,6 @@ def assert_hears_one_device(found: dict, *, decode_steps: int) -> None:
     assert found["decode_tokens"] == [decode_steps]
 
 
-@pytest.mark.parametrize("mesh", list(BLOCKS))
-def test_decode_blocks_on_a_mesh_hear_what_one_device_hears_at_one_step(results, mesh):
-    """A mesh engine decoding K frames a dispatch (`engine.decode_steps`): every request's codes are the
-    one-device K = 1 engine's, its audio within the float rounding of several model shards."""
-    assert_hears_one_device(results[mesh], decode_steps=BLOCKS[mesh][2])
-
-
 @pytest.mark.parametrize("mesh", list(PIPELINED))
 def test_a_pipelined_mesh_hears_what_one_synchronous_device_hears(results, mesh):
     """A pipelined engine on a mesh in one process: each talker step dispatched before the last is read,
@@ -85,30 +75,3 @@ def test_each_device_holds_an_even_share_of_every_cache(results, mesh):
         assert cache["bytes_per_device"] == [cache["total_bytes"] // (data * model)]
         assert len(cache["requests_per_data_shard"]) == data
         assert sum(cache["requests_per_data_shard"]) == REQUESTS
-
-
-def test_mstar_jax_run_serves_the_mesh_config_to_a_report(tmp_path):
-    """The command of docs/guides/devices.md: `configs/mesh_cpu8.yaml` on 8 simulated devices, from the CLI
-    to report.json."""
-    config = Path(__file__).resolve().parents[2] / "configs" / "mesh_cpu8.yaml"
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip()}
-    command = [sys.executable, "-m", "mstar_jax.cli", "run", "--config", str(config), "--no-progress"]
-    done = subprocess.run(
-        [*command, "--output", str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "mesh                 data 4 x model 2 (8 devices)" in done.stdout
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert report["streams"]["done"] == report["streams"]["submitted"] == 16
-    assert report["compile"]["compilations_after_warmup"] == 0
-    mesh = report["mesh"]
-    assert (mesh["data"], mesh["model"], mesh["devices"]) == (4, 2, 8)
-    for cache in mesh["caches"].values():
-        assert cache["bytes_per_device"] == [cache["total_bytes"] // 8]
-        assert sum(cache["requests_per_data_shard"]) == 16
