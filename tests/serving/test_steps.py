@@ -44,11 +44,16 @@ def tables(rng, steps: int) -> np.ndarray:
 
 def by_hand(table, tokens, seeds, stops=None):
     """The step run once per table, each step's token the next one's input; a row that sampled a stop
-    token writes nothing from its next step on."""
+    token writes nothing from its next step on and repeats it, and a row whose input is one nothing at
+    all."""
     cache, alive, outs = jnp.zeros(B, jnp.int32), np.ones(B, bool), []
+    if stops is not None:
+        alive = ~(np.asarray(tokens) == stops).any(axis=1)
     for j in range(table.shape[0]):
         step_table = table[j] if stops is None else np.asarray(without_writes(jnp.asarray(table[j]), alive))
         cache, out = toy_step(1, cache, None, BoundedKVPlan(step_table, num_tokens=1), tokens, None, seeds)
+        if stops is not None:
+            out = np.where(alive, np.asarray(out), np.asarray(tokens)[:, 0])
         outs.append(np.asarray(out))
         tokens = np.asarray(out)[:, None]
         if stops is not None:
@@ -91,8 +96,28 @@ def test_a_row_that_samples_a_stop_token_writes_nothing_after_it():
     assert first_stop[2] == 0
     for row, at in first_stop.items():
         assert cache[row] == at + 1  # the steps up to the stop wrote; none after
+        assert (np.asarray(outs[row, at:]) == int(outs[row, at])).all()  # its stop token, repeated
     assert cache[1] == free[1] == K
     np.testing.assert_array_equal(outs[:, : first_stop[2] + 1], want_free[:, : first_stop[2] + 1])
+
+
+def test_a_row_whose_input_is_a_stop_token_writes_nothing():
+    """A pipelined block dispatched before its row's stop token was read, planned past the block that
+    sampled it: the row writes nothing (a live stream's next turn reads the token first)."""
+    rng = np.random.default_rng(3)
+    table = tables(rng, K)
+    tokens = np.asarray([[4], [6], [4]], np.int32)
+    seeds = rng.integers(0, 2**32, B, dtype=np.uint32)
+    stops = np.full((B, 4), -1, np.int32)
+    stops[0, 0] = stops[1, 1] = 4  # row 0 came in on its stop token; row 1 did not (its input is 6)
+    block = jax.jit(decode_block(toy_step, steps=K, stops=True))
+    plan = BoundedKVPlan(table, num_tokens=1, steps=K)
+    cache, outs = block(1, jnp.zeros(B, jnp.int32), None, plan, tokens, np.ones(B, np.int32), seeds, stops)
+    want_cache, want = by_hand(table, tokens, seeds, stops)
+    np.testing.assert_array_equal(cache, want_cache)
+    np.testing.assert_array_equal(outs, want)
+    assert cache[0] == 0
+    assert cache[2] == K  # row 2's input is 4 too, but not one of its stop tokens
 
 
 def test_without_writes_empties_only_the_write_ranges_of_the_rows_left_out():

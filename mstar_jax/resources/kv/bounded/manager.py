@@ -37,6 +37,7 @@ from mstar_jax.resources.step import (
     AdmitOutcome,
     ResourceStep,
     StepContext,
+    UnknownRequestError,
 )
 
 __all__ = ["DEFAULT_NUM_SOURCES", "BoundedKVManager"]
@@ -242,6 +243,26 @@ class BoundedKVManager(Resource):
     def written(self, request_id: str) -> int:
         """Entries the request has committed."""
         return self._requests[request_id].written
+
+    def truncate(self, request_id: str, written: int) -> None:
+        """Count `written` entries for a request whose steps committed more than they wrote: a decode
+        block masks what a row writes after its stop token (`serving/steps.py`), which the host learns
+        when it reads the block back. Its next step writes at `written`; nothing it wrote before is
+        touched.
+
+        Raises:
+          UnknownRequestError: `request_id` was never ingested (or was removed).
+          ValueError: `written` is not an int in [0, entries committed], or a step of it is admitted.
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            key = self.spec.resource_key
+            raise UnknownRequestError(f"request_id={request_id!r} is not a request of cache {key!r}")
+        check_int("written", written, minimum=0, maximum=request.written)
+        if request.admitted is not None:
+            raise ValueError(f"request {request_id!r} has a step admitted; truncate it between steps")
+        self._columns = self._committed = None  # the persistent batch holds its old position
+        request.written = written
 
     # Request lifecycle.
     def ingest_request(self, request_id: str, req_config: ResourceReqConfig | None = None) -> None:

@@ -501,6 +501,51 @@ def test_reset_request(manager):
     manager.remove_source(0)
 
 
+def test_truncate_counts_fewer_entries_and_the_next_step_writes_there(manager):
+    """A decode block that masked its last write (a stop token) committed 2 entries but wrote 1: after
+    `truncate` the request's next step must declare 1, and declaring 2 is refused."""
+    ingest(manager, "a")
+    step, ctx = declare([("a", Pos(3, 0, 0), 2)])
+    admit_ok(manager, step, ctx)
+    manager.commit(step, ctx)
+    assert manager.written("a") == 2
+    manager.truncate("a", 1)
+    assert (manager.written("a"), manager.slot_of("a")) == (1, 0)
+    assert not manager.admit(*declare([("a", Pos(3, 2, 0), 1)])).ok
+    admit_ok(manager, *declare([("a", Pos(3, 1, 0), 1)]))
+    manager.remove_request("a")
+
+
+@pytest.mark.parametrize(
+    ("rid", "written", "error", "match"),
+    [
+        ("ghost", 0, UnknownRequestError, "request_id='ghost' is not a request of cache 'kv'"),
+        ("a", 2, ValueError, r"written=2 must be an int in \[0, 1\]"),
+        ("a", -1, ValueError, r"written=-1 must be an int in \[0, 1\]"),
+        ("a", 0.5, ValueError, r"written=0.5 must be an int"),
+        ("a", True, ValueError, r"written=True must be an int"),
+    ],
+)
+def test_a_bad_truncate_is_refused_and_changes_nothing(manager, rid, written, error, match):
+    ingest(manager, "a")
+    _commit_first_step(manager)
+    before = state(manager)
+    with pytest.raises(error, match=match):
+        manager.truncate(rid, written)
+    assert state(manager) == before
+    manager.remove_request("a")
+
+
+def test_truncate_waits_for_no_step_admitted(manager):
+    ingest(manager, "a")
+    _commit_first_step(manager)
+    admit_ok(manager, *declare([("a", Pos(3, 1, 0), 1)]))
+    with pytest.raises(ValueError, match="'a' has a step admitted"):
+        manager.truncate("a", 0)
+    assert manager.written("a") == 1
+    manager.remove_request("a")
+
+
 # --- the source bank --------------------------------------------------------------------------------------
 
 
