@@ -1,9 +1,9 @@
 """Admission in the engine loop: declaring a step of rows padded to a bucket (`Admission.declare`), and what a
 step does when a resource refuses some of its rows.
 
-- `AllocationFailed` (no free slot): offload an idle stream (paused by its client) from the resource
-  that ran out and retry; with none to offload, hold for `hold_backoff_s` the refused request and every
-  other row's that no free slot is left for, and run the others.
+- `AllocationFailed` (no free slot): offload an idle stream (paused by its client, or live and between
+  turns) from the resource that ran out and retry; with none to offload, hold for `hold_backoff_s` the
+  refused request and every other row's that no free slot is left for, and run the others.
 - `RequestOffloading` (the request's state is on the host): reload it and retry; if it does not fit
   yet, treat it as `AllocationFailed`.
 - `AdmitRuntimeError` (terminal), or an admit that raises: find the request(s) it is about by admitting
@@ -26,7 +26,7 @@ from mstar_jax.resources.step import (
     SubmoduleStep,
 )
 from mstar_jax.serving.model import Node, ServedModel
-from mstar_jax.serving.stream import RequestError, Stream
+from mstar_jax.serving.stream import Phase, RequestError, Stream
 
 __all__ = ["Admission"]
 
@@ -166,13 +166,14 @@ class Admission:
         return [r for r in rows if r.stream.request_id not in rids]
 
     def _evict(self, node: Node, key: str | None, *, exclude: set[str]) -> bool:
-        """Offload, from every cache of the node, the least recently stepped paused stream holding a slot
-        of `key`; True if one was. A stream holds a slot in each of its node's caches: offloading it from
-        one alone would leave it half on the device, which no step can run."""
+        """Offload, from every cache of the node, the least recently stepped stream holding a slot of `key`
+        that is paused or live and idle; True if one was. A stream holds a slot in each of its node's caches:
+        offloading it from one alone would leave it half on the device, which no step can run."""
         manager = node.runner[key or node.key]
         victims = [
             s for s in self._streams.values()
-            if s.paused and s.request_id not in exclude and manager.slot_of(s.request_id) is not None
+            if (s.paused or s.phase is Phase.IDLE) and s.request_id not in exclude
+            and manager.slot_of(s.request_id) is not None
         ]  # fmt: skip
         if not victims:
             return False

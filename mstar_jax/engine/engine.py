@@ -217,26 +217,36 @@ class ServingEngine:
 
     # -- requests -----------------------------------------------------------------------------------
 
-    def submit(self, request: Any, *, on_output: Callable[[Any], None] | None = None) -> Stream:
+    def submit(
+        self, request: Any, *, on_output: Callable[[Any], None] | None = None, live: bool = False
+    ) -> Stream:
         """Queue a request; its stream fills as steps run.
 
         Args:
           request: the model's request, of the type its `new_stream` takes.
           on_output: called with each output as it is delivered (from the engine's thread).
+          live: the stream takes more input after each turn (`append`) and ends only when `close`d or
+            cancelled; between turns it is idle (`Phase.IDLE`) in its slots, offloaded like a paused
+            stream when they are wanted or it idles past `offload_idle_after_s`.
 
         Raises:
-          TypeError: `on_output` is not callable, or the model refuses the request's type.
-          ValueError: a duplicate or reserved request id, or a request the model refuses (its message
-            names the field); nothing is queued then.
+          TypeError: `on_output` is not callable, `live` not a bool, or the model refuses the request's
+            type.
+          ValueError: a duplicate or reserved request id, a request the model refuses (its message names
+            the field), or `live` for a model that serves no live streams; nothing is queued then.
         """
         self._check_driver("submit")
         if on_output is not None and not callable(on_output):
             raise TypeError(f"on_output={on_output!r} must be callable or None")
+        if not isinstance(live, bool):
+            raise TypeError(f"live={live!r} must be a bool")
+        if live and not self.served.live_streams:
+            raise ValueError(f"live=True: {type(self.served).__name__} serves no live streams")
         rid = getattr(request, "request_id", None)
         if isinstance(rid, str) and (rid in self.streams or rid.startswith(batch.PAD)):
             raise ValueError(f"request_id={rid!r} is already live or reserved; use a unique id")
         stream = self.served.new_stream(request, on_output=on_output, now=self.clock())
-        stream.last_step_at = stream.submitted_at
+        stream.last_step_at, stream.live = stream.submitted_at, live
         for node in self.nodes.values():
             node.runner.ingest_request(rid)
         self.streams[rid] = stream
@@ -279,6 +289,53 @@ class ServingEngine:
         self._finish(
             stream, Phase.CANCELLED, RequestCancelledError(f"request {request_id!r} cancelled by the client")
         )
+
+    def append(self, request_id: str, tokens: Any, *, max_new_tokens: int) -> None:
+        """Give a live stream its next turn: `tokens` read in its slots after all it holds (its sinks and
+        window carry on), then at most `max_new_tokens` generated. It starts once the current turn ends,
+        at once if the stream is idle.
+
+        Raises:
+          UnknownRequestError: `request_id` is not live.
+          ValueError: the stream is not live (`submit(live=True)`), or `max_new_tokens` is not an int >= 1.
+          TypeError: `tokens` is not a non-empty sequence of ints (the model's `check_input`).
+        """
+        self._check_driver("append")
+        stream = self._live(request_id)
+        if not stream.live:
+            raise ValueError(f"request_id={request_id!r} is not a live stream; submit it with live=True")
+        self.served.check_input(stream, tokens, max_new_tokens)
+        self.served.append(stream, tokens, max_new_tokens)
+
+    def interrupt(self, request_id: str) -> int:
+        """Barge-in: stop a live stream's turn at once, keeping what it read and delivered (the steps in
+        flight are read back first) and dropping the input it has not read; it is left idle, ready for
+        more. Returns the tokens it holds (input read and outputs delivered).
+
+        Raises:
+          UnknownRequestError: `request_id` is not live.
+          ValueError: the stream is not live.
+        """
+        self._check_driver("interrupt")
+        stream = self._live(request_id)
+        if not stream.live:
+            raise ValueError(f"request_id={request_id!r} is not a live stream; cancel it instead")
+        self.drain()
+        if stream.phase.finished:  # a step read back just now ended it (a failure, or its callback)
+            raise UnknownRequestError(f"request_id={request_id!r} ended: {stream.phase.value}")
+        return self.served.interrupt(stream)
+
+    def close(self, request_id: str) -> None:
+        """A live stream takes no more input: it ends (done) once its turns are read, at once if idle.
+
+        Raises:
+          UnknownRequestError: `request_id` is not live.
+        """
+        self._check_driver("close")
+        stream = self._live(request_id)
+        stream.live = False
+        if stream.phase is Phase.IDLE:
+            self._finish(stream, Phase.DONE, None)
 
     def pause(self, request_id: str) -> None:
         """Stop scheduling a stream (its client is not reading); its slots may be offloaded."""
@@ -386,9 +443,9 @@ class ServingEngine:
         return ran
 
     def run_until_idle(self, *, max_steps: int | None = None) -> int:
-        """Step until every stream finished (paused ones excepted), or `max_steps` steps ran; return the
-        steps run. In lockstep every round counts, whether or not this process had rows in it: every
-        process turns the loop as often, so all stop after the same round.
+        """Step until every stream finished (paused and idle live ones excepted), or `max_steps` steps ran;
+        return the steps run. In lockstep every round counts, whether or not this process had rows in it:
+        every process turns the loop as often, so all stop after the same round.
 
         Raises:
           ValueError: for a `max_steps` that is not None or an int >= 0 (before any step).
@@ -396,7 +453,7 @@ class ServingEngine:
         check_int("max_steps", max_steps, minimum=0, allow_none=True)
         steps = 0
         while max_steps is None or steps < max_steps:
-            if not self.busy_anywhere(any(not s.paused for s in self.streams.values())):
+            if not self.busy_anywhere(any(self._runnable(s) for s in self.streams.values())):
                 break
             ran = self.step()
             steps += ran or self.lockstep
@@ -404,8 +461,13 @@ class ServingEngine:
                 self._sleep_until_runnable()
         return steps
 
+    @staticmethod
+    def _runnable(stream: Stream) -> bool:
+        """Whether the stream may have rows: neither paused nor a live stream waiting for input."""
+        return not stream.paused and stream.phase is not Phase.IDLE
+
     def _sleep_until_runnable(self) -> None:
-        holds = [s.hold_until for s in self.streams.values() if not s.paused]
+        holds = [s.hold_until for s in self.streams.values() if self._runnable(s)]
         wait = (min(holds) - self.clock()) if holds else 0.0
         time.sleep(min(max(wait, 0.0), self.hold_backoff_s) or 1e-4)
 

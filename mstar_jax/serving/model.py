@@ -279,3 +279,27 @@ class ServedModel(abc.ABC):
     def warm_up_position(self, node: Node) -> StreamPosition:
         """A position a warm-up request may borrow a slot of the node at (default: no source)."""
         return StreamPosition(0, 0)
+
+    live_streams: bool = False
+    """Whether its streams may be live (`Stream.live`): it implements `check_input`, `append` and
+    `interrupt`."""
+
+    def check_input(self, stream: Stream, tokens: Any, max_new_tokens: Any) -> None:
+        """Refuse input a live stream cannot take (`TypeError`, `ValueError` naming the field)."""
+        raise NotImplementedError(f"{type(self).__name__} serves no live streams")
+
+    def append(self, stream: Stream, tokens: Sequence[int], max_new_tokens: int) -> None:
+        """Queue a turn on a live stream (checked: `check_input`): `tokens` read after all it holds, then
+        at most `max_new_tokens` generated; it starts once the stream's current turn ends (at once when
+        the stream is idle)."""
+        raise NotImplementedError(f"{type(self).__name__} serves no live streams")
+
+    def interrupt(self, stream: Stream) -> int:
+        """Barge-in, with nothing in flight: end the live stream's turn at what it delivered and drop the
+        input not yet read, leaving it idle; return the tokens it holds (input read and outputs)."""
+        raise NotImplementedError(f"{type(self).__name__} serves no live streams")
+
+    def history(self, stream: Stream) -> int:
+        """The tokens a live stream holds: input read and outputs delivered (what a continuation need not
+        send again)."""
+        raise NotImplementedError(f"{type(self).__name__} serves no live streams")

@@ -98,6 +98,10 @@ class ServedNode(abc.ABC):
         """A new stream's progress on the node (`NodeGraph.new_stream` keeps it under the node's name)."""
         raise NotImplementedError(f"{type(self).__name__} keeps its progress on the stream itself")
 
+    live_streams: bool = False
+    """Whether a model of this node alone may serve live streams: it implements `check_input`, `append`,
+    `interrupt` and `history` as `ServedModel` names them."""
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class GraphPrograms:
@@ -199,6 +203,27 @@ class NodeGraph(ServedModel):
 
     def warm_up_position(self, node: Node) -> StreamPosition:
         return self.served[node.name].warm_up_position()
+
+    @property
+    def live_streams(self) -> bool:
+        """A graph of one node that serves live streams does (a graph of several: not yet)."""
+        return len(self.served) == 1 and self._only.live_streams
+
+    @property
+    def _only(self) -> ServedNode:
+        return next(iter(self.served.values()))
+
+    def check_input(self, stream: Stream, tokens: Any, max_new_tokens: Any) -> None:
+        self._only.check_input(stream, tokens, max_new_tokens)
+
+    def append(self, stream: Stream, tokens: Sequence[int], max_new_tokens: int) -> None:
+        self._only.append(stream, tokens, max_new_tokens)
+
+    def interrupt(self, stream: Stream) -> int:
+        return self._only.interrupt(stream)
+
+    def history(self, stream: Stream) -> int:
+        return self._only.history(stream)
 
 
 @dataclasses.dataclass(eq=False)

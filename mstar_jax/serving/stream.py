@@ -53,6 +53,7 @@ class Phase(enum.Enum):
     PREFILL = "prefill"  # its first node is reading its prompt
     DECODE = "decode"  # its first node is generating, one token a step (later nodes follow behind)
     FLUSH = "flush"  # its first node is done; later nodes finish what is left
+    IDLE = "idle"  # a live stream between turns: it holds its slots (or their offloaded copy), runs no rows
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -65,7 +66,7 @@ class Phase(enum.Enum):
 
 # The members the engine's loops test and set per row per step, as module names: a member looked up on
 # its Enum class goes through the class's __getattr__ (Python 3.11), a global does not.
-PREFILL, DECODE, FLUSH = Phase.PREFILL, Phase.DECODE, Phase.FLUSH
+PREFILL, DECODE, FLUSH, IDLE = Phase.PREFILL, Phase.DECODE, Phase.FLUSH, Phase.IDLE
 
 
 @dataclasses.dataclass(eq=False)
@@ -79,6 +80,8 @@ class Stream:
       failure: the same as a typed `RequestError`, else None.
       submitted_at, finished_at: clock stamps (None until they happen).
       paused: the client is not reading; the engine schedules nothing for it.
+      live: it takes more input after each turn (`ServingEngine.append`): a turn's end leaves it
+        `Phase.IDLE`, in its slots, until input comes or `ServingEngine.close` ends it.
       last_step_at: when a step last ran for it (for idle offloading).
       hold_until: the engine retries its admission from then on (after a refusal for lack of room).
       faults: failed steps in a row it was in whose device state survived (it fails after a few); the
@@ -92,6 +95,7 @@ class Stream:
     submitted_at: float = 0.0
     finished_at: float | None = None
     paused: bool = False
+    live: bool = False
     last_step_at: float = 0.0
     hold_until: float = 0.0
     faults: int = 0

@@ -227,3 +227,12 @@ def test_a_bad_graph_or_chunk_node_is_refused_naming_it(served):
             ChunkNode(
                 chunker.node, decoder, buckets=chunker.buckets, chunk=chunk, progress_of=chunker.progress_of
             )
+
+
+def test_a_live_stream_is_refused_while_a_graph_of_several_nodes_serves_none(served):
+    """Live streams (tests/serving/test_live_streams.py) need a model of one final decoder node for now."""
+    engine = engine_for(served)
+    assert not served.live_streams
+    with pytest.raises(ValueError, match=r"live=True: TwoNodeServing serves no live streams"):
+        engine.submit(requests()[0], live=True)
+    assert not engine.streams

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -169,6 +170,17 @@ class Gemma3Serving(GreedyDecoder):
                     f"request {request.request_id!r}: {name} tokens {bad[:5]} are outside "
                     f"[0, vocab_size={vocab})"
                 )
+
+    def check_input(self, stream: TextStream, tokens: Any, max_new_tokens: Any) -> None:
+        """Refuse a turn that is not a non-empty sequence of ints inside the vocabulary, or whose
+        `max_new_tokens` is not an int >= 1."""
+        super().check_input(stream, tokens, max_new_tokens)
+        vocab = self.streams.config.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"request {stream.request_id!r}: tokens {bad[:5]} are outside [0, vocab_size={vocab})"
+            )
 
     def extra_inputs(self, rows: Sequence[DecodeRow], places: Sequence[int], size: int, span: int) -> tuple:
         """The targets `next` does not read, then each row's temperature and seed."""

@@ -26,6 +26,7 @@ from mstar_jax.serving import gumbel_noise
 from mstar_jax.serving.stream import Phase, StateLostError
 from mstar_jax.settings import EngineSettings
 from tests.models.gemma3.test_model import CONFIG, random_tensors
+from tests.serving.live import converse
 
 pytestmark = pytest.mark.slow
 
@@ -215,6 +216,48 @@ def test_sampled_tokens_follow_the_seed_and_position_alone_or_in_a_crowd(model, 
     assert same_seed.tokens == sampled[0].tokens
     assert greedy.tokens == new_streams(model).greedy(prompts[2], SAMPLED)
     assert engine.compilations == 0
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["synchronous", "pipelined"])
+def test_a_live_conversation_continues_as_greedy_decoding_of_the_whole_history(
+    model, programs, prompts, alone, pipelined
+):
+    """Three turns of one live stream beside an ordinary one, ended by a stop token where greedy decoding
+    meets it (pipelined, a step ran past it; in a decode block, nothing after it is written): each turn's
+    tokens are the oracle's greedy decoding of the whole history from scratch, up to the stop token."""
+    engine = engine_for(model, programs, pipelined=pipelined)
+    stop = (alone[1][5],)
+    engine.submit(TextRequest("other", prompts[0], NEW_TOKENS))
+    request = TextRequest("chat", prompts[1], NEW_TOKENS, stop_tokens=stop)
+    said, before = converse(engine, request, [(prompts[3], NEW_TOKENS), (prompts[2], NEW_TOKENS)])
+    assert said[0][-1] in stop
+    for i, (turn, history) in enumerate(zip(said, before, strict=True)):
+        want = new_streams(model).greedy(history, NEW_TOKENS)
+        ends = [j for j, token in enumerate(want) if token in stop]
+        assert turn == want[: ends[0] + 1 if ends else NEW_TOKENS], f"turn {i}"
+    assert engine.compilations == 0
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["synchronous", "pipelined"])
+def test_a_sampled_live_conversation_draws_what_the_whole_history_draws(model, programs, prompts, pipelined):
+    engine = engine_for(model, programs, pipelined=pipelined)
+    request = TextRequest("chat", prompts[0], SAMPLED // 2, temperature=0.9, seed=11)
+    said, before = converse(engine, request, [(prompts[2], SAMPLED // 2)])
+    for turn, history in zip(said, before, strict=True):
+        assert turn == sampled_oracle(model, history, SAMPLED // 2, 0.9, 11)
+
+
+def test_a_turn_outside_the_vocabulary_is_refused_naming_its_tokens(model, programs, prompts):
+    engine = engine_for(model, programs)
+    stream = engine.submit(TextRequest("chat", prompts[2], 2), live=True)
+    engine.run_until_idle()
+    vocab = CONFIG.vocab_size
+    with pytest.raises(
+        ValueError, match=rf"'chat': tokens \[{vocab}, -1\] are outside \[0, vocab_size={vocab}\)"
+    ):
+        engine.append("chat", [3, vocab, -1], max_new_tokens=2)
+    assert stream.phase is Phase.IDLE
+    assert len(stream.turns) == 1  # the request's own turn only
 
 
 def test_another_seed_draws_other_tokens_and_a_tiny_temperature_is_greedy(model, programs, prompts, alone):
