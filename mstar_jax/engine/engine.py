@@ -326,16 +326,21 @@ class ServingEngine:
         return self.served.interrupt(stream)
 
     def close(self, request_id: str) -> None:
-        """A live stream takes no more input: it ends (done) once its turns are read, at once if idle.
+        """A live stream takes no more input: it ends (done) once the turns it was given are read, at
+        once if idle.
 
         Raises:
           UnknownRequestError: `request_id` is not live.
+          ValueError: the stream is not live (it ends by itself).
         """
         self._check_driver("close")
         stream = self._live(request_id)
-        stream.live = False
+        if not stream.live:
+            raise ValueError(f"request_id={request_id!r} is not a live stream; it ends by itself")
         if stream.phase is Phase.IDLE:
             self._finish(stream, Phase.DONE, None)
+        else:
+            stream.closing = True
 
     def pause(self, request_id: str) -> None:
         """Stop scheduling a stream (its client is not reading); its slots may be offloaded."""

@@ -429,6 +429,8 @@ class DecoderNode(ServedNode):
             p.finished = True
             if self.final and stream.live:
                 self._end_turn(stream, p)
+                if stream.closing and stream.phase is IDLE:  # closed mid-turn: its last turn is read
+                    ops.done(stream)
             elif self.final:
                 ops.done(stream)
             else:  # a later node reads its tokens: its caches are free, the stream goes on

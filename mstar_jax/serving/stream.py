@@ -82,6 +82,7 @@ class Stream:
       paused: the client is not reading; the engine schedules nothing for it.
       live: it takes more input after each turn (`ServingEngine.append`): a turn's end leaves it
         `Phase.IDLE`, in its slots, until input comes or `ServingEngine.close` ends it.
+      closing: a live stream closed mid-turn: it ends (done) once its turns are read.
       last_step_at: when a step last ran for it (for idle offloading).
       hold_until: the engine retries its admission from then on (after a refusal for lack of room).
       faults: failed steps in a row it was in whose device state survived (it fails after a few); the
@@ -96,6 +97,7 @@ class Stream:
     finished_at: float | None = None
     paused: bool = False
     live: bool = False
+    closing: bool = False
     last_step_at: float = 0.0
     hold_until: float = 0.0
     faults: int = 0

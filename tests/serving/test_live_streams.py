@@ -190,6 +190,25 @@ def test_an_interrupt_before_the_first_step_forgets_the_request_itself(params, p
 
 
 @pytest.mark.parametrize("pipelined", MODES, ids=MODE_IDS)
+def test_a_stream_closed_mid_turn_reads_the_turns_it_was_given_then_ends(params, programs, pipelined):
+    alone = chat(engine_for(params, programs))[0]
+    engine = engine_for(params, programs, pipelined=pipelined, snapshot_every=3)
+    inject_faults(engine, NODE, lambda n: "after" if n == 7 else None)  # replayed across a turn's end
+    heard: list[int] = []
+    engine.submit(ByteRequest("chat", *TURNS[0]), on_output=heard.append, live=True)
+    engine.step()
+    for text, new in TURNS[1:]:
+        engine.append("chat", list(text), max_new_tokens=new)
+    engine.close("chat")
+    assert engine.streams["chat"].phase is not Phase.IDLE  # mid-turn: it goes on
+    engine.run_until_idle()
+    assert engine.finished["chat"].phase is Phase.DONE
+    assert heard == [byte for turn in alone for byte in turn]
+    assert engine.stats.faults == 1
+    assert engine.served.manager.free_slots == SLOTS
+
+
+@pytest.mark.parametrize("pipelined", MODES, ids=MODE_IDS)
 def test_a_fault_replays_every_turn_to_the_same_bytes(params, programs, pipelined):
     alone = chat(engine_for(params, programs))[0]
     engine = engine_for(params, programs, pipelined=pipelined, snapshot_every=2)
@@ -268,6 +287,7 @@ def test_a_crowd_takes_the_slot_of_an_idle_live_stream(params, programs):
         (lambda e: e.append("nobody", [1], max_new_tokens=2), UnknownRequestError, "'nobody' is not a live"),
         (lambda e: e.append("plain", [1], max_new_tokens=2), ValueError, "'plain' is not a live stream"),
         (lambda e: e.interrupt("plain"), ValueError, "'plain' is not a live stream"),
+        (lambda e: e.close("plain"), ValueError, "'plain' is not a live stream; it ends by itself"),
         (lambda e: e.append("chat", [], max_new_tokens=2), TypeError, r"tokens=\[\] must be a non-empty"),
         (lambda e: e.append("chat", b"ab", max_new_tokens=2), TypeError, "tokens=b'ab' must be a non-empty"),
         (lambda e: e.append("chat", [1, "a"], max_new_tokens=2), TypeError, "must hold ints only"),
@@ -278,8 +298,8 @@ def test_a_crowd_takes_the_slot_of_an_idle_live_stream(params, programs):
         (lambda e: e.submit(ByteRequest("x", b"a", 1), live=1), TypeError, "live=1 must be a bool"),
     ],
     ids=[
-        "unknown-id", "not-live", "interrupt-not-live", "empty-tokens", "bytes-tokens", "str-token",
-        "float-token", "zero-new", "nan-new", "str-new", "live-not-bool",
+        "unknown-id", "not-live", "interrupt-not-live", "close-not-live", "empty-tokens", "bytes-tokens",
+        "str-token", "float-token", "zero-new", "nan-new", "str-new", "live-not-bool",
     ],
 )  # fmt: skip
 def test_bad_input_to_a_live_stream_is_refused_and_changes_nothing(params, programs, call, error, match):
