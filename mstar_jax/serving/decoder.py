@@ -33,19 +33,11 @@ from mstar_jax.serving.decoder_programs import MAX_STOP_TOKENS, DecoderPrograms,
 from mstar_jax.serving.model import InFlight, Node, StreamOps, fit_shards, notify, rows_bucket
 from mstar_jax.serving.nodes import NodeGraph, ServedNode
 from mstar_jax.serving.stream import DECODE, FLUSH, IDLE, PREFILL, Phase, ReplayMismatchError, Stream
+from mstar_jax.serving.turns import Turn, check_turn, cut_turn, end_turn, own_turns, set_turn, start_turn
 
 __all__ = [
     "DecodeRow", "DecoderHooks", "DecoderNode", "DecoderProgress", "DecoderStream", "GreedyDecoder", "Turn",
 ]  # fmt: skip
-
-
-@dataclasses.dataclass(eq=False)
-class Turn:
-    """One turn of a live stream: `tokens` read after all it holds, then at most `max_new_tokens`
-    generated. An interrupt cuts both to what the turn read and delivered, so a replay ends it there too."""
-
-    tokens: tuple[int, ...]
-    max_new_tokens: int
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
@@ -63,7 +55,7 @@ class DecoderProgress:
         read.
       finished: its last token is read (the request's `max_new_tokens`, or a stop token); a live stream's
         turn's last.
-      turns: a live stream's turns (`Stream.live`, `DecoderNode.append`), turn 0 the request's, each as an
+      turns: a live stream's turns (`Stream.live`, `serving/turns.py`), turn 0 the request's, each as an
         interrupt cut it; empty until its first turn ends or it is given more input.
       turn: the turn it is in (or last ended).
       prompt: that turn's input as read (the last turn's last token first, where it was not written
@@ -455,47 +447,28 @@ class DecoderNode(ServedNode):
         p.written, p.generated, p.finished = written, generated, finished
         p.turn, p.turn_start, p.owed, p.owed_prefix = turn
         if p.turns and p.turn >= 0:  # its turn as it is now: an interrupt may have cut it since
-            self._set_turn(stream, p)
+            set_turn(self.hooks, p)
         if phase is IDLE and p.turn + 1 < len(p.turns):  # input came after the mark
-            self._start_turn(stream, p)
+            start_turn(self.hooks, stream, p)
 
-    # -- live streams -------------------------------------------------------------------------------
+    # -- live streams (`serving/turns.py`) -----------------------------------------------------------
 
     def check_input(self, stream: Stream, tokens: Any, max_new_tokens: Any) -> None:
-        """Refuse a turn that is not a non-empty sequence of int tokens with an int `max_new_tokens` >= 1."""
-        rid = stream.request_id
-        if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence) or not tokens:
-            raise TypeError(f"request {rid!r}: tokens={brief(tokens)} must be a non-empty sequence of ints")
-        if not all(is_int(t) for t in tokens):
-            raise TypeError(f"request {rid!r}: tokens={brief(tokens)} must hold ints only")
-        check_int(f"request {rid!r}: max_new_tokens", max_new_tokens, minimum=1)
+        check_turn(stream, tokens, max_new_tokens)
 
     def append(self, stream: Stream, tokens: Sequence[int], max_new_tokens: int) -> None:
         """Queue a turn on a live stream (`ServedModel.append`); an idle one starts it at once."""
         p = self.progress_of(stream)
-        self._own_turns(stream, p)
+        own_turns(self.hooks, stream, p)
         p.turns.append(Turn(tuple(int(t) for t in tokens), int(max_new_tokens)))
         if stream.phase is IDLE:
-            self._start_turn(stream, p)
+            start_turn(self.hooks, stream, p)
 
     def interrupt(self, stream: Stream) -> int:
-        """End a live stream's turn at what it read and delivered, dropping the turns not started
-        (`ServedModel.interrupt`; nothing in flight). A turn that read nothing is forgotten; another is cut,
-        so a replay after a fault ends it at the same place. Returns `history`."""
+        """Cut a live stream's turn (`cut_turn`, `ServedModel.interrupt`); return `history`."""
         p = self.progress_of(stream)
-        self._own_turns(stream, p)
-        del p.turns[p.turn + 1 :]
-        if stream.phase is not IDLE:
-            if p.prefilled == 0:  # it read nothing: as if it had never been given
-                del p.turns[p.turn]
-                p.turn, p.owed = p.turn - 1, bool(p.owed_prefix)
-            else:
-                cut = p.turns[p.turn]
-                cut.tokens = cut.tokens[: p.prefilled - p.owed_prefix]
-                cut.max_new_tokens = p.generated - p.turn_start[1]
-                p.owed = cut.max_new_tokens > 0  # drained: the last token read back, not written
-            p.finished, p.feed = True, None
-            stream.phase = IDLE
+        own_turns(self.hooks, stream, p)
+        cut_turn(stream, p)
         return self.history(stream)
 
     def history(self, stream: Stream) -> int:
@@ -503,50 +476,9 @@ class DecoderNode(ServedNode):
         p = self.progress_of(stream)
         return p.written + int(p.owed)
 
-    def _own_turns(self, stream: Stream, p: DecoderProgress) -> None:
-        """Keep turn 0 (the request's) in `p.turns`, so later ones follow it (once: an interrupt may
-        forget it)."""
-        if p.prompt is None:
-            p.turns.append(Turn(tuple(self.hooks.prompt(stream)), self.hooks.limit(stream)))
-            p.prompt, p.limit = p.turns[0].tokens, p.turns[0].max_new_tokens
-
-    def _set_turn(self, stream: Stream, p: DecoderProgress) -> None:
-        """`prompt` and `limit` of turn `p.turn`, begun at `p.turn_start` with `p.owed_prefix`."""
-        turn, generated = p.turns[p.turn], p.turn_start[1]
-        owed = (self.hooks.input_token(p.tokens[generated - 1]),) if p.owed_prefix else ()
-        p.prompt, p.limit = owed + turn.tokens, generated + turn.max_new_tokens
-
-    def _start_turn(self, stream: Stream, p: DecoderProgress) -> None:
-        """Begin the turn after `p.turn`: its prompt read where the last one ended."""
-        p.turn, p.owed_prefix, p.owed = p.turn + 1, int(p.owed), False
-        p.turn_start = (p.written, p.generated)
-        self._set_turn(stream, p)
-        p.prefilled, p.finished, p.feed = 0, False, None
-        stream.phase = PREFILL
-
     def _end_turn(self, stream: Stream, p: DecoderProgress) -> None:
-        """A live stream's turn ended on its last token (or on its input, an interrupted turn's replay):
-        count what its slots hold, then begin its next turn or leave it idle.
-
-        Its caches hold the turn's prompt and every token but the last, which a one-token step dispatched
-        past the end (`ran_on`) wrote as its input. A decode block writes nothing after a stop token, nor
-        when it came in on one (`serving/steps.py`): the caches, which counted whole blocks, are told
-        what was written (`truncate`)."""
-        self._own_turns(stream, p)
-        ran_on, p.tokens_in_flight = p.tokens_in_flight, 0
-        p.ran_on += ran_on
-        written, generated = p.turn_start
-        new = p.generated - generated
-        wrote_last = new > 0 and ran_on > 0 and self.decode_steps == 1  # a block past it writes nothing
-        p.written = written + len(p.prompt) + max(new - 1, 0) + int(wrote_last)
-        p.owed, p.feed, p.finished = new > 0 and not wrote_last, None, True
-        for manager in self.node.managers:  # they counted every step of a block the stop token cut
-            if manager.written(stream.request_id) > p.written:
-                manager.truncate(stream.request_id, p.written)
-        if p.turn + 1 < len(p.turns):
-            self._start_turn(stream, p)
-        else:
-            stream.phase = IDLE
+        managers = self.node.managers
+        end_turn(self.hooks, stream, p, one_token_steps=self.decode_steps == 1, managers=managers)
 
 
 class GreedyDecoder(NodeGraph, DecoderHooks):
